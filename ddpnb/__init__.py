@@ -1,0 +1,38 @@
+"""ddpnb: distributed PyTorch training from a Jupyter cell.
+
+    %load_ext ddpnb
+
+    %%ddp --gpus 4
+    def train(rank, world_size):
+        ...
+        ddpnb.log(step=i, loss=loss.item())
+        return model.state_dict()
+
+Importing ddpnb imports neither torch nor ipywidgets; they load when a run starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpnb._api import LaunchError, device, last_run, launch, log, run, spawn
+from ddpnb._pickling import NotPicklableError
+from ddpnb._record import Outcome, RankState, RunRecord, WorkerError
+
+__all__ = [
+    "LaunchError", "NotPicklableError", "Outcome", "RankState", "RunRecord", "WorkerError",
+    "device", "last_run", "launch", "load_ipython_extension", "log", "run", "spawn",
+]
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext ddpnb`: register `%%ddp` and start warming the worker forkserver in the background."""
+    import atexit
+
+    from ddpnb import _supervisor
+    from ddpnb._magic import DDPMagics
+
+    ipython.register_magics(DDPMagics)
+    atexit.register(_supervisor.stop_all_runs)
+    _supervisor.warm_up_in_background()

@@ -1,0 +1,161 @@
+"""`run`, `launch` and `spawn`: build a worker spec from the caller's arguments and start a `Run`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ddpnb import _pickling, _supervisor, _worker
+from ddpnb._record import RunRecord
+from ddpnb._supervisor import Run
+
+CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
+DEFAULT_CPU_RANKS = 2
+
+_last_run: Run | None = None
+
+
+class LaunchError(ValueError):
+    """The run cannot start as asked (bad arguments, too many GPUs). Nothing was started."""
+
+
+def _gpu_count() -> int:
+    """GPUs this process may use, counted through NVML: CUDA is not initialised in the kernel."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def plan(gpus: int | str | None, nprocs: int | None, backend: str | None) -> tuple[int, bool, str, str]:
+    """(world size, use GPUs, backend, note) for the flags given; raises LaunchError for impossible ones."""
+    if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
+        raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}.")
+    note = ""
+    if gpus is None:
+        world_size, use_gpus = nprocs or DEFAULT_CPU_RANKS, False
+    else:
+        available = _gpu_count()
+        if gpus == "all":
+            if available == 0 and not os.environ.get(CPU_FALLBACK_VAR):
+                raise LaunchError(_no_gpus_message("all", available))
+            wanted = available or nprocs or DEFAULT_CPU_RANKS
+        else:
+            try:
+                wanted = int(gpus)
+            except ValueError:
+                raise LaunchError(f"--gpus takes a number or 'all', not {gpus!r}.") from None
+            if wanted < 1:
+                raise LaunchError(f"--gpus must be at least 1, not {wanted}.")
+        if nprocs is not None and nprocs != wanted:
+            raise LaunchError(f"--gpus {gpus} starts one rank per GPU; leave out --nprocs {nprocs}.")
+        if wanted <= available:
+            world_size, use_gpus = wanted, True
+        elif os.environ.get(CPU_FALLBACK_VAR):
+            world_size, use_gpus = wanted, False
+            note = (f"[ddpnb] {available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
+                    f"({CPU_FALLBACK_VAR} is set)")
+        else:
+            raise LaunchError(_no_gpus_message(gpus, available))
+    if backend == "nccl" and not use_gpus:
+        raise LaunchError("the nccl backend needs GPUs; use --gpus N, or gloo for CPU ranks.")
+    return world_size, use_gpus, backend or ("nccl" if use_gpus else "gloo"), note
+
+
+def _no_gpus_message(gpus: int | str, available: int) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    have = f"{available} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+    fewer = f"use --gpus {available} or fewer, " if available else ""
+    return (f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
+            f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")
+
+
+def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
+           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
+           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None) -> Run:
+    """Start `fn` on every rank and return the `Run` at once (it keeps running in the background)."""
+    global _last_run
+    if timeout is not None and timeout <= 0:
+        raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
+    world_size, use_gpus, backend, note = plan(gpus, nprocs, backend)
+    payload = _pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
+    run_dir = _supervisor.new_run_dir()
+    environ = {**os.environ, **(env or {})}
+    spec = _worker.WorkerSpec(
+        fn_payload=payload, args=tuple(args), call_style=call_style, world_size=world_size, backend=backend,
+        use_gpus=use_gpus, master_port=0, environ={k: str(v) for k, v in environ.items()}, run_dir=str(run_dir),
+        sources=_pickling.notebook_sources(),
+        torch_threads=None if use_gpus or "OMP_NUM_THREADS" in environ else max(1, (os.cpu_count() or 1) // world_size),
+    )
+    devices = [f"cuda:{r}" if use_gpus else "cpu" for r in range(world_size)]
+    run = Run(spec, devices, timeout=timeout)
+    if note:
+        print(note, file=sys.stderr)
+    run.start()
+    _last_run = run
+    if view == "text":
+        from ddpnb._text_view import TextView
+
+        TextView(run)
+    return run
+
+
+def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
+        backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
+        args: Sequence[Any] = ()) -> Any:
+    """Run `fn` on every rank, stream their output here, and return rank 0's return value.
+
+    `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
+    `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
+    Raises `WorkerError` if a rank fails, with that rank's own traceback.
+    """
+    handle = launch(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
+                    view="text")
+    return handle.result()
+
+
+def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
+          daemon: bool = False, start_method: str = "spawn") -> Run | None:
+    """Drop-in for `torch.multiprocessing.spawn`: calls `fn(rank, *args)` on `nprocs` ranks.
+
+    Unlike mp.spawn it works with functions defined in a notebook and streams their output. Ranks use one
+    GPU each (device set, NCCL) when the machine has `nprocs` GPUs, else CPU ranks over gloo. `join=False`
+    returns the `Run`, whose `join()` waits like mp.spawn's context. `daemon` and `start_method` are accepted for
+    compatibility and ignored: ranks are always fresh processes that ddpnb stops.
+    """
+    del daemon, start_method
+    gpus = nprocs if nprocs <= _gpu_count() else None
+    handle = launch(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style="spawn", view="text")
+    if not join:
+        return handle
+    handle.result()
+    return None
+
+
+def last_run() -> RunRecord | None:
+    """The record of the latest run in this process: per-rank exit codes, durations, metrics, log paths."""
+    return _last_run.record if _last_run is not None else None
+
+
+def log(step: int | None = None, **scalars: float) -> None:
+    """Send metrics from a worker to the notebook's dashboard: `ddpnb.log(step=i, loss=loss.item())`.
+
+    Outside a ddpnb worker it does nothing, so the same function also runs as a plain script.
+    """
+    context = _worker.current()
+    if context is None:
+        return
+    import time
+
+    from ddpnb._messages import Metric
+
+    context.send(Metric(rank=context.rank, step=step, time=time.time(),
+                        values={name: float(value) for name, value in scalars.items()}))
+
+
+def device() -> str:
+    """This rank's device: 'cuda:LOCAL_RANK' on GPU runs, 'cpu' on CPU ranks (and outside a worker)."""
+    return _worker.device()

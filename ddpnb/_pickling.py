@@ -1,0 +1,119 @@
+"""Sending the user's function to the workers, and saying exactly what stops it when it can't be sent."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import linecache
+import os
+import types
+from typing import Any
+
+import cloudpickle
+
+MAX_DEPTH = 6
+
+
+class NotPicklableError(TypeError):
+    """The function (or something it uses) cannot be sent to the worker processes."""
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    """cloudpickle, keeping each code object's real filename (cloudpickle >= 3.1 replaces it with
+    '<dynamic-code>'), so a worker's traceback names the user's cell and, with its source shipped, shows its lines."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            rebuild, args = cloudpickle.cloudpickle._code_reduce(obj)
+            return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+        return super().reducer_override(obj)
+
+
+def dump_function(fn: Any) -> bytes:
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=5).dump(fn)
+        return buffer.getvalue()
+    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        path = _find_unpicklable(fn, _name(fn), depth=0, seen=set())
+        where = " -> ".join(path) if path else _name(fn)
+        raise NotPicklableError(
+            f"cannot send `{_name(fn)}` to the worker processes: {where} cannot be pickled "
+            f"({type(exc).__name__}: {exc}).\n"
+            "Create that object inside the function (each rank then makes its own), or pass what it is built "
+            "from instead (a path, a config)."
+        ) from None
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:  # any failure means "not picklable"; which one is reported by the caller
+        return False
+    return True
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    """What pickling `obj` by value also pickles, with a readable label for each."""
+    if inspect.isfunction(obj):
+        code = obj.__code__
+        items = [(f"closure {name!r}", cell.cell_contents)
+                 for name, cell in zip(code.co_freevars, obj.__closure__ or ()) if _cell_filled(cell)]
+        items += [(f"global {name!r}", obj.__globals__[name]) for name in _global_names(code)
+                  if name in obj.__globals__]
+        items += [(f"default {i}", value) for i, value in enumerate(obj.__defaults__ or ())]
+        return items
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, list | tuple | set | frozenset):
+        return [(f"[{i}]", value) for i, value in enumerate(obj)]
+    if inspect.ismethod(obj):
+        return [("__self__", obj.__self__), ("__func__", obj.__func__)]
+    if hasattr(obj, "__dict__") and not inspect.ismodule(obj) and not inspect.isclass(obj):
+        return [(f"attribute {key!r}", value) for key, value in vars(obj).items()]
+    return []
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises ValueError
+    except ValueError:
+        return False
+    return True
+
+
+def _global_names(code: Any) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names += _global_names(const)
+    return names
+
+
+def _find_unpicklable(obj: Any, label: str, depth: int, seen: set[int]) -> list[str] | None:
+    if id(obj) in seen or depth > MAX_DEPTH:
+        return None
+    seen.add(id(obj))
+    for child_label, child in _children(obj):
+        if not _picklable(child):
+            deeper = _find_unpicklable(child, child_label, depth + 1, seen)
+            return [label, *(deeper or [child_label, _type_name(child)])][: MAX_DEPTH + 2]
+    return None
+
+
+def _type_name(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
+
+
+def notebook_sources() -> dict[str, list[str]]:
+    """The source of cells run in this kernel (they exist only in linecache), so worker tracebacks show lines."""
+    return {
+        name: entry[2]
+        for name, entry in list(linecache.cache.items())
+        if len(entry) == 4 and entry[3] == name and not os.path.exists(name)
+    }

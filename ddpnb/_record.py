@@ -1,0 +1,158 @@
+"""What a run is and how it ended, as plain data; `WorkerError` is raised from it."""
+
+from __future__ import annotations
+
+import enum
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RankState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"  # ended by ddpnb because of another rank, a timeout, an interrupt or stop()
+
+
+class Outcome(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed out"
+    INTERRUPTED = "interrupted"
+    STOPPED = "stopped"
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """`-11` -> 'killed by SIGSEGV', `3` -> 'exited with code 3'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+@dataclass
+class Failure:
+    rank: int
+    time: float
+    summary: str  # one line: "ValueError: bad batch" or "killed by SIGSEGV"
+    traceback: str = ""  # the worker's own traceback, when it raised
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    device: str = "cpu"
+    pid: int | None = None
+    state: RankState = RankState.STARTING
+    exitcode: int | None = None
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    lines: int = 0
+    last_line: str = ""
+    log_path: Path | None = None
+    stack: str = ""  # Python stacks dumped at a stall (timeout)
+    metrics: dict[str, list[tuple[int | None, float, float]]] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+
+@dataclass
+class RunRecord:
+    """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it."""
+
+    run_dir: Path
+    world_size: int
+    backend: str
+    engine: str = "local"
+    ranks: list[RankRecord] = field(default_factory=list)
+    outcome: Outcome = Outcome.RUNNING
+    failures: list[Failure] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    note: str = ""  # why a run was stopped (timeout, interrupt, ...)
+    recent: deque[tuple[int, str, str]] = field(default_factory=lambda: deque(maxlen=2000))
+
+    @property
+    def first_failure(self) -> Failure | None:
+        return min(self.failures, key=lambda f: f.time) if self.failures else None
+
+    @property
+    def exit_codes(self) -> dict[int, int | None]:
+        return {r.rank: r.exitcode for r in self.ranks}
+
+    @property
+    def duration(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+    def metrics(self, name: str, rank: int = 0) -> list[tuple[int | None, float]]:
+        """(step, value) pairs logged with `ddpnb.log(name=...)` on one rank."""
+        return [(step, value) for step, _, value in self.ranks[rank].metrics.get(name, [])]
+
+    def summary_table(self) -> str:
+        rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>7}  last line"]
+        for r in self.ranks:
+            rows.append(
+                f"{r.rank:>4}  {r.state.value:<9} {describe_exit(r.exitcode):<22} "
+                f"{r.duration:>6.1f}s  {r.last_line[:60]}"
+            )
+        return "\n".join(rows)
+
+
+class WorkerError(RuntimeError):
+    """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack."""
+
+    def __init__(self, record: RunRecord, hint: str = "") -> None:
+        self.record = record
+        self.hint = hint
+        first = record.first_failure
+        self.rank = first.rank if first else None
+        headline = (
+            f"rank {first.rank} failed first: {first.summary}"
+            if first
+            else f"run {record.outcome.value}: {record.note}"
+        )
+        super().__init__(headline)
+
+    def report(self) -> str:
+        record = self.record
+        first = record.first_failure
+        parts = []
+        if first is not None:
+            parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
+            if first.traceback:
+                parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{first.traceback.rstrip()}")
+            others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
+            if others:
+                parts.append("\nthen, as a consequence:")
+                parts.extend(f"  rank {f.rank}: {f.summary}" for f in others)
+        else:
+            parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
+        stacks = [r for r in record.ranks if r.stack]
+        if stacks:
+            parts.append("\nwhere each rank was when the run was stopped:")
+            for r in stacks:
+                parts.append(f"--- rank {r.rank} ({r.state.value}, last line: {r.last_line!r}) ---\n{r.stack.rstrip()}")
+        parts.append("\n" + record.summary_table())
+        parts.append(f"\nfull per-rank logs: {record.run_dir}")
+        if self.hint:
+            parts.append(self.hint)
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of the kernel-side stack, which is ddpnb's, not the user's.
+        return self.report().splitlines()
+

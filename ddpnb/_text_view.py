@@ -1,0 +1,65 @@
+"""Plain-text view of a run: `[rank N]` lines while it runs, a per-rank summary at the end.
+
+Used wherever no widget front end exists (terminal IPython, scripts, nbconvert/nbclient, CI). It reads the run's
+record about ten times a second; it never slows the workers, and it shows at most `max_lines` lines, saying how
+many it skipped (every line is in the rank's log file).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+from ddpnb._record import Outcome
+from ddpnb._supervisor import Run
+
+DEFAULT_MAX_LINES = 1000
+
+
+class TextView:
+    def __init__(self, run: Run, out: TextIO | None = None, err: TextIO | None = None,
+                 max_lines: int | None = None) -> None:
+        self.run = run
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.max_lines = max_lines if max_lines is not None else int(
+            os.environ.get("DDPNB_MAX_LINES", DEFAULT_MAX_LINES))
+        self.seen = 0  # sequence number of the last line looked at
+        self.shown = 0
+        self.skipped = 0
+        self.summarised = False
+        record = run.record
+        devices = ", ".join(sorted({r.device for r in record.ranks}))
+        self.out.write(f"[ddpnb] {record.world_size} ranks, backend {record.backend}, devices {devices}; "
+                       f"logs in {record.run_dir}\n")
+        run.subscribe(self.update)
+
+    def update(self) -> None:
+        run = self.run
+        with run.lock:
+            new = [entry for entry in run.record.recent if entry[0] > self.seen]
+            skipped_by_window = run.line_seq - self.seen - len(new)
+            self.seen = run.line_seq
+        self.skipped += skipped_by_window
+        for _, rank, stream, line in new:
+            if self.shown >= self.max_lines:
+                self.skipped += 1
+                continue
+            self.shown += 1
+            (self.err if stream == "stderr" else self.out).write(f"[rank {rank}] {line}\n")
+        self.out.flush()
+        self.err.flush()
+        if run.done and not self.summarised:
+            self.summarised = True
+            self._summary()
+
+    def _summary(self) -> None:
+        record = self.run.record
+        if self.skipped:
+            self.out.write(f"[ddpnb] {self.skipped} lines not shown here (limit {self.max_lines}, "
+                           f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n")
+        self.out.write(f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n")
+        if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
+            self.out.write(record.summary_table() + "\n")
+        self.out.flush()

@@ -1,0 +1,281 @@
+"""The entry point inside each rank: fds, environment, device, process group, the call, the result.
+
+Runs in a process forked from the pre-warmed, CUDA-free forkserver (see `_supervisor`). Nothing here runs in
+the kernel except `WorkerSpec` construction.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import inspect
+import io
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ddpnb import _messages as msg
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank needs; sent through the forkserver's private socket, never argv or the environment."""
+
+    fn_payload: bytes  # cloudpickled function
+    args: tuple[Any, ...]
+    call_style: str  # "spawn": fn(rank, *args); "auto": fn(), fn(rank) or fn(rank, world_size)
+    world_size: int
+    backend: str
+    use_gpus: bool
+    master_port: int
+    environ: dict[str, str]
+    run_dir: str
+    sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
+    torch_threads: int | None = None
+
+
+class _Context:
+    """The running worker's link to the kernel; `ddpnb.log` sends through it."""
+
+    def __init__(self, rank: int, conn: Connection) -> None:
+        self.rank = rank
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, message: msg.Message) -> None:
+        data = _dumps(message)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+
+_context: _Context | None = None
+_store: Any = None  # the TCPStore every process group of this run rendezvouses on
+_store_uses = 0
+_device: str = "cpu"
+_stack_file: io.TextIOBase | None = None
+
+
+def _dumps(obj: Any) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def current() -> _Context | None:
+    return _context
+
+
+def device() -> str:
+    return _device
+
+
+def entry(rank: int, conn: Connection, out: Connection, err: Connection, spec: WorkerSpec) -> None:
+    """multiprocessing target: runs once per rank."""
+    global _context
+    os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
+    _redirect_output(out, err)
+    _context = _Context(rank, conn)
+    threading.Thread(target=_watch_kernel, args=(conn,), name="ddpnb-watchdog", daemon=True).start()
+    _install_stack_dump(spec.run_dir, rank)
+    os.environ.clear()
+    os.environ.update(spec.environ)
+    os.environ.update(_torchrun_env(rank, spec))
+
+    code = 0
+    try:
+        _run_function(rank, spec)
+    except SystemExit as exc:  # sys.exit(n) inside the function: report it as the exit it is
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: user threads or CUDA state must not hang the exit
+
+
+def _redirect_output(out: Connection, err: Connection) -> None:
+    """Point fds 1 and 2 at the kernel's pipes, so C/C++ writes and crash messages are captured too."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
+
+
+def _watch_kernel(conn: Connection) -> None:
+    """Parent-death watchdog: the kernel holds the other end of `conn`; EOF means it is gone."""
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)  # this rank and whatever it started (DataLoader workers, ...)
+
+
+def _install_stack_dump(run_dir: str, rank: int) -> None:
+    """SIGUSR1 writes every thread's Python stack to a file: how the kernel learns where a stalled rank is."""
+    global _stack_file
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    _stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w", opener=_private)  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
+def _torchrun_env(rank: int, spec: WorkerSpec) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec.master_port),
+        "DDPNB_WORKER": "1",
+    }
+
+
+def _run_function(rank: int, spec: WorkerSpec) -> None:
+    global _device
+    assert _context is not None
+    try:
+        import cloudpickle
+        import torch
+
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        if spec.use_gpus:
+            torch.cuda.set_device(rank)
+            _device = f"cuda:{rank}"
+        _context.send(msg.Started(rank=rank, pid=os.getpid(), device=_device))
+        linecache.cache.update({name: (len("".join(lines)), None, lines, name) for name, lines in spec.sources.items()})
+        _patch_init_process_group()
+        _init_process_group(rank, spec)
+        fn = cloudpickle.loads(spec.fn_payload)
+        value = _call(fn, rank, spec)
+        payload = _dump_result(value) if rank == 0 else None
+        _destroy_process_group()
+        _context.send(msg.Returned(rank=rank, payload=payload))
+    except Exception as exc:  # the user's failure: report it as data, exit non-zero
+        _context.send(msg.Failed(rank=rank, time=time.time(), exc_type=type(exc).__qualname__,
+                                 message=str(exc), traceback=_user_traceback(exc)))
+        raise SystemExit(1) from None
+
+
+def _call(fn: Any, rank: int, spec: WorkerSpec) -> Any:
+    if spec.call_style == "spawn":
+        return fn(rank, *spec.args)
+    positional = [
+        p for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return fn(*(rank, spec.world_size)[: len(positional)], *spec.args)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without ddpnb's own frames at the top, so it starts at the user's function."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _dump_result(value: Any) -> bytes:
+    """cloudpickle the result with every tensor moved to the CPU, however deeply it is nested."""
+    import cloudpickle
+    import torch
+
+    class CpuPickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return _identity, (obj.detach().cpu(),)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    CpuPickler(buffer, protocol=5).dump(value)
+    return buffer.getvalue()
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+# --- process group -----------------------------------------------------------------------------------------
+# The group is ready when the function starts. Code written for mp.spawn/torchrun that calls
+# init_process_group itself keeps working: a call that matches the ready group is a no-op; one that asks for
+# another backend replaces it, rendezvousing on this run's store (never on a port the user code hard-codes).
+
+_real_init = None
+
+
+def _patch_init_process_group() -> None:
+    global _real_init
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    _real_init = c10d.init_process_group
+    dist.init_process_group = c10d.init_process_group = _init_from_user_code
+
+
+def _init_from_user_code(backend: str | None = None, init_method: str | None = None, **kwargs: Any) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if backend is None or backend.lower() == dist.get_backend().lower() or not _usable(backend):
+            return
+        dist.destroy_process_group()
+    kwargs.pop("store", None)
+    kwargs.pop("rank", None)
+    kwargs.pop("world_size", None)
+    _new_group(backend if backend and _usable(backend) else None, **kwargs)
+
+
+def _usable(backend: str) -> bool:
+    """NCCL asked for on a CPU rank (a GPU notebook dry-run on a laptop) keeps the gloo group instead."""
+    return not (backend.lower() == "nccl" and _device == "cpu")
+
+
+def _init_process_group(rank: int, spec: WorkerSpec) -> None:
+    global _store
+    import torch.distributed as dist
+
+    _store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=rank == 0)
+    _new_group(spec.backend)
+
+
+def _new_group(backend: str | None, **kwargs: Any) -> None:
+    global _store_uses
+    import torch.distributed as dist
+
+    _store_uses += 1
+    assert _real_init is not None
+    _real_init(
+        backend=backend or _default_backend(),
+        store=dist.PrefixStore(f"ddpnb/{_store_uses}", _store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        **kwargs,
+    )
+
+
+def _default_backend() -> str:
+    return "nccl" if _device != "cpu" else "gloo"
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
