@@ -27,12 +27,15 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext ddpnb`: register `%%ddp` and start warming the worker forkserver in the background."""
+    """`%load_ext ddpnb`: register `%%ddp`, bind `ddpnb` in the notebook (cells call `ddpnb.log`) unless the
+    name is taken, and start warming the worker forkserver in the background."""
     import atexit
+    import sys
 
     from ddpnb import _supervisor
     from ddpnb._magic import DDPMagics
 
     ipython.register_magics(DDPMagics)
+    ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
     atexit.register(_supervisor.stop_all_runs)
     _supervisor.warm_up_in_background()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ddpnb import _api, _pickling
@@ -26,8 +26,8 @@ class DDPMagics(Magics):
               help="set an environment variable in every rank (repeatable).")
     @argument("--fn", metavar="NAME",
               help="the function to run (default: the last function the cell defines).")
-    @cell_magic
-    def ddp(self, line: str, cell: str) -> object:
+    @line_cell_magic
+    def ddp(self, line: str, cell: str | None = None) -> object:
         """Run the cell's function on every rank in fresh worker processes; show their output; return rank 0's
         result.
 
@@ -49,11 +49,12 @@ class DDPMagics(Magics):
             _api.plan(args.gpus, args.nprocs, args.backend)  # fail before the cell defines anything
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
-        name = args.fn or _last_function(cell)
+        name = args.fn or (_last_function(cell) if cell else None)
         if name is None:
             raise UsageError("this %%ddp cell defines no function. Define one, e.g.\n"
                              "    def train(rank, world_size): ...\nor name an existing one with --fn NAME.")
-        self._define(cell)
+        if cell:
+            self._define(cell)
         fn = self.shell.user_ns.get(name)
         if not callable(fn):
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")

@@ -180,6 +180,16 @@ class Run:
             raise WorkerError(self.record, hint=_hint(self.record))
         return pickle.loads(self._payload) if self._payload is not None else None
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Like mp.spawn's `ProcessContext.join`: True once every rank has ended, raises `WorkerError` on
+        failure, False if `timeout` passed first."""
+        self.wait(timeout)
+        if not self.done:
+            return False
+        if self.record.outcome is not Outcome.SUCCEEDED:
+            raise WorkerError(self.record, hint=_hint(self.record))
+        return True
+
     def stop(self, outcome: Outcome = Outcome.STOPPED, note: str = "stopped by the user") -> None:
         """Stop every rank (SIGTERM, then SIGKILL after a grace period) and wait until all are gone."""
         if self._done.is_set():

@@ -1,0 +1,91 @@
+"""Shared test helpers: a real Jupyter kernel driven through jupyter_client, and process checks."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+
+@dataclass
+class Execution:
+    stdout: str = ""
+    stderr: str = ""
+    results: list[str] = field(default_factory=list)
+    error: dict | None = None
+    outputs: list[dict] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.stdout + self.stderr + "".join(self.results)
+
+
+class Kernel:
+    """A real ipykernel; `execute(code)` runs a cell and collects its outputs."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.manager, self.client = start_new_kernel(kernel_name="python3", env={**os.environ, **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def execute(self, code: str, timeout: float = 120) -> Execution:
+        msg_id = self.client.execute(code)
+        result = Execution()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}") from None
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    result.stdout += content["text"]
+                else:
+                    result.stderr += content["text"]
+            elif kind in ("execute_result", "display_data"):
+                result.results.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                result.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+            result.outputs.append(msg)
+        return result
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(env={"DDPNB_VIEW": "text"})
+    k.execute("%load_ext ddpnb")
+    yield k
+    k.shutdown()
+
+
+def wait_gone(pids: list[int], within: float = 5.0) -> list[int]:
+    """PIDs still alive after `within` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,144 @@
+"""ddpnb from plain Python: `run`, `spawn`, `launch`, the run record, logging and the run directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ddpnb
+from tests.conftest import wait_gone
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    import torch.distributed as dist
+    import ddpnb
+
+    def train(rank, world_size):
+        t = torch.ones(1) * rank
+        dist.all_reduce(t)
+        ddpnb.log(step=0, total=t.item())
+        print(f"rank {rank} sees {t.item()}")
+        return {"total": t.item(), "world": world_size}
+
+    if __name__ == "__main__":
+        print("RESULT", ddpnb.run(train, nprocs=3))
+''')
+
+
+def test_run_works_from_a_plain_python_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT {'total': 3.0, 'world': 3}" in done.stdout
+    for rank in range(3):
+        assert f"[rank {rank}] rank {rank} sees 3.0" in done.stdout
+
+
+def _signature_probe_none():
+    return "none"
+
+
+def _signature_probe_rank(rank):
+    return f"rank {rank}"
+
+
+def _signature_probe_both(rank, world_size):
+    return f"{rank}/{world_size}"
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (_signature_probe_none, "none"), (_signature_probe_rank, "rank 0"), (_signature_probe_both, "0/2"),
+])
+def test_function_signatures_fn_fn_rank_fn_rank_world_size(fn, expected):
+    assert ddpnb.run(fn, nprocs=2) == expected
+
+
+def _environment():
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
+    import torch.distributed as dist
+
+    return {key: os.environ.get(key) for key in keys} | {"initialized": dist.is_initialized(),
+                                                          "backend": dist.get_backend()}
+
+
+def test_ranks_get_torchrun_environment_and_a_ready_process_group():
+    env = ddpnb.run(_environment, nprocs=2, env={"EXTRA": "yes"})
+    assert env["RANK"] == env["LOCAL_RANK"] == "0"
+    assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] != "29500" and int(env["MASTER_PORT"]) > 0
+    assert env["EXTRA"] == "yes"
+    assert env["initialized"] and env["backend"] == "gloo"
+
+
+def _spawn_target(rank, scale, out_dir):
+    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+        f.write(str(rank * scale))
+
+
+def test_spawn_is_a_drop_in_for_mp_spawn(tmp_path):
+    assert ddpnb.spawn(_spawn_target, args=(10, str(tmp_path)), nprocs=2, join=True) is None
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0", "10"]
+    handle = ddpnb.spawn(_spawn_target, args=(5, str(tmp_path)), nprocs=2, join=False)
+    while not handle.join(timeout=30):
+        pass
+    assert (tmp_path / "rank1").read_text() == "5"
+
+
+def _logs_metrics(rank):
+    for step in range(5):
+        ddpnb.log(step=step, loss=1.0 / (step + 1), rank_value=rank)
+    return "ok"
+
+
+def test_run_record_keeps_exit_codes_durations_metrics_and_logs():
+    assert ddpnb.run(_logs_metrics, nprocs=2) == "ok"
+    record = ddpnb.last_run()
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED
+    assert record.exit_codes == {0: 0, 1: 0}
+    assert all(r.state is ddpnb.RankState.FINISHED and r.duration > 0 for r in record.ranks)
+    assert record.metrics("loss", rank=1) == [(s, 1.0 / (s + 1)) for s in range(5)]
+    assert record.metrics("rank_value", rank=1)[-1] == (4, 1.0)
+    assert all(r.log_path.exists() for r in record.ranks)
+
+
+def test_log_outside_a_worker_is_a_no_op():
+    assert ddpnb.log(step=1, loss=0.5) is None
+
+
+def _prints(rank):
+    print("é" * 5000)  # multi-byte characters across pipe reads
+    return rank
+
+
+def test_run_directory_is_private_and_logs_are_complete():
+    ddpnb.run(_prints, nprocs=2)
+    record = ddpnb.last_run()
+    assert stat.S_IMODE(record.run_dir.stat().st_mode) == 0o700
+    for rank in record.ranks:
+        assert stat.S_IMODE(rank.log_path.stat().st_mode) == 0o600
+        assert rank.log_path.read_text(encoding="utf-8") == "é" * 5000 + "\n"
+        assert rank.last_line == "é" * 5000
+
+
+def _returns_pid():
+    return os.getpid()
+
+
+def test_no_worker_outlives_its_run():
+    ddpnb.run(_returns_pid, nprocs=2)
+    assert wait_gone([r.pid for r in ddpnb.last_run().ranks], within=5) == []
+
+
+def test_impossible_requests_fail_before_starting():
+    with pytest.raises(ddpnb.LaunchError, match="more GPUs than this machine has"):
+        ddpnb.run(_returns_pid, gpus=64)
+    with pytest.raises(ddpnb.LaunchError, match="positive integer"):
+        ddpnb.run(_returns_pid, nprocs=0)
+    with pytest.raises(ddpnb.LaunchError, match="nccl backend needs GPUs"):
+        ddpnb.run(_returns_pid, nprocs=2, backend="nccl")

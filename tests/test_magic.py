@@ -1,0 +1,206 @@
+"""`%%ddp` through a real Jupyter kernel: the core acceptance of issue 2."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from tests.conftest import wait_gone
+
+TRAIN_CELL = '''%%ddp -n 2 -o trained
+def train(rank, world_size):
+    import sys
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for step, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            ddpnb.log(step=step, loss=loss.item())
+    print(f"epoch done on rank {rank}")
+    print(f"stderr line from rank {rank}", file=sys.stderr)
+    os.write(1, f"fd-level write from rank {rank}\\n".encode())
+    state = model.module.state_dict()
+    flat = torch.cat([p.flatten() for p in state.values()])
+    gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(g, flat) for g in gathered), "ranks diverged"
+    return {"state": state, "ranks_agree": True}
+'''
+
+
+def test_notebook_trains_ddp_on_two_cpu_ranks(tmp_path):
+    cells = ["%load_ext ddpnb", "import os\nimport torch\nimport ddpnb", TRAIN_CELL,
+             "print(sorted(trained['state']), trained['ranks_agree'])"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    os.environ["DDPNB_VIEW"] = "text"
+    NotebookClient(nb, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[2].outputs
+    stdout = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("name") == "stderr")
+    for rank in (0, 1):
+        assert f"[rank {rank}] epoch done on rank {rank}" in stdout
+        assert f"[rank {rank}] fd-level write from rank {rank}" in stdout
+        assert f"[rank {rank}] stderr line from rank {rank}" in stderr
+    assert "logs in" in stdout
+    result = [o for o in outputs if o.output_type == "execute_result"]
+    assert result and "ranks_agree" in result[0]["data"]["text/plain"]
+    assert nb.cells[3].outputs[0]["text"].strip() == "['bias', 'weight'] True"
+
+
+def test_seed_style_code_runs_unmodified(kernel):
+    kernel.execute("import torch, torch.distributed as dist")
+    run = kernel.execute('''%%ddp -n 2
+def setup(rank, world_size):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def cleanup():
+    dist.destroy_process_group()
+
+def demo_basic(rank, world_size):
+    setup(rank, world_size)
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    cleanup()
+    return t.item()
+''')
+    assert run.error is None, run.error
+    assert run.results == ["3.0"]
+
+
+def test_closure_notebook_class_and_global_reach_the_workers(kernel):
+    kernel.execute('''
+class Scaler(torch.nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+    def forward(self, x):
+        return x * self.factor
+OFFSET = 100
+''')
+    run = kernel.execute('''
+def make(factor):
+    def scaled(rank):
+        return Scaler(factor)(torch.tensor(float(rank))).item() + OFFSET
+    return scaled
+job = make(7)
+''')
+    assert run.error is None
+    run = kernel.execute("%ddp -n 2 --fn job")
+    assert run.error is None, run.error
+    assert run.results == ["100.0"]
+    run = kernel.execute("%%ddp -n 2 -o lam\nf = lambda: OFFSET + 1\ndef g():\n    return f()\n")
+    assert run.results == ["101"]
+
+
+def test_cell_definitions_stay_and_are_not_run_in_the_kernel(kernel):
+    run = kernel.execute("%%ddp -n 2\nimport os\ndef where(rank):\n    return os.getpid()\n")
+    assert run.error is None
+    worker_pid = int(run.results[0])
+    pids = kernel.execute("print(os.getpid(), where.__name__)").stdout.split()
+    assert int(pids[0]) != worker_pid and pids[1] == "where"
+
+
+def test_failing_rank_raises_worker_error_with_user_traceback(kernel):
+    run = kernel.execute('''%%ddp -n 2
+def fails(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad batch on purpose")
+    dist.barrier()
+''')
+    assert run.error is not None and run.error["ename"] == "WorkerError"
+    shown = "\n".join(run.error["traceback"])
+    assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
+    assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
+    assert "_supervisor.py" not in shown and "_worker.py" not in shown
+    pids = [int(p) for p in kernel.execute(
+        "print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+    assert wait_gone(pids) == []
+    after = kernel.execute("1 + 1")
+    assert after.error is None and after.results == ["2"]
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("--bogus", "unrecognized arguments: --bogus"),
+    ("--nprocs 0", "--nprocs must be at least 1"),
+    ("--gpus 64", "asks for more GPUs than this machine has"),
+    ("--timeout -1", "--timeout must be a positive number"),
+    ("--env NOEQUALS", "--env takes KEY=VALUE"),
+])
+def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
+    run = kernel.execute(f"%%ddp {line}\ndef f():\n    return 1\n")
+    assert run.error is None  # IPython prints a UsageError instead of raising into the cell
+    assert "UsageError" in run.stderr and expected in run.stderr
+
+
+def test_cell_without_function_is_a_usage_error(kernel):
+    run = kernel.execute("%%ddp -n 2\nx = 1\n")
+    assert "defines no function" in run.stderr
+
+
+def test_help_documents_every_flag(kernel):
+    run = kernel.execute("print(get_ipython().find_cell_magic('ddp').__doc__)")
+    for flag in ("--gpus", "--nprocs", "--backend", "--timeout", "--out", "--env", "--fn"):
+        assert flag in run.stdout
+
+
+def test_gpu_notebook_dry_runs_on_cpu_with_fallback_variable(kernel):
+    kernel.execute("os.environ['DDPNB_CPU_FALLBACK'] = '1'")
+    run = kernel.execute("%%ddp --gpus 2\ndef f(rank):\n    return ddpnb.device()\n")
+    kernel.execute("del os.environ['DDPNB_CPU_FALLBACK']")
+    assert run.results == ["'cpu'"]
+    assert "running --gpus 2 as 2 CPU ranks over gloo" in run.stderr
+
+
+def test_kernel_never_initialises_cuda(kernel):
+    run = kernel.execute("print(torch.cuda.is_initialized())")
+    assert run.stdout.strip() == "False"
+
+
+TRAINER_CELLS = ['''
+class Trainer:
+    def __init__(self, model, rank, save_every, path):
+        self.model = DDP(model)
+        self.rank, self.save_every, self.path = rank, save_every, path
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train(self, epochs, batch_size):
+        for epoch in range(epochs):
+            x, y = torch.randn(batch_size, 4), torch.randn(batch_size, 1)
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            self.opt.zero_grad(); loss.backward(); self.opt.step()
+            print(f"epoch {epoch} loss {loss.item():.3f}")
+            if self.rank == 0 and epoch % self.save_every == 0:
+                torch.save(self.model.module.state_dict(), self.path)
+''', '''
+def main(rank, world_size, epochs, batch_size, path):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    init_process_group(backend="gloo", rank=rank, world_size=world_size)
+    Trainer(torch.nn.Linear(4, 1), rank, 1, path).train(epochs, batch_size)
+    destroy_process_group()
+''']
+
+
+def test_trainer_tutorial_runs_through_spawn_drop_in(kernel, tmp_path):
+    kernel.execute("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                   "from torch.distributed import init_process_group, destroy_process_group")
+    for cell in TRAINER_CELLS:
+        assert kernel.execute(cell).error is None
+    checkpoint = tmp_path / "checkpoint.pt"
+    run = kernel.execute(f"ddpnb.spawn(main, args=(2, 3, 8, {str(checkpoint)!r}), nprocs=2)")
+    assert run.error is None, run.error
+    assert "[rank 1] epoch 2 loss" in run.stdout
+    assert checkpoint.exists()
