@@ -17,10 +17,10 @@ from typing import Any
 
 from ddpnb._api import LaunchError, device, last_run, launch, log, run, spawn
 from ddpnb._pickling import NotPicklableError
-from ddpnb._record import Outcome, RankState, RunRecord, WorkerError
+from ddpnb._record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
 
 __all__ = [
-    "LaunchError", "NotPicklableError", "Outcome", "RankState", "RunRecord", "WorkerError",
+    "LaunchError", "NotPicklableError", "Outcome", "RankState", "RunInterrupted", "RunRecord", "WorkerError",
     "device", "last_run", "launch", "load_ipython_extension", "log", "run", "spawn",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,10 @@ from ddpnb._record import RunRecord
 from ddpnb._supervisor import Run
 
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
+VIEW_VAR = "DDPNB_VIEW"
+VIEWS = ("auto", "widget", "text", "none")
 DEFAULT_CPU_RANKS = 2
+ENGINES = ("local", "ray")
 
 _last_run: Run | None = None
 
@@ -28,12 +31,19 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def plan(gpus: int | str | None, nprocs: int | None, backend: str | None) -> tuple[int, bool, str, str]:
+def plan(gpus: int | str | None, nprocs: int | None, backend: str | None,
+         engine: str = "local") -> tuple[int, bool, str, str]:
     """(world size, use GPUs, backend, note) for the flags given; raises LaunchError for impossible ones."""
+    if engine not in ENGINES:
+        raise LaunchError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}.")
     if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
         raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
     if backend is not None and backend not in ("nccl", "gloo"):
         raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}.")
+    if engine == "ray":  # the GPUs are the cluster's, not this machine's
+        from ddpnb import _ray
+
+        return _ray.plan(gpus, nprocs, backend)
     note = ""
     if gpus is None:
         world_size, use_gpus = nprocs or DEFAULT_CPU_RANKS, False
@@ -73,47 +83,112 @@ def _no_gpus_message(gpus: int | str, available: int) -> str:
             f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")
 
 
+def choose_view(view: str | None = None) -> str:
+    """'widget', 'text' or 'none': `view`, else $DDPNB_VIEW, else 'auto'.
+
+    'auto' is the dashboard inside a Jupyter kernel (ZMQInteractiveShell) where ipywidgets imports, plain text
+    everywhere else (terminal IPython, scripts). A kernel cannot tell whether its front end renders widgets, so
+    executing notebooks headless (nbclient, nbconvert) without storing widget state should set DDPNB_VIEW=text
+    to get `[rank N]` lines as stream output; the dashboard's own fallback is the final summary.
+    """
+    choice = (view or os.environ.get(VIEW_VAR) or "auto").strip().lower()
+    if choice not in VIEWS:
+        raise LaunchError(f"view must be one of {', '.join(VIEWS)}, not {choice!r} (from {VIEW_VAR} or view=).")
+    if choice != "auto":
+        return choice
+    shell_module = sys.modules.get("IPython")
+    shell = shell_module.get_ipython() if shell_module is not None else None
+    if shell is None or not any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__):
+        return "text"
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "text"
+    return "widget"
+
+
 def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
            backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None) -> Run:
-    """Start `fn` on every rank and return the `Run` at once (it keeps running in the background)."""
+           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None, engine: str = "local",
+           address: str | None = None, placement: str | None = None) -> Run:
+    """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
+
+    The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
+    dashboard in Jupyter, text elsewhere; see $DDPNB_VIEW), 'widget', 'text' or 'none'. In a notebook the
+    dashboard keeps updating while other cells run and has a Stop button; the text view prints the ranks'
+    output when `wait()` or `result()` is called.
+
+    `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install 'ddpnb[ray]'`): `address` is
+    the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT'; default: see the README), `placement` 'pack' (default)
+    or 'spread' across nodes.
+    """
+    return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
+                 call_style=call_style, view=view, foreground=False, engine=engine, address=address,
+                 placement=placement)
+
+
+def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
+          backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
+          args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None,
+          foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None) -> Run:
+    """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`)."""
     global _last_run
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
-    world_size, use_gpus, backend, note = plan(gpus, nprocs, backend)
+    view = choose_view(view)
+    world_size, use_gpus, backend, note = plan(gpus, nprocs, backend, engine)
+    if engine == "ray":
+        from ddpnb import _ray
+
+        placement = _ray.check_placement(placement)
+    elif address is not None or placement is not None:
+        raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
     payload = _pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
     run_dir = _supervisor.new_run_dir()
-    environ = {**os.environ, **(env or {})}
+    # a cluster's nodes keep their own environment: only the variables asked for travel there
+    environ = {**os.environ, **(env or {})} if engine == "local" else dict(env or {})
     spec = _worker.WorkerSpec(
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=world_size, backend=backend,
         use_gpus=use_gpus, master_port=0, environ={k: str(v) for k, v in environ.items()}, run_dir=str(run_dir),
         sources=_pickling.notebook_sources(),
-        torch_threads=None if use_gpus or "OMP_NUM_THREADS" in environ else max(1, (os.cpu_count() or 1) // world_size),
+        torch_threads=None if use_gpus or engine == "ray" or "OMP_NUM_THREADS" in environ
+        else max(1, (os.cpu_count() or 1) // world_size),
     )
     devices = [f"cuda:{r}" if use_gpus else "cpu" for r in range(world_size)]
-    run = Run(spec, devices, timeout=timeout)
+    if engine == "ray":
+        run: Run = _ray.RayRun(spec, devices, timeout=timeout, address=address, placement=placement)
+    else:
+        run = Run(spec, devices, timeout=timeout)
     if note:
         print(note, file=sys.stderr)
     run.start()
     _last_run = run
-    if view == "text":
+    if view == "widget":
+        from ddpnb._dashboard import Dashboard
+
+        Dashboard(run, foreground=foreground)
+    elif view == "text":
         from ddpnb._text_view import TextView
 
         TextView(run)
+        if not foreground:
+            print("[ddpnb] running in the background: its output shows here when you call .wait() or .result()")
     return run
 
 
 def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
         backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-        args: Sequence[Any] = ()) -> Any:
-    """Run `fn` on every rank, stream their output here, and return rank 0's return value.
+        args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
+        placement: str | None = None) -> Any:
+    """Run `fn` on every rank, show their output here, and return rank 0's return value.
 
     `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
     `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
-    Raises `WorkerError` if a rank fails, with that rank's own traceback.
+    `view`, `engine`, `address`, `placement`: see `launch`. Raises `WorkerError` if a rank fails, with that
+    rank's own traceback.
     """
-    handle = launch(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
-                    view="text")
+    handle = start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
+                   view=view, foreground=True, engine=engine, address=address, placement=placement)
     return handle.result()
 
 
@@ -128,7 +203,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
     """
     del daemon, start_method
     gpus = nprocs if nprocs <= _gpu_count() else None
-    handle = launch(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style="spawn", view="text")
+    handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style="spawn", foreground=join)
     if not join:
         return handle
     handle.result()

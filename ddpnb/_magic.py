@@ -21,7 +21,22 @@ class DDPMagics(Magics):
     @argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend.")
     @argument("--timeout", type=float, metavar="SECONDS",
               help="stop every rank after this many seconds and show where each one was (default: none).")
-    @argument("-o", "--out", metavar="NAME", help="also bind rank 0's return value to NAME in the notebook.")
+    @argument("-o", "--out", metavar="NAME",
+              help="also bind rank 0's return value to NAME in the notebook (with --background: the run handle).")
+    @argument("--background", action="store_true",
+              help="return the run handle at once and keep the dashboard live while other cells run; "
+                   "the handle has wait(), result(), stop() and status.")
+    @argument("--view", choices=list(_api.VIEWS),
+              help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
+                   "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).")
+    @argument("--engine", choices=list(_api.ENGINES), default="local",
+              help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
+                   "Train (pip install 'ddpnb[ray]').")
+    @argument("--address", metavar="auto|HOST:PORT",
+              help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
+                   "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance).")
+    @argument("--placement", choices=["pack", "spread"],
+              help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes.")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable in every rank (repeatable).")
     @argument("--fn", metavar="NAME",
@@ -34,7 +49,9 @@ class DDPMagics(Magics):
         The cell runs in the notebook first, like any cell, so what it defines stays available; its function
         (the last one it defines, or --fn NAME) is then called on every rank as fn(), fn(rank) or
         fn(rank, world_size), with the process group already initialised. Set DDPNB_CPU_FALLBACK=1 to run
-        --gpus notebooks on CPU ranks where there are not enough GPUs.
+        --gpus notebooks on CPU ranks where there are not enough GPUs. In Jupyter the run shows as a live
+        dashboard (DDPNB_VIEW=text or --view text for plain `[rank N]` lines); --background returns its handle
+        at once.
         """
         try:
             args = parse_argstring(self.ddp, line)
@@ -46,7 +63,7 @@ class DDPMagics(Magics):
         if args.nprocs is not None and args.nprocs < 1:
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
         try:
-            _api.plan(args.gpus, args.nprocs, args.backend)  # fail before the cell defines anything
+            _api.plan(args.gpus, args.nprocs, args.backend, args.engine)  # fail before the cell defines anything
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
         name = args.fn or (_last_function(cell) if cell else None)
@@ -59,10 +76,15 @@ class DDPMagics(Magics):
         if not callable(fn):
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")
         try:
-            run = _api.launch(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
-                              timeout=args.timeout, env=env, view="text")
+            run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
+                             timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
+                             engine=args.engine, address=args.address, placement=args.placement)
         except (_api.LaunchError, _pickling.NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
+        if args.background:
+            if args.out:
+                self.shell.user_ns[args.out] = run
+            return run
         result = run.result()
         if args.out:
             self.shell.user_ns[args.out] = result

@@ -24,6 +24,28 @@ class Metric:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A progress bar (tqdm) inside a worker, at most ten times a second per bar, and once when it closes."""
+
+    rank: int
+    bar: int  # tells a rank's bars apart (nested bars, one bar per epoch)
+    desc: str
+    n: float
+    total: float | None
+    text: str  # tqdm's own counters: "45/100 [00:01<00:01, 40.0it/s]"
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """GPU runs: the rank's memory held by PyTorch's caching allocator, sampled every few seconds."""
+
+    rank: int
+    reserved: int  # bytes, now
+    peak: int  # bytes, the most so far
+
+
+@dataclass(frozen=True)
 class Returned:
     """The function returned. Only rank 0 carries its (cloudpickled) value."""
 
@@ -42,4 +64,4 @@ class Failed:
     traceback: str
 
 
-Message = Started | Metric | Returned | Failed
+Message = Started | Metric | Progress | GpuMemory | Returned | Failed

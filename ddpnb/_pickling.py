@@ -33,16 +33,34 @@ def dump_function(fn: Any) -> bytes:
     buffer = io.BytesIO()
     try:
         _Pickler(buffer, protocol=5).dump(fn)
-        return buffer.getvalue()
-    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
-        path = _find_unpicklable(fn, _name(fn), depth=0, seen=set())
-        where = " -> ".join(path) if path else _name(fn)
-        raise NotPicklableError(
-            f"cannot send `{_name(fn)}` to the worker processes: {where} cannot be pickled "
-            f"({type(exc).__name__}: {exc}).\n"
-            "Create that object inside the function (each rank then makes its own), or pass what it is built "
-            "from instead (a path, a config)."
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        raise _not_picklable(f"`{_name(fn)}`", unpicklable_path(fn, _name(fn)), exc) from None
+    return buffer.getvalue()
+
+
+def dump_spec(spec: Any) -> bytes:
+    """A run's `WorkerSpec`, pickled once in the kernel before any rank starts: its `args` may hold objects
+    defined in the notebook, which only cloudpickle can send."""
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=5).dump(spec)
+    except Exception as exc:  # noqa: BLE001 - as above; the function itself was checked already
+        raise _not_picklable("the run's arguments", unpicklable_path(tuple(spec.args), "args"), exc) from None
+    return buffer.getvalue()
+
+
+def _not_picklable(subject: str, where: str, exc: Exception) -> NotPicklableError:
+    return NotPicklableError(
+        f"cannot send {subject} to the worker processes: {where} cannot be pickled ({type(exc).__name__}: {exc}).\n"
+        "Create that object inside the function (each rank then makes its own), or pass what it is built "
+        "from instead (a path, a config)."
+    )
+
+
+def unpicklable_path(obj: Any, label: str) -> str:
+    """How the first object that cannot be pickled is reached from `obj`: "train -> closure 'loader' -> _thread.lock"."""
+    path = _find_unpicklable(obj, label, depth=0, seen=set())
+    return " -> ".join(path) if path else f"{label} ({_type_name(obj)})"
 
 
 def _name(obj: Any) -> str:
@@ -52,7 +70,7 @@ def _name(obj: Any) -> str:
 def _picklable(obj: Any) -> bool:
     try:
         cloudpickle.dumps(obj)
-    except Exception:  # any failure means "not picklable"; which one is reported by the caller
+    except Exception:  # noqa: BLE001 - any failure means "not picklable"; the caller reports which
         return False
     return True
 

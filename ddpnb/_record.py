@@ -9,6 +9,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpnb._messages import Progress
+
+KEEP_CLOSED_BARS = 4
+
 
 class RankState(enum.Enum):
     STARTING = "starting"
@@ -39,12 +43,34 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+# What a collective says when a peer died or stopped answering: such a failure is a consequence, not the cause.
+_KNOCK_ON_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+_KNOCK_ON_TEXT = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "remote worker", "remote process",
+    "communicator was aborted", "ncclremoteerror", "watchdog caught collective operation timeout", "timed out",
+    "socket timeout", "failed to recv", "recvvalue failed", "connection refused",
+)
+
+
+def is_knock_on(exc_type: str, message: str) -> bool:
+    """True for the errors a rank gets because *another* rank died or hung (collective aborts, resets, timeouts).
+
+    When one rank dies, the others fail in their next collective moments later, often before the kernel even
+    notices the death; these errors are ranked after the root cause, whatever their time.
+    """
+    if exc_type in _KNOCK_ON_TYPES:
+        return True
+    text = message.lower()
+    return exc_type == "RuntimeError" and any(pattern in text for pattern in _KNOCK_ON_TEXT)  # gloo raises these
+
+
 @dataclass
 class Failure:
     rank: int
     time: float
     summary: str  # one line: "ValueError: bad batch" or "killed by SIGSEGV"
     traceback: str = ""  # the worker's own traceback, when it raised
+    knock_on: bool = False  # a collective error caused by another rank's failure (see `is_knock_on`)
 
 
 @dataclass
@@ -60,11 +86,27 @@ class RankRecord:
     last_line: str = ""
     log_path: Path | None = None
     stack: str = ""  # Python stacks dumped at a stall (timeout)
+    stalled_state: RankState | None = None  # the rank's state when its stack was dumped
     metrics: dict[str, list[tuple[int | None, float, float]]] = field(default_factory=dict)
+    progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
+    gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
 
     @property
     def duration(self) -> float:
         return (self.ended or time.time()) - self.started
+
+    def update_progress(self, bar: Progress) -> None:
+        """Keep every open bar and the latest few closed ones (a bar per epoch must not grow the record)."""
+        self.progress[bar.bar] = bar
+        closed = [key for key, known in self.progress.items() if known.closed]
+        for key in closed[:-KEEP_CLOSED_BARS]:
+            del self.progress[key]
+
+    @property
+    def active_progress(self) -> list[Progress]:
+        """The bars to show: the open ones (outer loop first), else the last one that closed."""
+        bars = list(self.progress.values())
+        return [bar for bar in bars if not bar.closed] or bars[-1:]
 
 
 @dataclass
@@ -85,7 +127,8 @@ class RunRecord:
 
     @property
     def first_failure(self) -> Failure | None:
-        return min(self.failures, key=lambda f: f.time) if self.failures else None
+        """The root cause: the earliest failure that is not a knock-on of another rank's (else the earliest)."""
+        return min(self.failures, key=lambda f: (f.knock_on, f.time)) if self.failures else None
 
     @property
     def exit_codes(self) -> dict[int, int | None]:
@@ -107,6 +150,10 @@ class RunRecord:
                 f"{r.duration:>6.1f}s  {r.last_line[:60]}"
             )
         return "\n".join(rows)
+
+
+def _shorten(text: str, limit: int = 150) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 class WorkerError(RuntimeError):
@@ -132,17 +179,18 @@ class WorkerError(RuntimeError):
             parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
             if first.traceback:
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{first.traceback.rstrip()}")
-            others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
+            others = [f for f in sorted(record.failures, key=lambda f: (f.knock_on, f.time)) if f is not first]
             if others:
                 parts.append("\nthen, as a consequence:")
-                parts.extend(f"  rank {f.rank}: {f.summary}" for f in others)
+                parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others)
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")
             for r in stacks:
-                parts.append(f"--- rank {r.rank} ({r.state.value}, last line: {r.last_line!r}) ---\n{r.stack.rstrip()}")
+                state = (r.stalled_state or r.state).value
+                parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n{r.stack.rstrip()}")
         parts.append("\n" + record.summary_table())
         parts.append(f"\nfull per-rank logs: {record.run_dir}")
         if self.hint:
@@ -156,3 +204,21 @@ class WorkerError(RuntimeError):
         # IPython shows these lines instead of the kernel-side stack, which is ddpnb's, not the user's.
         return self.report().splitlines()
 
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or Jupyter's interrupt stopped a run. Still a KeyboardInterrupt (loops and scripts stop as they
+    would); in IPython it shows what happened instead of ddpnb's waiting stack."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+        super().__init__(f"ddpnb: run interrupted after {record.duration:.1f} s; every rank was stopped")
+
+    def report(self) -> str:
+        return "\n".join([
+            f"KeyboardInterrupt: {self.args[0]}.", "", self.record.summary_table(), "",
+            f"full per-rank logs: {self.record.run_dir}",
+            "Run the cell again when ready; the kernel and its variables are unchanged.",
+        ])
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()

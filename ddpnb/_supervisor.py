@@ -9,6 +9,7 @@ One thread per run multiplexes all of them plus the process sentinels; nothing i
 from __future__ import annotations
 
 import codecs
+import fcntl
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -17,22 +18,38 @@ import pickle
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 from ddpnb import _messages as msg
-from ddpnb import _worker
-from ddpnb._record import Failure, Outcome, RankRecord, RankState, RunRecord, WorkerError, describe_exit
+from ddpnb import _pickling, _worker
+from ddpnb._record import (
+    Failure,
+    Outcome,
+    RankRecord,
+    RankState,
+    RunInterrupted,
+    RunRecord,
+    WorkerError,
+    describe_exit,
+    is_knock_on,
+)
 
-PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle", "ddpnb._worker"]
+# tqdm is optional (a failed preload import is skipped); preloaded, the worker's progress hook costs nothing
+PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle", "tqdm", "ddpnb._worker"]
 KEEP_RUNS = 50  # run directories kept; older ones are deleted when a new run starts
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when ranks are stopped
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
+DRAIN_WAIT = 2.0  # seconds the output pipes may stay open after every rank exited (a process that escaped)
+MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
+PIPE_SIZE = 1 << 20  # bytes a rank may write before it waits for the kernel to read (Linux pipe buffer)
 
 _live_runs: set[Run] = set()
 _forkserver_lock = threading.Lock()
@@ -52,51 +69,124 @@ def warm_up_in_background() -> None:
 
 
 def runs_root() -> Path:
+    """Where run directories live: $DDPNB_RUNS_DIR, else <tmp>/ddpnb-<uid>; private to this user."""
     root = Path(os.environ.get("DDPNB_RUNS_DIR") or Path(tempfile.gettempdir()) / f"ddpnb-{os.getuid()}")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = root.lstat()
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+        # in a shared /tmp another user could have made it first, to read or swap the logs
+        raise PermissionError(f"{root} is not a directory owned by you; set DDPNB_RUNS_DIR to a private directory.")
+    if info.st_mode & 0o077:
+        root.chmod(0o700)
     return root
 
 
 def new_run_dir() -> Path:
+    """A fresh private directory for one run. Retention, applied here: the newest KEEP_RUNS - 1 directories of
+    ended runs are kept (KEEP_RUNS with the new one), and those of runs still going in any process (see
+    `_lock_run_dir`); older ones are deleted."""
     root = runs_root()
-    old = sorted(p for p in root.iterdir() if p.is_dir())
-    for stale in old[: max(0, len(old) - KEEP_RUNS + 1)]:
+    ended = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not _run_dir_in_use(p))
+    for stale in ended[: max(0, len(ended) - KEEP_RUNS + 1)]:  # names sort by creation time
         shutil.rmtree(stale, ignore_errors=True)
-    path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    now = time.time()
+    path = root / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:6]}"
     path.mkdir(mode=0o700)
     return path
 
 
-def _reserve_port() -> socket.socket:
-    """Bind port 0 and hold it (bound, not listening, SO_REUSEADDR) until the run ends: no other bind(0)
-    on this machine gets it, yet rank 0's TCPStore can still listen on it."""
+def _lock_run_dir(path: Path) -> int:
+    """Hold a lock on the run directory while the run lives (released by the kernel's death too), so that
+    retention in this or another kernel never deletes the logs of a run still going."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _run_dir_in_use(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:  # another kernel's retention got there first
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _bind_store_socket() -> socket.socket:
+    """A socket bound to 127.0.0.1, port 0, for rank 0's TCPStore to listen on. Rank 0 receives the socket
+    itself, so the store is reachable from this machine only and no other process can take its port; the
+    kernel closes its copy once rank 0 has it, and never listens."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
 
 
+def _enlarge_pipe(fd: int) -> None:
+    """Let a rank write a burst of output without waiting for the kernel (best effort: Linux only)."""
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default size
+            return
+
+
 class _Stream:
-    """One rank's stdout or stderr: raw bytes to the log file, decoded lines to the record."""
+    """One rank's stdout or stderr: raw bytes to the log file, decoded lines to the record.
+
+    Memory stays bounded whatever the rank writes: a line longer than MAX_LINE_CHARS is cut (the log file keeps
+    it whole), and a progress bar redrawing one line with carriage returns keeps only its latest redraw.
+    """
 
     def __init__(self, rank: int, name: str, log: Any) -> None:
         self.rank = rank
         self.name = name
         self.log = log
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.partial = ""
+        self.partial = ""  # the line being written, not yet ended by a newline
+        self.partial_cut = 0  # characters of that line already dropped from memory
 
     def feed(self, data: bytes, final: bool = False) -> list[str]:
         self.log.write(data)
         text = self.partial + self.decoder.decode(data, final=final)
-        lines = text.split("\n")
-        self.partial = "" if final else lines.pop()
-        # a carriage return redraws the line (progress bars): keep what is visible
-        return [line.rsplit("\r", 1)[-1] if "\r" in line else line for line in lines if line or not final]
+        pieces = text.split("\n")
+        self.partial = pieces.pop()
+        if pieces:
+            pieces[0] = _visible(pieces[0], self.partial_cut)
+            self.partial_cut = 0
+        if len(pieces) > 1 and ("\r" in text or max(map(len, pieces)) > MAX_LINE_CHARS):
+            pieces[1:] = [_visible(piece) for piece in pieces[1:]]
+        redraw = self.partial.rfind("\r", 0, len(self.partial) - 1)
+        if redraw >= 0:  # only the latest redraw is visible
+            self.partial, self.partial_cut = self.partial[redraw + 1:], 0
+        if len(self.partial) > MAX_LINE_CHARS:
+            self.partial_cut += len(self.partial) - MAX_LINE_CHARS
+            self.partial = self.partial[:MAX_LINE_CHARS]
+        if final and (self.partial or self.partial_cut):
+            pieces.append(_visible(self.partial, self.partial_cut))
+            self.partial, self.partial_cut = "", 0
+        return pieces
+
+
+def _visible(line: str, cut: int = 0) -> str:
+    """What a terminal would show of `line`: the text after its last carriage return, cut to MAX_LINE_CHARS."""
+    redraw = line.rfind("\r", 0, len(line) - 1)
+    if redraw >= 0:
+        line, cut = line[redraw + 1:], 0
+    line = line.rstrip("\r")
+    if len(line) > MAX_LINE_CHARS:
+        line, cut = line[:MAX_LINE_CHARS], cut + len(line) - MAX_LINE_CHARS
+    return f"{line} [... {cut} more characters in the log]" if cut else line
 
 
 class Run:
     """A set of worker processes, one per rank, and what they report. Use `wait()`, `result()`, `stop()`."""
+
+    stop_wait = STOP_GRACE + STACK_WAIT + 5  # seconds `stop()` waits for every rank to be gone
 
     def __init__(self, spec: _worker.WorkerSpec, devices: list[str], timeout: float | None = None) -> None:
         self.spec = spec
@@ -109,11 +199,13 @@ class Run:
         self.lock = threading.Lock()  # guards record.recent and line counters against view threads
         self.line_seq = 0
         self._payload: bytes | None = None
+        self._value: Any = None
         self._returned: set[int] = set()
         self._stop_reason: Outcome | None = None
         self._stop_note = ""
         self._stop_requested: tuple[Outcome, str] | None = None
         self._kill_at: float | None = None
+        self._signalled: dict[int, set[int]] = {}  # rank -> the stop signals ddpnb sent it
         self._done = threading.Event()
         self._procs: list[Any] = []
         self._listeners: list[Callable[[], None]] = []
@@ -121,34 +213,64 @@ class Run:
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
         context = forkserver_context()
-        self._port_holder = _reserve_port()
-        self.spec.master_port = self._port_holder.getsockname()[1]
+        self._dir_lock = _lock_run_dir(Path(self.spec.run_dir))
+        store_socket = _bind_store_socket()
+        self.spec.master_port = store_socket.getsockname()[1]
+        try:
+            spec_payload = _pickling.dump_spec(self.spec)  # before any rank starts: args that cannot be sent
+        except _pickling.NotPicklableError:
+            store_socket.close()
+            os.close(self._dir_lock)
+            Path(self.spec.run_dir).rmdir()  # still empty: a run that never started leaves nothing
+            raise
         self._conns: dict[Any, int] = {}
         self._streams: dict[int, _Stream] = {}
         self._logs: list[Any] = []
         self._read_ends: list[Any] = []  # the Connections that own the stdout/stderr read fds
-        for rank in range(self.spec.world_size):
-            log = open(self.record.ranks[rank].log_path, "wb", buffering=0, opener=_worker._private)  # noqa: SIM115
-            self._logs.append(log)
-            channel, child_channel = multiprocessing.Pipe(duplex=True)
-            out_r, out_w = multiprocessing.Pipe(duplex=False)
-            err_r, err_w = multiprocessing.Pipe(duplex=False)
-            proc = context.Process(
-                target=_worker.entry, args=(rank, child_channel, out_w, err_w, self.spec),
-                name=f"ddpnb-rank{rank}", daemon=False,
-            )
-            proc.start()
-            for end in (child_channel, out_w, err_w):
+        try:
+            for rank in range(self.spec.world_size):
+                self._start_rank(context, rank, spec_payload, store_socket if rank == 0 else None)
+                if rank == 0:
+                    store_socket.close()  # rank 0 has its own copy now
+        except BaseException:  # a rank could not start: the ones that did must not outlive this call
+            store_socket.close()
+            os.close(self._dir_lock)
+            for proc in self._procs:
+                _kill_group(proc.pid, signal.SIGKILL)
+                proc.join(5)
+            for end in [*self._logs, *self._read_ends, *self._conns]:
                 end.close()
-            self._procs.append(proc)
-            self.record.ranks[rank].pid = proc.pid
-            self._conns[channel] = rank
-            self._streams[out_r.fileno()] = _Stream(rank, "stdout", log)
-            self._streams[err_r.fileno()] = _Stream(rank, "stderr", log)
-            self._read_ends += [out_r, err_r]
+            raise
+        # the duration and the timeout count from the first rank's start, not from the forkserver's first import
+        self.record.started = self.record.ranks[0].started
         _live_runs.add(self)
         threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
         return self
+
+    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None) -> None:
+        record = self.record.ranks[rank]
+        log = open(record.log_path, "wb", buffering=0, opener=_worker._private)  # noqa: SIM115
+        self._logs.append(log)
+        channel, child_channel = multiprocessing.Pipe(duplex=True)
+        out_r, out_w = multiprocessing.Pipe(duplex=False)
+        err_r, err_w = multiprocessing.Pipe(duplex=False)
+        self._conns[channel] = rank
+        self._read_ends += [out_r, err_r]
+        for end in (out_w, err_w):
+            _enlarge_pipe(end.fileno())
+        proc = context.Process(
+            target=_worker.entry, args=(rank, child_channel, out_w, err_w, spec_payload, store_socket),
+            name=f"ddpnb-rank{rank}", daemon=False,
+        )
+        try:
+            proc.start()
+        finally:
+            for end in (child_channel, out_w, err_w):
+                end.close()
+        self._procs.append(proc)
+        record.pid, record.started = proc.pid, time.time()
+        self._streams[out_r.fileno()] = _Stream(rank, "stdout", log)
+        self._streams[err_r.fileno()] = _Stream(rank, "stderr", log)
 
     @property
     def done(self) -> bool:
@@ -157,6 +279,17 @@ class Run:
     @property
     def outcome(self) -> Outcome:
         return self.record.outcome
+
+    @property
+    def status(self) -> str:
+        """One line: the outcome so far, the time, and each rank's state."""
+        record = self.record
+        ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
+        return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks})"
+
+    def __repr__(self) -> str:
+        return (f"<ddpnb run of {self.record.world_size} ranks ({self.record.backend}): {self.status}; "
+                f".wait() .result() .stop()>")
 
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
@@ -168,7 +301,7 @@ class Run:
                     break
         except KeyboardInterrupt:
             self.stop(Outcome.INTERRUPTED, "interrupted by the user (Ctrl-C / kernel interrupt)")
-            raise
+            raise RunInterrupted(self.record) from None
         finally:
             self._notify()
         return self.record
@@ -178,7 +311,9 @@ class Run:
         self.wait()
         if self.record.outcome is not Outcome.SUCCEEDED:
             raise WorkerError(self.record, hint=_hint(self.record))
-        return pickle.loads(self._payload) if self._payload is not None else None
+        if self._payload is not None:  # unpickled once; the bytes are dropped so a big result is not held twice
+            self._value, self._payload = pickle.loads(self._payload), None
+        return self._value
 
     def join(self, timeout: float | None = None) -> bool:
         """Like mp.spawn's `ProcessContext.join`: True once every rank has ended, raises `WorkerError` on
@@ -195,7 +330,7 @@ class Run:
         if self._done.is_set():
             return
         self._stop_requested = (outcome, note)
-        deadline = time.monotonic() + STOP_GRACE + STACK_WAIT + 5
+        deadline = time.monotonic() + self.stop_wait
         while not self._done.is_set() and time.monotonic() < deadline:
             try:
                 self._done.wait(0.1)
@@ -213,6 +348,7 @@ class Run:
     # --- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        all_exited: float | None = None
         try:
             while sentinels or self._streams or self._conns:
                 waitables = [*self._streams, *self._conns, *sentinels]
@@ -224,12 +360,16 @@ class Run:
                     else:
                         self._on_exit(sentinels.pop(ready))
                 self._check_stop()
+                if not sentinels:
+                    all_exited = all_exited or time.monotonic()
+                    if time.monotonic() - all_exited > DRAIN_WAIT:  # a process that left the rank's group
+                        break  # still holds its output pipe open: stop reading rather than hang the cell
         finally:
             self._finish()
 
     def _read_stream(self, fd: int) -> None:
         stream = self._streams[fd]
-        data = os.read(fd, 1 << 16)
+        data = os.read(fd, PIPE_SIZE)
         lines = stream.feed(data, final=not data)
         if not data:
             del self._streams[fd]
@@ -239,9 +379,10 @@ class Run:
     def _add_lines(self, rank: int, stream: str, lines: list[str]) -> None:
         record = self.record.ranks[rank]
         with self.lock:
-            for line in lines:
-                self.line_seq += 1
-                self.record.recent.append((self.line_seq, rank, stream, line))
+            self.line_seq += len(lines)
+            kept = lines[-(self.record.recent.maxlen or len(lines)):]  # older ones would fall out at once
+            self.record.recent.extend(
+                zip(range(self.line_seq - len(kept) + 1, self.line_seq + 1), repeat(rank), repeat(stream), kept))
             record.lines += len(lines)
             record.last_line = lines[-1]
 
@@ -260,6 +401,10 @@ class Run:
         if isinstance(message, msg.Metric):
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
+        elif isinstance(message, msg.Progress):
+            record.update_progress(message)
+        elif isinstance(message, msg.GpuMemory):
+            record.gpu_memory = (message.reserved, message.peak)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
         elif isinstance(message, msg.Returned):
@@ -268,26 +413,32 @@ class Run:
                 self._payload = message.payload
         elif isinstance(message, msg.Failed):
             record.state = RankState.FAILED
-            summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
-            self.record.failures.append(Failure(rank, message.time, summary, message.traceback))
+            if message.exc_type == "SystemExit":
+                summary = f"called sys.exit({message.message}) before its function returned"
+            else:
+                summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
+            # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence
+            knock_on = is_knock_on(message.exc_type, message.message) or rank in self._signalled
+            self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on))
             self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
 
     def _on_exit(self, rank: int) -> None:
         proc, record = self._procs[rank], self.record.ranks[rank]
         record.exitcode, record.ended = proc.exitcode, time.time()
-        _kill_group(proc.pid, signal.SIGKILL)  # whatever the rank started dies with it
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever the rank started dies with it
         self._drain_channel(rank)
         if record.state is RankState.FAILED:
             return
-        if record.exitcode == 0 and rank in self._returned:
+        code = record.exitcode if record.exitcode is not None else 0
+        if code == 0 and rank in self._returned:
             record.state = RankState.FINISHED
-        elif self._stop_reason is not None:
+        elif code < 0 and -code in self._signalled.get(rank, ()):  # ended by ddpnb's stop, not by itself
             record.state = RankState.STOPPED
         else:
             record.state = RankState.FAILED
             cause = describe_exit(record.exitcode)
             if record.exitcode is not None and record.exitcode >= 0:
-                cause += " before its function returned (sys.exit or os._exit?)"
+                cause += " before its function returned (os._exit, or exit() in C code?)"
             self.record.failures.append(Failure(rank, time.time(), cause))
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
 
@@ -310,7 +461,7 @@ class Run:
         self._stop_reason, self._stop_note = outcome, note
         for proc, rank in zip(self._procs, self.record.ranks):
             if proc.exitcode is None and rank.state is not RankState.FAILED:  # a failed rank exits by itself
-                _kill_group(proc.pid, signal.SIGTERM)
+                self._signal(rank.rank, signal.SIGTERM)
         self._kill_at = time.monotonic() + STOP_GRACE
 
     def _check_stop(self) -> None:
@@ -320,10 +471,14 @@ class Run:
             self._dump_stacks()
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.timeout:g} s timeout (--timeout)")
         if self._kill_at is not None and time.monotonic() > self._kill_at:
-            for proc in self._procs:
+            for rank, proc in enumerate(self._procs):
                 if proc.exitcode is None:
-                    _kill_group(proc.pid, signal.SIGKILL)
+                    self._signal(rank, signal.SIGKILL)
             self._kill_at = None
+
+    def _signal(self, rank: int, sig: signal.Signals) -> None:
+        self._signalled.setdefault(rank, set()).add(sig)
+        _kill_group(self._procs[rank].pid, sig)
 
     def _dump_stacks(self) -> None:
         live = [proc for proc in self._procs if proc.exitcode is None]
@@ -332,19 +487,29 @@ class Run:
         time.sleep(STACK_WAIT)
         for rank, proc in enumerate(self._procs):
             if proc in live:
+                record = self.record.ranks[rank]
                 path = Path(self.spec.run_dir) / f"rank{rank}.stack"
-                self.record.ranks[rank].stack = path.read_text(errors="replace") if path.exists() else ""
+                record.stack = _user_stack(path.read_text(errors="replace")) if path.exists() else ""
+                record.stalled_state = record.state
 
     def _finish(self) -> None:
-        for proc in self._procs:  # belt and braces: nothing of this run may outlive it
-            if proc.exitcode is None:
-                _kill_group(proc.pid, signal.SIGKILL)
-                proc.join(5)
-        for log in self._logs:
-            log.close()
-        for conn in [*self._read_ends, *self._conns]:
-            conn.close()
-        self._port_holder.close()
+        try:
+            for proc in self._procs:  # belt and braces: nothing of this run may outlive it
+                if proc.exitcode is None:
+                    _kill_group(proc.pid, signal.SIGKILL)
+                    proc.join(5)
+            self._write_endings()
+        finally:  # whatever failed above (a full disk), release everything and let `wait()` return
+            for end in [*self._logs, *self._read_ends, *self._conns]:
+                end.close()
+            os.close(self._dir_lock)
+            for proc in self._procs:
+                if proc.exitcode is not None:
+                    proc.close()  # its sentinel fds; the record keeps the exit code
+            self._conclude()
+
+    def _conclude(self) -> None:
+        """The run's outcome from its ranks' states; then `wait()` returns. Every engine ends here."""
         record = self.record
         record.ended = time.time()
         if self._stop_reason is not None:
@@ -356,9 +521,33 @@ class Run:
         _live_runs.discard(self)
         self._done.set()
 
+    def _write_endings(self) -> None:
+        """End each rank's log with how the rank ended, so the file alone tells the story."""
+        failures = {failure.rank: failure for failure in self.record.failures}
+        for rank, log in zip(self.record.ranks, self._logs):
+            if rank.state is RankState.FINISHED:
+                continue
+            failure = failures.get(rank.rank)
+            if failure is not None:
+                ending = f"rank {rank.rank} failed: {failure.summary}\n{failure.traceback}".rstrip()
+            elif rank.state is RankState.STOPPED:
+                ending = f"rank {rank.rank} stopped by ddpnb ({describe_exit(rank.exitcode)}): {self._stop_note}"
+            else:
+                ending = f"rank {rank.rank} {describe_exit(rank.exitcode)}"
+            log.write(f"\n[ddpnb] {ending}\n".encode())
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal what is left of an exited rank's process group. Never the PID itself: it was reaped and may be
+    reused, whereas a process-group ID is not reused while any member of the group is alive."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone with the rank: nothing left to stop
+        return
+
 
 def _kill_group(pid: int | None, sig: int, group: bool = True) -> None:
-    """Signal a rank's process group (it calls setsid first thing); fall back to the process itself."""
+    """Signal a running rank's process group (it calls setsid first thing); fall back to the process itself."""
     if pid is None:
         return
     try:
@@ -373,6 +562,21 @@ def _kill_group(pid: int | None, sig: int, group: bool = True) -> None:
         pass
 
 
+_PLUMBING = (os.path.dirname(os.path.abspath(_worker.__file__)), os.path.dirname(multiprocessing.__file__), "<string>")
+
+
+def _user_stack(dump: str) -> str:
+    """faulthandler's dump of every thread, without ddpnb's watchdog thread and without the frames that start a
+    rank (ddpnb, multiprocessing): what is left starts at the user's function. The raw dump stays on disk."""
+    threads = []
+    for block in dump.strip().split("\n\n"):
+        lines = block.splitlines()
+        frames = [line for line in lines[1:] if not any(f'File "{place}' in line for place in _PLUMBING)]
+        if lines and "in _watch_kernel" not in block and frames:
+            threads.append("\n".join([lines[0], *frames]))
+    return "\n\n".join(threads)
+
+
 def _hint(record: RunRecord) -> str:
     if record.outcome is Outcome.TIMED_OUT:
         return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
@@ -380,7 +584,8 @@ def _hint(record: RunRecord) -> str:
         return "Every rank was stopped; run the cell again when ready."
     first = record.first_failure
     if first and first.summary.startswith("killed by"):
-        return "A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last output."
+        return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
+                "output and, after a crash, where Python was.")
     return "Fix the error above and run the cell again; the kernel and its variables are unchanged."
 
 

@@ -12,10 +12,12 @@ import io
 import linecache
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -61,6 +63,7 @@ _store: Any = None  # the TCPStore every process group of this run rendezvouses 
 _store_uses = 0
 _device: str = "cpu"
 _stack_file: io.TextIOBase | None = None
+_store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 
 
 def _dumps(obj: Any) -> bytes:
@@ -77,27 +80,54 @@ def device() -> str:
     return _device
 
 
-def entry(rank: int, conn: Connection, out: Connection, err: Connection, spec: WorkerSpec) -> None:
-    """multiprocessing target: runs once per rank."""
-    global _context
+def entry(rank: int, conn: Connection, out: Connection, err: Connection, spec_payload: bytes,
+          store_socket: socket.socket | None = None) -> None:
+    """multiprocessing target: runs once per rank. `spec_payload` is the cloudpickled `WorkerSpec`, unpickled
+    here, after the output is redirected, so that a failure to rebuild it is reported like any other."""
+    global _context, _store_fd
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
     _redirect_output(out, err)
     _context = _Context(rank, conn)
     threading.Thread(target=_watch_kernel, args=(conn,), name="ddpnb-watchdog", daemon=True).start()
-    _install_stack_dump(spec.run_dir, rank)
-    os.environ.clear()
-    os.environ.update(spec.environ)
-    os.environ.update(_torchrun_env(rank, spec))
+    if store_socket is not None:
+        _store_fd = store_socket.detach()  # the TCPStore takes it over
 
     code = 0
     try:
-        _run_function(rank, spec)
-    except SystemExit as exc:  # sys.exit(n) inside the function: report it as the exit it is
-        code = exc.code if isinstance(exc.code, int) else 1
+        _run_function(rank, spec_payload)
+    except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
+        code = _exit_code(exc)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: user threads or CUDA state must not hang the exit
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with: sys.exit() is 0, sys.exit("message") prints it and is 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _prepare(rank: int, spec: WorkerSpec) -> None:
+    _install_stack_dump(spec.run_dir, rank)
+    os.environ.clear()
+    os.environ.update(spec.environ)
+    os.environ.update(_torchrun_env(rank, spec))
+    loopback = _loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # ranks of a local run talk over loopback: gloo would otherwise listen on the address the hostname
+        # resolves to, which on many machines is reachable from the network
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name in ("lo", "lo0")), None)
 
 
 def _redirect_output(out: Connection, err: Connection) -> None:
@@ -147,41 +177,73 @@ def _torchrun_env(rank: int, spec: WorkerSpec) -> dict[str, str]:
     }
 
 
-def _run_function(rank: int, spec: WorkerSpec) -> None:
+def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSpec], str] | None = None,
+                  join_group: Callable[[int, WorkerSpec], None] | None = None) -> None:
+    """Everything a rank does, its failures reported as data. An engine that places ranks and forms the process
+    group itself (Ray Train, see `_ray`) passes `setup` (environment; returns the device) and `join_group`."""
     global _device
     assert _context is not None
     try:
         import cloudpickle
         import torch
 
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        if spec.use_gpus:
-            torch.cuda.set_device(rank)
-            _device = f"cuda:{rank}"
+        spec: WorkerSpec = cloudpickle.loads(spec_payload)
+        _reseed()
+        if setup is not None:
+            _device = setup(rank, spec)
+        else:
+            _prepare(rank, spec)
+            if spec.torch_threads:
+                torch.set_num_threads(spec.torch_threads)
+            if spec.use_gpus:
+                torch.cuda.set_device(rank)
+                _device = f"cuda:{rank}"
         _context.send(msg.Started(rank=rank, pid=os.getpid(), device=_device))
         linecache.cache.update({name: (len("".join(lines)), None, lines, name) for name, lines in spec.sources.items()})
         _patch_init_process_group()
-        _init_process_group(rank, spec)
+        _install_progress_hook()
+        if _device.startswith("cuda"):
+            threading.Thread(target=_report_gpu_memory, name="ddpnb-gpu-memory", daemon=True).start()
+        (join_group or _init_process_group)(rank, spec)
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
         payload = _dump_result(value) if rank == 0 else None
         _destroy_process_group()
         _context.send(msg.Returned(rank=rank, payload=payload))
-    except Exception as exc:  # the user's failure: report it as data, exit non-zero
-        _context.send(msg.Failed(rank=rank, time=time.time(), exc_type=type(exc).__qualname__,
-                                 message=str(exc), traceback=_user_traceback(exc)))
+    except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
+        _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
+        raise
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the user's failure: report it as data, exit non-zero
+        _report(rank, exc, message=str(exc))
         raise SystemExit(1) from None
+
+
+def _report(rank: int, exc: BaseException, message: str) -> None:
+    assert _context is not None
+    _context.send(msg.Failed(rank=rank, time=time.time(), exc_type=type(exc).__qualname__,
+                             message=message, traceback=_user_traceback(exc)))
+
+
+def _reseed() -> None:
+    """Fresh random state, as a fresh process would have: the forkserver seeded torch (and numpy) once, so
+    every rank of every run would otherwise draw the same numbers. (Python's `random` reseeds itself at fork.)"""
+    import torch
+
+    torch.seed()  # CPU generator only until CUDA is initialised; CUDA generators seed themselves lazily
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
 
 
 def _call(fn: Any, rank: int, spec: WorkerSpec) -> Any:
     if spec.call_style == "spawn":
         return fn(rank, *spec.args)
-    positional = [
-        p for p in inspect.signature(fn).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]
-    return fn(*(rank, spec.world_size)[: len(positional)], *spec.args)
+    positional = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if spec.args:  # rank and world_size fill the positional slots the args leave, defaulted ones included
+        leading = len(positional) - len(spec.args)
+    else:  # fn(), fn(rank), fn(rank, world_size): defaulted parameters keep their defaults
+        leading = sum(p.default is p.empty for p in positional)
+    return fn(*(rank, spec.world_size)[: max(0, min(leading, 2))], *spec.args)
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -189,11 +251,27 @@ def _user_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
+    if tb is None:  # raised by ddpnb itself (a result it cannot send): the message says it all
+        return ""
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _dump_result(value: Any) -> bytes:
     """cloudpickle the result with every tensor moved to the CPU, however deeply it is nested."""
+    try:
+        return _dump_on_cpu(value)
+    except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        from ddpnb._pickling import NotPicklableError, unpicklable_path
+
+        raise NotPicklableError(
+            f"rank 0's return value cannot be sent back to the notebook: {unpicklable_path(value, 'return value')} "
+            f"cannot be pickled ({type(exc).__name__}: {exc}).\n"
+            "Return plain data (tensors, numbers, lists, dicts, a state_dict()), or save the object to a file and "
+            "return its path."
+        ) from None
+
+
+def _dump_on_cpu(value: Any) -> bytes:
     import cloudpickle
     import torch
 
@@ -210,6 +288,60 @@ def _dump_result(value: Any) -> bytes:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+# --- progress bars -----------------------------------------------------------------------------------------
+# tqdm (and tqdm.auto, which is tqdm here: a worker has no notebook) redraws its line with '\r' about ten times a
+# second. In a worker its display() sends a typed `Progress` message instead, so the dashboard draws one bar per
+# rank; the bar's final state is still written once, as a line, so the log file and the text view keep it.
+
+PROGRESS_INTERVAL = 0.1  # seconds between two messages for one bar, whatever the bar's own mininterval
+
+
+def _install_progress_hook() -> None:
+    try:
+        from tqdm import std
+    except ImportError:
+        return
+    std.tqdm.display = _tqdm_display
+    # tqdm's default lock holds a multiprocessing semaphore, which a rank's os._exit would leak (and Python's
+    # resource tracker warn about); the rank's bars need only a thread lock
+    std.tqdm.set_lock(threading.RLock())
+
+
+def _tqdm_display(bar: Any, msg: str | None = None, pos: int | None = None) -> bool:
+    from ddpnb._messages import Progress  # `msg` is tqdm's parameter name here, not the module
+
+    closing = bool(bar.disable)  # tqdm.close() sets disable before its last display()
+    now = time.monotonic()
+    if not closing and bar.n != bar.total and now - getattr(bar, "_ddpnb_sent", 0.0) < PROGRESS_INTERVAL:
+        return True
+    bar._ddpnb_sent = now
+    if closing and msg is None:  # leave=True: the final bar stays, as one line
+        bar.fp.write("\r" + bar.__str__())
+    if _context is not None:
+        counters = bar.format_dict
+        layout = "{n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]" if bar.total else \
+            "{n_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+        text = bar.format_meter(**{**counters, "prefix": "", "bar_format": layout})
+        _context.send(Progress(rank=_context.rank, bar=id(bar), desc=str(bar.desc or "").rstrip(": "),
+                               n=bar.n, total=bar.total, text=text, closed=closing))
+    return True
+
+
+GPU_MEMORY_INTERVAL = 2.0  # seconds between two samples of a rank's GPU memory
+
+
+def _report_gpu_memory() -> None:
+    """GPU runs: the caching allocator's counters (host-side reads, no CUDA sync) for the dashboard's rows."""
+    import torch
+
+    assert _context is not None
+    index = torch.device(_device).index or 0  # not current_device(): that is per thread
+    while True:
+        _context.send(msg.GpuMemory(rank=_context.rank, reserved=torch.cuda.memory_reserved(index),
+                                    peak=torch.cuda.max_memory_reserved(index)))
+        time.sleep(GPU_MEMORY_INTERVAL)
 
 
 # --- process group -----------------------------------------------------------------------------------------
@@ -251,7 +383,9 @@ def _init_process_group(rank: int, spec: WorkerSpec) -> None:
     global _store
     import torch.distributed as dist
 
-    _store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=rank == 0)
+    # rank 0 listens on the socket the kernel bound to 127.0.0.1 (never on every interface, never a raced port)
+    _store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=rank == 0,
+                           master_listen_fd=_store_fd if rank == 0 else None)
     _new_group(spec.backend)
 
 

@@ -1,0 +1,453 @@
+"""One measurement per process: `python bench/_probes.py NAME [options]` prints one `@@BENCH {json}` line.
+
+Each probe runs in a fresh interpreter so that nothing (a warm forkserver, threads, a process group) carries
+over from another launcher. The process plays the notebook kernel: it has imported torch before the clock
+starts, as a notebook that ran `import torch` has.
+
+Only the standard library at module level: ddpnb's workers (forkserver) and mp.spawn's children re-import this
+file as `__mp_main__`, so whatever it imports at the top every rank pays for on every launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _workloads
+
+MARKER = "@@BENCH "
+
+
+def emit(data: dict[str, Any]) -> None:
+    sys.stdout.flush()
+    print(MARKER + json.dumps(data), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _result_file() -> str:
+    """A fresh file for rank 0 to write its value to (the launchers that return nothing)."""
+    fd, path = tempfile.mkstemp(prefix="ddpnb-bench-", suffix=".json")
+    os.close(fd)
+    return path
+
+
+def by_value() -> None:
+    """Send the workloads to ddpnb's workers by value, the way a notebook's functions travel."""
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(_workloads)
+
+
+# --- launch latency -------------------------------------------------------------------------------------------
+SHELL_CELL = """\
+def trivial_cell(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return value.item()
+"""
+
+
+def probe_ddpnb(args: argparse.Namespace) -> None:
+    import torch  # the notebook imported torch; ddpnb's forkserver imports it again, once
+
+    import ddpnb
+
+    by_value()
+    started = time.perf_counter()
+    first = ddpnb.run(_workloads.trivial, nprocs=2)
+    cold = time.perf_counter() - started
+    pids = {first["pid"]}
+    warm = []
+    for _ in range(args.warm):
+        started = time.perf_counter()
+        value = ddpnb.run(_workloads.trivial, nprocs=2)
+        warm.append(time.perf_counter() - started)
+        pids.add(value["pid"])
+    after_matmul = None
+    if args.matmul:
+        # the kernel has done multi-threaded torch work, the workers do some too: fork-based launchers hang here
+        torch.set_num_threads(max(2, torch.get_num_threads()))
+        a = torch.randn(1500, 1500)
+        (a @ a).sum().item()
+        started = time.perf_counter()
+        ddpnb.run(_workloads.trivial_after_matmul, nprocs=2)
+        after_matmul = time.perf_counter() - started
+    shell_warm = []
+    if args.shell_warm:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "ddpnb")
+        for _ in range(args.shell_warm):
+            started = time.perf_counter()
+            result = shell.run_cell_magic("ddp", "-n 2", SHELL_CELL)
+            shell_warm.append(time.perf_counter() - started)
+            assert result == 2.0, result
+    emit({"cold": cold, "warm": warm, "shell_warm": shell_warm, "after_matmul": after_matmul, "sum": first["sum"],
+          "distinct_rank0_pids": len(pids), "runs": 1 + args.warm})
+
+
+def _spawn_target(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size))
+    value = _workloads.trivial()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(value))
+
+
+def probe_mp_spawn(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    times = []
+    for _ in range(args.repeat):
+        out = _result_file()
+        os.environ["MASTER_PORT"] = str(free_port())
+        started = time.perf_counter()
+        mp.spawn(_spawn_target, args=(2, out), nprocs=2, join=True)
+        value = json.loads(Path(out).read_text())
+        times.append(time.perf_counter() - started)
+        os.unlink(out)
+    emit({"times": times, "sum": value["sum"]})
+
+
+def _accelerate_target(out: str, matmul: bool) -> None:
+    import torch.distributed as dist
+
+    value = _workloads.trivial_after_matmul() if matmul else _workloads.trivial()
+    dist.destroy_process_group()
+    if os.environ["RANK"] == "0":
+        Path(out).write_text(json.dumps(value))
+
+
+def probe_accelerate(args: argparse.Namespace) -> None:
+    import torch
+    from accelerate import notebook_launcher
+
+    if args.matmul:
+        # what a notebook has usually done before it launches: some multi-threaded torch work (the ranks then
+        # do a matmul too, as any training step does)
+        torch.set_num_threads(max(2, torch.get_num_threads()))
+        a = torch.randn(1500, 1500)
+        (a @ a).sum().item()
+    times = []
+    for _ in range(args.repeat):
+        out = _result_file()
+        started = time.perf_counter()
+        notebook_launcher(_accelerate_target, args=(out, args.matmul), num_processes=2,
+                          use_port=str(free_port()))
+        value = json.loads(Path(out).read_text())
+        times.append(time.perf_counter() - started)
+        os.unlink(out)
+    emit({"times": times, "sum": value["sum"]})
+
+
+NBD_CELL = """\
+import torch
+import torch.distributed as dist
+value = torch.ones(1)
+dist.all_reduce(value)
+print(value.item())
+"""
+
+
+def _nbd_ready(magic: Any) -> bool:
+    """Whether every nbdistributed worker answers a status request within 0.25 s."""
+    try:
+        magic._comm_manager.send_to_all("get_status", {}, timeout=0.25)
+    except TimeoutError:
+        return False
+    return True
+
+
+def probe_nbdistributed(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdistributed")
+    magic = shell.magics_manager.registry["DistributedMagic"]
+    started = time.perf_counter()
+    shell.run_line_magic("dist_init", "-n 2")
+    init = time.perf_counter() - started
+    # %dist_init returns after a fixed 2 s sleep; a cell sent before the workers have connected is dropped and
+    # times out after 30 s. Wait for them as an informed user would, polling their status.
+    ready_at_return = _nbd_ready(magic)
+    while not _nbd_ready(magic):
+        pass
+    shell.run_cell_magic("distributed", "", NBD_CELL)
+    cold = time.perf_counter() - started
+    warm = []
+    for _ in range(args.warm):
+        started = time.perf_counter()
+        shell.run_cell_magic("distributed", "", NBD_CELL)
+        warm.append(time.perf_counter() - started)
+    shell.run_line_magic("dist_shutdown", "")
+    emit({"cold": cold, "init": init, "ready_at_return": ready_at_return, "warm": warm})
+
+
+# --- training overhead ----------------------------------------------------------------------------------------
+def probe_train_ddpnb(args: argparse.Namespace) -> None:
+    import resource
+
+    import ddpnb
+
+    by_value()
+    ddpnb.run(_workloads.trivial, nprocs=2)  # warm, so the kernel's CPU below is the training run's
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    value = ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, True))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    kernel_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    record = ddpnb.last_run()
+    steps = args.steps + _workloads.TRAIN_WARMUP_STEPS
+    emit({**value, "kernel_cpu_per_step": kernel_cpu / steps, "lines": sum(r.lines for r in record.ranks),
+          "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
+
+
+def probe_report_cost(args: argparse.Namespace) -> None:
+    """The per-step cost of ddpnb.log + print, in the ranks and in the kernel (CPU time of this process)."""
+    import resource
+
+    import ddpnb
+
+    by_value()
+    ddpnb.run(_workloads.trivial, nprocs=2)  # warm
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    value = ddpnb.run(_workloads.report_cost, nprocs=2, args=(args.steps,))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    kernel_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    emit({**value, "kernel_cpu_seconds_per_step": kernel_cpu / args.steps})
+
+
+# --- streaming ------------------------------------------------------------------------------------------------
+def _busy_view(seconds: float) -> Any:
+    """A badly behaved view: each redraw burns `seconds` of Python CPU time while holding the GIL."""
+    def redraw() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    return redraw
+
+
+def probe_stream(args: argparse.Namespace) -> None:
+    import ddpnb
+
+    by_value()
+    ddpnb.run(_workloads.trivial, nprocs=2)  # start the forkserver first: this measures streaming, not start-up
+    sys.stdout.flush()
+    launched = time.time()
+    # "none": no view at all; "text" and "widget": ddpnb's own views; "slow": a bad view that hogs the GIL
+    view = args.view if args.view in ("text", "widget") else "none"
+    run = ddpnb.launch(_workloads.stream, nprocs=args.ranks, args=(args.lines, args.rate), view=view)
+    if args.view == "slow":
+        run.subscribe(_busy_view(0.05))
+    value = run.result()
+    returned = time.time()
+    record = run.record
+    per_rank_record = [r.lines for r in record.ranks]
+    per_rank_file, missing = [], []
+    for rank in range(args.ranks):
+        seen = bytearray(args.lines)
+        count = 0
+        prefix = f"rank {rank} line "
+        with open(record.ranks[rank].log_path, encoding="utf-8", errors="replace") as log:
+            for line in log:
+                if line.startswith(prefix):
+                    count += 1
+                    seen[int(line[len(prefix):])] = 1
+        per_rank_file.append(count)
+        missing.append(args.lines - sum(seen))
+    ended = record.ended or returned
+    printing_ended = max(r["ended"] for r in value["ranks"])
+    total = args.ranks * args.lines
+    emit({
+        "lines": total, "launched": launched, "started": value["started"], "ended": ended,
+        "kernel_lines_per_s": total / (ended - value["started"]),
+        "worker_lines_per_s": total / (printing_ended - value["started"]),
+        "record_lines": per_rank_record, "file_lines": per_rank_file, "missing_indices": missing,
+        "worst_stall_s": max(r["worst_stall_s"] for r in value["ranks"]),
+        "stalls_over_5ms": sum(r["stalls_over_5ms"] for r in value["ranks"]),
+        "blocked_writes": sum(r["blocked_writes"] for r in value["ranks"]),
+        "worst_blocked_s": max(r["worst_blocked_s"] for r in value["ranks"]),
+    })
+
+
+# --- large results --------------------------------------------------------------------------------------------
+class PeakRss:
+    """Samples this process's resident memory every few milliseconds; `peak` is the highest seen."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.interval = interval
+        self.peak = self.process.memory_info().rss
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return max(self.peak, self.process.memory_info().rss)
+
+
+def probe_result(args: argparse.Namespace) -> None:
+    import gc
+    import resource
+
+    import torch
+
+    import ddpnb
+
+    by_value()
+    ddpnb.run(_workloads.trivial, nprocs=2)  # warm: this measures the transfer, not start-up
+    gc.collect()
+    path = f"/dev/shm/ddpnb-bench-{os.getpid()}.pt"
+    baseline = PeakRss().close()
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sampler = PeakRss()
+    if args.via_file:
+        handle = ddpnb.launch(_workloads.big_result_via_file, nprocs=2, args=(args.bytes, path), view="none")
+        info = handle.result()
+        state = torch.load(info["path"], mmap=True, weights_only=False)
+        os.unlink(info["path"])  # the mapping keeps the pages; the name is gone
+    else:
+        handle = ddpnb.launch(_workloads.big_result, nprocs=2, args=(args.bytes,), view="none")
+        state = handle.result()
+    arrived = time.time()
+    returned_at = state.pop("_returned_at")
+    checksum = sum(float(t.sum()) for t in state.values())  # touch every page, so the RSS shows all of it
+    peak = sampler.close()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    emit({
+        "bytes": nbytes, "seconds": arrived - returned_at, "gb_per_s": nbytes / 1e9 / (arrived - returned_at),
+        "baseline_rss": baseline, "peak_rss": peak, "peak_over_size": (peak - baseline) / nbytes,
+        "maxrss_over_size": (maxrss - baseline) / nbytes if maxrss > maxrss_before else None,
+        "checksum": checksum,
+    })
+
+
+def _pipe_sender(conn: Any, nbytes: int) -> None:
+    conn.send_bytes(bytes(nbytes))
+    conn.close()
+
+
+def probe_result_steps(args: argparse.Namespace) -> None:
+    """Each step of a result sent as a pickle through a pipe, timed alone on the same state dict; then the
+    prototype's two steps."""
+    import io
+    import multiprocessing
+    import pickle
+
+    import cloudpickle
+    import torch
+
+    state = _workloads.big_result(0, 1, args.bytes)
+    steps: dict[str, float] = {}
+    clock = time.perf_counter
+
+    started = clock()
+    buffer = io.BytesIO()
+    cloudpickle.CloudPickler(buffer, protocol=5).dump(state)
+    payload = buffer.getvalue()
+    steps["rank 0: cloudpickle the value"] = clock() - started
+
+    started = clock()
+    message = pickle.dumps(("Returned", payload), protocol=5)
+    steps["rank 0: pickle the message holding it"] = clock() - started
+    del buffer, payload
+
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_pipe_sender, args=(sender, len(message)))
+    child.start()
+    sender.close()
+    started = clock()
+    receiver.recv_bytes()
+    steps["pipe: send_bytes → recv_bytes"] = clock() - started
+    child.join()
+
+    started = clock()
+    unpacked = pickle.loads(message)
+    steps["kernel: unpickle the message"] = clock() - started
+    del message
+
+    started = clock()
+    pickle.loads(unpacked[1])
+    steps["kernel: unpickle the value"] = clock() - started
+    del unpacked
+
+    path = f"/dev/shm/ddpnb-bench-{os.getpid()}.pt"
+    started = clock()
+    torch.save(state, path, pickle_module=cloudpickle)
+    steps["prototype, rank 0: torch.save to /dev/shm"] = clock() - started
+    started = clock()
+    torch.load(path, mmap=True, weights_only=False)
+    steps["prototype, kernel: torch.load(mmap=True)"] = clock() - started
+    os.unlink(path)
+    emit({"bytes": args.bytes, "steps": steps})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="probe", required=True)
+    p = sub.add_parser("ddpnb")
+    p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--shell-warm", type=int, default=0)
+    p.add_argument("--matmul", action="store_true")
+    p = sub.add_parser("mp-spawn")
+    p.add_argument("--repeat", type=int, default=1)
+    p = sub.add_parser("accelerate")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--matmul", action="store_true")
+    p = sub.add_parser("nbdistributed")
+    p.add_argument("--warm", type=int, default=3)
+    p = sub.add_parser("train-ddpnb")
+    p.add_argument("--steps", type=int, required=True)
+    p = sub.add_parser("report-cost")
+    p.add_argument("--steps", type=int, default=20_000)
+    p = sub.add_parser("stream")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--lines", type=int, required=True)
+    p.add_argument("--view", choices=["none", "text", "widget", "slow"], default="none")
+    p.add_argument("--rate", type=float, default=0.0, help="lines/s per rank (0: as fast as print goes)")
+    p = sub.add_parser("result")
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--via-file", action="store_true")
+    p = sub.add_parser("result-steps")
+    p.add_argument("--bytes", type=int, required=True)
+    args = parser.parse_args()
+    probe = {
+        "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
+        "nbdistributed": probe_nbdistributed, "train-ddpnb": probe_train_ddpnb,
+        "report-cost": probe_report_cost, "stream": probe_stream,
+        "result": probe_result, "result-steps": probe_result_steps,
+    }[args.probe]
+    probe(args)
+
+
+if __name__ == "__main__":
+    main()

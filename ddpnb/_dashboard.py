@@ -1,0 +1,547 @@
+"""The live dashboard: an ipywidgets projection of a run's record, redrawn at most ten times a second.
+
+The supervisor thread keeps the record; this view only reads it. Its own timer thread redraws (so background
+runs, where nobody calls `wait()`, stay live) and sends a widget update only for a part that changed. Each part
+is an HTML string built by a pure function of the record, so the same functions draw the static summary that
+replaces the widget when the run ends: a saved notebook then reads well without a kernel.
+
+Plots are SVG written here (no plotting library): a few kilobytes per redraw, no rasterising in the kernel while
+ranks train on the same CPUs, crisp at any zoom, themed by JupyterLab's CSS variables, and the same markup works
+in the static summary. The log panel holds the last `LOG_LINES` lines per view; every line is in the rank's log.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ddpnb._record import Outcome, RankRecord, RankState, RunRecord, describe_exit
+from ddpnb._supervisor import Run
+
+REFRESH = 0.1  # seconds between redraws: at most ten a second, however fast the ranks print or log
+LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
+MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
+MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
+MANY_RANKS = 8  # above this, plots show rank 0 and the min-max band of all ranks
+SUMMARY_LOG_LINES = 30
+
+RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+_STATE_COLOURS = {
+    "starting": "var(--jp-ui-font-color2, #757575)",
+    "running": "var(--jp-brand-color1, #1976d2)",
+    "finished": "var(--jp-success-color1, #388e3c)",
+    "failed": "var(--jp-error-color1, #d32f2f)",
+    "stopped": "var(--jp-warn-color1, #f57c00)",
+}
+
+STYLE = """<style>
+.ddpnb{font-family:var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);
+  font-size:var(--jp-ui-font-size1,13px);color:var(--jp-ui-font-color1,#212121);line-height:1.4;max-width:1100px}
+.ddpnb .widget-html-content{line-height:1.4}
+.ddpnb code,.ddpnb pre,.ddpnb .ddpnb-mono{font-family:var(--jp-code-font-family,SFMono-Regular,Menlo,Consolas,monospace);
+  font-size:var(--jp-code-font-size,12px)}
+.ddpnb-head{display:flex;align-items:center;gap:10px;flex-wrap:wrap;padding:2px 0}
+.ddpnb-title{font-weight:600;font-size:var(--jp-ui-font-size2,14px)}
+.ddpnb-meta{color:var(--jp-ui-font-color2,#616161)}
+.ddpnb-pill{display:inline-flex;align-items:center;gap:5px;padding:1px 9px;border-radius:10px;font-weight:600;
+  border:1px solid currentColor;font-size:var(--jp-ui-font-size0,12px)}
+.ddpnb-dot{width:7px;height:7px;border-radius:50%;background:currentColor;display:inline-block}
+.ddpnb table.ddpnb-ranks{border-collapse:collapse;width:100%;margin:4px 0 6px;table-layout:auto;font-size:inherit;
+  border:none}
+.ddpnb .ddpnb-ranks th,.ddpnb .ddpnb-ranks td{text-align:left;line-height:1.4;max-width:none;border:none;
+  vertical-align:middle;white-space:nowrap}
+.ddpnb .ddpnb-ranks th{font-weight:600;color:var(--jp-ui-font-color2,#616161);font-size:var(--jp-ui-font-size0,12px);
+  border-bottom:1px solid var(--jp-border-color1,#bdbdbd);padding:3px 8px}
+.ddpnb .ddpnb-ranks td{padding:3px 8px;border-bottom:1px solid var(--jp-border-color2,#e0e0e0)}
+.ddpnb .ddpnb-ranks tbody tr,.ddpnb .ddpnb-ranks tbody tr:nth-child(odd),
+.ddpnb .ddpnb-ranks tbody tr:nth-child(even){background:transparent}
+.ddpnb .ddpnb-ranks td.ddpnb-last{width:99%}
+.ddpnb .ddpnb-last div{white-space:nowrap;overflow:hidden;text-overflow:ellipsis;max-width:300px;
+  color:var(--jp-ui-font-color2,#616161)}
+.ddpnb-swatch{display:inline-block;width:9px;height:9px;border-radius:2px;margin-right:6px}
+.ddpnb-bar{display:inline-block;width:110px;height:8px;border-radius:4px;vertical-align:middle;overflow:hidden;
+  background:var(--jp-layout-color3,#e0e0e0);margin-right:6px}
+.ddpnb-bar>div{height:100%;background:var(--jp-brand-color1,#1976d2)}
+.ddpnb-bar.ddpnb-failed>div{background:var(--jp-error-color1,#d32f2f)}
+.ddpnb-bar.ddpnb-done>div{background:var(--jp-success-color1,#388e3c)}
+.ddpnb-progress{font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161)}
+.ddpnb-plots{display:flex;flex-wrap:wrap;gap:4px 14px;margin:2px 0 4px}
+.ddpnb-plot-title{font-size:var(--jp-ui-font-size0,12px);font-weight:600;margin:0 0 0 40px}
+.ddpnb-plot-title span{font-weight:400;color:var(--jp-ui-font-color2,#616161)}
+.ddpnb svg .ddpnb-axis{stroke:var(--jp-border-color1,#bdbdbd)}
+.ddpnb svg .ddpnb-grid{stroke:var(--jp-border-color2,#eeeeee)}
+.ddpnb svg text{fill:var(--jp-ui-font-color2,#616161);font-family:var(--jp-ui-font-family,sans-serif)}
+.ddpnb-legend{font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161);margin:2px 0}
+.ddpnb-legend span{margin-right:12px}
+.ddpnb-muted{color:var(--jp-ui-font-color2,#616161);font-size:var(--jp-ui-font-size0,12px)}
+.ddpnb-log{max-height:220px;overflow-y:auto;display:flex;flex-direction:column-reverse;
+  background:var(--jp-layout-color2,#f5f5f5);border:1px solid var(--jp-border-color2,#e0e0e0);border-radius:3px;
+  padding:4px 8px;margin:2px 0}
+.ddpnb-line{white-space:pre-wrap;word-break:break-all;line-height:1.35}
+.ddpnb-line.ddpnb-stderr{background:var(--jp-rendermime-error-background,#fdd)}
+.ddpnb-tag{font-weight:600;margin-right:6px}
+.ddpnb-error{border-left:3px solid var(--jp-error-color1,#d32f2f);background:var(--jp-error-color3,#ffebee);
+  padding:4px 10px;margin:4px 0}
+.ddpnb-error pre{margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto;
+  color:var(--jp-content-font-color1,#212121)}
+.ddpnb-error-title{font-weight:600;color:var(--jp-error-color1,#d32f2f)}
+.ddpnb-section{font-weight:600;font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161);
+  text-transform:uppercase;letter-spacing:.04em;margin:6px 0 2px}
+.ddpnb .widget-toggle-buttons .widget-toggle-button{font-size:var(--jp-ui-font-size0,12px)}
+</style>"""
+
+
+# --- pure renderers: record -> HTML ------------------------------------------------------------------------------
+
+def overall_state(record: RunRecord) -> str:
+    """The run's state in the words the rank rows use: 'running', 'finished', 'failed', 'stopped', ..."""
+    return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
+
+
+def rank_state(rank: RankRecord) -> str:
+    """'running', 'finished', 'failed · exit 1', 'failed · SIGSEGV', 'stopped · SIGTERM'."""
+    state = rank.state.value
+    code = rank.exitcode
+    if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
+        if code < 0:
+            state += " · " + describe_exit(code).removeprefix("killed by ")
+        else:
+            state += f" · exit {code}"
+    return state
+
+
+def _pill(state: str) -> str:
+    colour = _STATE_COLOURS.get(state, _STATE_COLOURS["stopped"])
+    return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="color:{colour}">'
+            f'<span class="ddpnb-dot"></span>{html.escape(state)}</span>')
+
+
+def _devices(record: RunRecord) -> str:
+    devices = [r.device for r in record.ranks]
+    kinds = sorted({d.split(":")[0] for d in devices})
+    if kinds == ["cpu"]:
+        return "cpu"
+    if len(devices) <= 4:
+        return ", ".join(devices)
+    return f"{len(devices)} × {'/'.join(kinds)}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def header_html(record: RunRecord) -> str:
+    meta = " · ".join([record.engine, record.backend, f"{record.world_size} ranks", _devices(record),
+                       _duration(record.duration)])
+    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record))}'
+            f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
+
+
+def _progress_html(rank: RankRecord) -> str:
+    bars = rank.active_progress[-2:]
+    if not bars:
+        return '<span class="ddpnb-muted">–</span>'
+    parts = []
+    for bar in bars:
+        label = html.escape(f"{bar.desc} " if bar.desc else "") + html.escape(bar.text)
+        data = f'data-bar="{bar.bar}" data-n="{bar.n:g}" data-total="{"" if bar.total is None else f"{bar.total:g}"}"'
+        if bar.total:
+            share = max(0.0, min(1.0, bar.n / bar.total))
+            kind = " ddpnb-failed" if rank.state is RankState.FAILED else (" ddpnb-done" if share >= 1 else "")
+            parts.append(f'<div class="ddpnb-progress" {data}><span class="ddpnb-bar{kind}">'
+                         f'<div style="width:{share * 100:.1f}%"></div></span>{label}</div>')
+        else:
+            parts.append(f'<div class="ddpnb-progress" {data}>{label}</div>')
+    return "".join(parts)
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def _gpu_memory_html(rank: RankRecord) -> str:
+    if rank.gpu_memory is None:
+        return '<td class="ddpnb-muted">–</td>'
+    reserved, peak = rank.gpu_memory
+    return f'<td title="held by PyTorch now; peak {_bytes(peak)}">{_bytes(reserved)}</td>'
+
+
+def ranks_html(record: RunRecord) -> str:
+    gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
+    rows = [('<table class="ddpnb-ranks"><thead><tr><th>rank</th><th>state</th><th>device</th><th>PID</th>'
+             f'{"<th>GPU memory</th>" if gpus else ""}'
+             '<th>progress</th><th>time</th><th>latest output</th></tr></thead><tbody>')]
+    for rank in record.ranks:
+        state = rank_state(rank)
+        colour = _STATE_COLOURS.get(rank.state.value, _STATE_COLOURS["stopped"])
+        last = rank.last_line[:MAX_LINE_CHARS]
+        rows.append(
+            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}">'
+            f'<td><span class="ddpnb-swatch" style="background:{_rank_colour(rank.rank)}"></span>{rank.rank}</td>'
+            f'<td style="color:{colour};font-weight:600">{html.escape(state)}</td>'
+            f'<td>{html.escape(rank.device)}</td><td class="ddpnb-mono">{rank.pid or "–"}</td>'
+            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank)}</td><td>{_duration(rank.duration)}</td>'
+            f'<td class="ddpnb-last"><div class="ddpnb-mono" title="{html.escape(last)}">{html.escape(last[:160])}'
+            f'</div></td></tr>')
+    rows.append("</tbody></table>")
+    return "".join(rows)
+
+
+def _rank_colour(rank: int) -> str:
+    return RANK_COLOURS[rank % len(RANK_COLOURS)]
+
+
+def metric_names(record: RunRecord) -> list[str]:
+    names: dict[str, None] = {}
+    for rank in record.ranks:
+        for name in list(rank.metrics):
+            names.setdefault(name, None)
+    return list(names)
+
+
+def metrics_signature(record: RunRecord) -> tuple[int, ...]:
+    """Changes whenever a point is logged: redraw plots only then."""
+    return tuple(len(series) for rank in record.ranks for series in list(rank.metrics.values()))
+
+
+def plots_html(record: RunRecord, width: int = 400, height: int = 160) -> str:
+    names = metric_names(record)
+    if not names:
+        return ('<div class="ddpnb-muted">No metrics yet: send them from the ranks with '
+                '<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>')
+    many = record.world_size > MANY_RANKS
+    shown = [0] if many else [r.rank for r in record.ranks]
+    legend = "".join(f'<span><span class="ddpnb-swatch" style="background:{_rank_colour(r)}"></span>rank {r}</span>'
+                     for r in shown)
+    if many:
+        legend += '<span><span class="ddpnb-swatch" style="background:#1f77b4;opacity:.25"></span>min–max of all ranks</span>'
+    plots = [_plot(record, name, shown, many, width, height) for name in names]
+    return f'<div class="ddpnb-legend">{legend}</div><div class="ddpnb-plots">{"".join(plots)}</div>'
+
+
+def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, width: int, height: int) -> str:
+    # the record's own lists, which the supervisor appends to: measured and sampled, never copied whole, so a
+    # redraw costs the same after a million points as after a hundred
+    logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
+    counts = {rank: len(points) for rank, points in logged.items()}
+    series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
+    by_step = all(step is not None for points in series.values() for step, _, _ in points)
+
+    def xy(points: list[tuple[int | None, float, float]]) -> list[tuple[float, float]]:
+        return [(float(step) if by_step else t - record.started, value) for step, t, value in points
+                if math.isfinite(value)]
+
+    lines = {rank: xy(series[rank]) for rank in shown}
+    band_points: list[tuple[float, float, float]] = []
+    if band and by_step:
+        spread: dict[float, list[float]] = {}
+        for points in series.values():
+            for x, y in xy(points):
+                spread.setdefault(x, []).append(y)
+        band_points = [(x, min(ys), max(ys)) for x, ys in sorted(spread.items())]
+    all_x = [x for points in lines.values() for x, _ in points] + [x for x, _, _ in band_points]
+    all_y = [y for points in lines.values() for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
+    latest = series[shown[0]]
+    value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
+    title = f'<div class="ddpnb-plot-title">{html.escape(name)} <span>{value}</span></div>'
+    if not all_x:
+        return f'<div class="ddpnb-plot" data-metric="{html.escape(name)}">{title}</div>'
+    left, right, top, bottom = 44, 10, 6, 22
+    x_lo, x_hi = min(all_x), max(all_x)
+    y_lo, y_hi = min(all_y), max(all_y)
+    if x_hi == x_lo:
+        x_hi = x_lo + 1
+    if y_hi == y_lo:
+        pad = abs(y_lo) * 0.1 or 1.0
+        y_lo, y_hi = y_lo - pad, y_hi + pad
+    x_ticks, y_ticks = nice_ticks(x_lo, x_hi, 5), nice_ticks(y_lo, y_hi, 4)
+    y_lo, y_hi = min(y_lo, y_ticks[0]), max(y_hi, y_ticks[-1])
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def sx(x: float) -> float:
+        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
+
+    svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-size="10">')]
+    for y in y_ticks:
+        svg.append(f'<line class="ddpnb-grid" x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+                   f'stroke="#eeeeee"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#616161">'
+                   f'{_tick_label(y)}</text>')
+    for x in x_ticks:
+        if x_lo <= x <= x_hi and sx(x) < width - right - 30:  # the right end carries the axis' unit
+            svg.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#616161">'
+                       f'{_tick_label(x)}</text>')
+    svg.append(f'<line class="ddpnb-axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" '
+               f'stroke="#bdbdbd"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
+               f'stroke="#bdbdbd"/>')
+    svg.append(f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#616161">'
+               f'{"step" if by_step else "s"}</text>')
+    if band_points:
+        thinned = thin(band_points, MAX_POINTS)
+        outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
+        svg.append(f'<polygon fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
+                   f'points="{_points(outline)}"/>')
+    for rank, points in lines.items():
+        if not points:
+            continue
+        colour = _rank_colour(rank)
+        drawn = thin(points, MAX_POINTS)
+        attrs = f'data-rank="{rank}" data-points="{counts[rank]}"'
+        if len(drawn) == 1:
+            (x, y), = drawn
+            svg.append(f'<circle {attrs} cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>')
+        else:
+            svg.append(f'<polyline {attrs} fill="none" stroke="{colour}" stroke-width="1.6" '
+                       f'stroke-linejoin="round" points="{_points((sx(x), sy(y)) for x, y in drawn)}"/>')
+    svg.append("</svg>")
+    return f'<div class="ddpnb-plot" data-metric="{html.escape(name)}">{title}{"".join(svg)}</div>'
+
+
+def _points(points: Iterable[tuple[float, float]]) -> str:
+    return " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+
+
+def thin(points: Sequence[Any], limit: int) -> Sequence[Any]:
+    """At most about `limit` evenly spaced points, always keeping the last one."""
+    if len(points) <= limit:
+        return list(points)
+    stride = math.ceil(len(points) / limit)
+    kept = list(points[::stride])
+    if kept[-1] is not points[-1]:
+        kept.append(points[-1])
+    return kept
+
+
+def nice_ticks(lo: float, hi: float, count: int) -> list[float]:
+    """About `count` round tick values (1, 2 or 5 times a power of ten apart) covering [lo, hi]."""
+    raw = (hi - lo) / max(1, count)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.floor(lo / step) * step
+    ticks = []
+    tick = first
+    while tick <= hi + step * 0.5 and len(ticks) < 50:
+        ticks.append(round(tick, 12))
+        tick += step
+    if ticks[-1] < hi:
+        ticks.append(round(tick, 12))
+    return ticks
+
+
+def _tick_label(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e5 or abs(value) < 1e-3:
+        return f"{value:.0e}"
+    return f"{value:.4g}"
+
+
+def log_html(lines: Iterable[tuple[int, str, str]], note: str) -> str:
+    body = []
+    for rank, stream, text in lines:
+        body.append(f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" '
+                    f'style="color:{_rank_colour(rank)}">[rank {rank}]</span>'
+                    f'<span class="ddpnb-text">{html.escape(text)}</span></div>')
+    inner = "".join(body) or '<div class="ddpnb-muted">no output yet</div>'
+    return (f'<div class="ddpnb-muted">{note}</div>'
+            f'<div class="ddpnb-log ddpnb-mono"><div>{inner}</div></div>')
+
+
+def error_html(record: RunRecord) -> str:
+    first = record.first_failure
+    if first is None:
+        return ""
+    parts = [(f'<div class="ddpnb-error"><div class="ddpnb-error-title">rank {first.rank} failed first: '
+              f'{html.escape(first.summary)}</div>')]
+    if first.traceback:
+        parts.append(f"<pre>{html.escape(first.traceback.rstrip())}</pre>")
+    others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
+    if others:
+        parts.append('<div class="ddpnb-muted">then, as a consequence: '
+                     + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others) + "</div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _log_location(record: RunRecord) -> str:
+    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}.log</code>"
+
+
+def summary_html(record: RunRecord, lines: Sequence[tuple[int, str, str]]) -> str:
+    """The static record of a finished run: what the cell keeps once the live dashboard is gone."""
+    tail = lines[-SUMMARY_LOG_LINES:]
+    total = sum(r.lines for r in record.ranks)
+    note = (f"last {len(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
+            else f"no output · logs in {_log_location(record)}")
+    logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
+            f'</summary>{log_html(tail, note)}</details>')
+    return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
+            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}</div>')
+
+
+def summary_text(record: RunRecord) -> str:
+    text = f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n{record.summary_table()}"
+    return f"{text}\nfull per-rank logs: {record.run_dir}"
+
+
+# --- the live widget ---------------------------------------------------------------------------------------------
+
+class Dashboard:
+    """Shows `run` as a live widget in the current cell; replaces it by a static summary when the run ends.
+
+    `foreground`: the cell waits for the run, so the kernel cannot take a button click before it ends; the Stop
+    button is then disabled and says to interrupt the kernel instead.
+    """
+
+    def __init__(self, run: Run, *, foreground: bool, log_lines: int = LOG_LINES) -> None:
+        import ipywidgets as widgets
+        from IPython import get_ipython
+        from IPython.display import display
+
+        self.run = run
+        self.record = run.record
+        self._lock = threading.RLock()  # one redraw at a time: the timer thread, wait()'s thread, a click
+        self._finished = False
+        self._seen = 0  # sequence number of the last line taken from the record
+        self._all: deque[tuple[int, str, str]] = deque(maxlen=log_lines)
+        self._per_rank = [deque(maxlen=log_lines) for _ in range(self.record.world_size)]
+        self._metrics_seen: tuple[int, ...] | None = None
+        self._lines_changed = True
+
+        self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
+        self.stop_button = widgets.Button(
+            description="Stop", icon="stop", disabled=foreground,
+            tooltip=("Interrupt the kernel (■) to stop: this cell is waiting for the run" if foreground
+                     else "Stop every rank of this run"),
+            layout=widgets.Layout(width="auto", height="26px"))
+        self.stop_button.on_click(self._on_stop)
+        self.ranks = widgets.HTML()
+        self.plots = widgets.HTML()
+        options = [("all ranks", -1)] + [(f"rank {r}", r) for r in range(self.record.world_size)]
+        picker_type = widgets.ToggleButtons if self.record.world_size <= MANY_RANKS else widgets.Dropdown
+        self.log_picker = picker_type(options=options, value=-1, layout=widgets.Layout(width="auto"))
+        if picker_type is widgets.ToggleButtons:
+            self.log_picker.style.button_width = "auto"
+        self.log_picker.observe(self._on_pick, names="value")
+        self.log = widgets.HTML()
+        self.error = widgets.HTML(layout=widgets.Layout(display="none"))
+        log_bar = widgets.HBox([widgets.HTML('<div class="ddpnb-section">output</div>'), self.log_picker],
+                               layout=widgets.Layout(align_items="center", gap="10px"))
+        self.widget = widgets.VBox(
+            [widgets.HTML(STYLE), widgets.HBox([self.header, self.stop_button],
+                                               layout=widgets.Layout(align_items="center")),
+             self.ranks, self.error, self.plots, log_bar, self.log],
+            layout=widgets.Layout(padding="2px 4px"))
+        self.widget.add_class("ddpnb")
+        self._render()
+        bundle = self.widget._repr_mimebundle_()
+        bundle["text/plain"] = (f"[ddpnb] live dashboard of a {self.record.world_size}-rank run (needs a widget "
+                                f"front end); the summary replaces it when the run ends. Logs: {self.record.run_dir}")
+        # outside IPython (a script forcing view="widget", a benchmark) the widget is drawn but shown nowhere
+        self._display = display(bundle, raw=True, display_id=True) if get_ipython() is not None else None
+        run.subscribe(self._on_wait)
+        threading.Thread(target=self._loop, name="ddpnb-dashboard", daemon=True).start()
+
+    # --- drawing ---------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.run.done:
+            self._render()
+            time.sleep(REFRESH)
+        self.finish()
+
+    def _on_wait(self) -> None:
+        """Called by `Run.wait()`: a foreground cell ends only after its summary is in place."""
+        if self.run.done:
+            self.finish()
+
+    def finish(self) -> None:
+        """Draw the final state, then replace the widget by the static summary (once)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._render()
+            self.stop_button.disabled = True
+            self.stop_button.layout.display = "none"
+            if self._display is not None:
+                self._display.update({"text/html": summary_html(self.record, list(self._all)),
+                                      "text/plain": summary_text(self.record)}, raw=True)
+
+    def _render(self) -> None:
+        with self._lock:
+            record = self.record
+            self._take_lines()
+            self.header.value = header_html(record)
+            self.ranks.value = ranks_html(record)
+            signature = metrics_signature(record)
+            if signature != self._metrics_seen:
+                self._metrics_seen = signature
+                self.plots.value = plots_html(record)
+            if self._lines_changed:
+                self._lines_changed = False
+                self.log.value = self._log_value()
+            if record.failures and self.error.layout.display == "none":
+                self.error.layout.display = None
+            if record.failures:
+                self.error.value = error_html(record)
+
+    def _take_lines(self) -> None:
+        run = self.run
+        new = []
+        with run.lock:  # newest first, stopping at what was seen: the supervisor waits on this lock
+            for entry in reversed(run.record.recent):
+                if entry[0] <= self._seen:
+                    break
+                new.append(entry)
+            self._seen = run.line_seq
+        new.reverse()
+        for _, rank, stream, text in new:
+            entry = (rank, stream, text[:MAX_LINE_CHARS])
+            self._all.append(entry)
+            self._per_rank[rank].append(entry)
+        if new:
+            self._lines_changed = True
+
+    def _log_value(self) -> str:
+        rank = self.log_picker.value
+        record = self.record
+        if rank == -1:
+            lines, total = self._all, sum(r.lines for r in record.ranks)
+            where = _log_location(record)
+        else:
+            lines, total = self._per_rank[rank], record.ranks[rank].lines
+            where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
+        shown = len(lines)
+        note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
+                else f"{total:,} lines · also in {where}")
+        return log_html(list(lines), note)
+
+    # --- controls ----------------------------------------------------------------------------------------------------
+    def _on_pick(self, change: dict[str, Any]) -> None:
+        with self._lock:
+            self.log.value = self._log_value()
+
+    def _on_stop(self, button: Any) -> None:
+        button.disabled = True
+        button.description = "Stopping…"
+        # stop() waits for the ranks to exit; the kernel must not wait with it
+        threading.Thread(target=self.run.stop, name="ddpnb-stop", daemon=True).start()

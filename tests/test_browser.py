@@ -1,0 +1,232 @@
+"""The dashboard in a real browser: JupyterLab on 127.0.0.1, Debian's Chromium driven by Playwright.
+
+No browser is downloaded: Playwright drives /usr/bin/chromium (`apt-get install chromium`). The test is skipped,
+saying why, only where that Chromium, JupyterLab or Playwright is missing; CI installs all three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM = os.environ.get("DDPNB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+REPO = Path(__file__).resolve().parents[1]
+# the README's pictures: rewritten only when asked (DDPNB_UPDATE_SCREENSHOTS=1), else kept beside the notebooks
+UPDATE_SCREENSHOTS = os.environ.get("DDPNB_UPDATE_SCREENSHOTS") == "1"
+
+pytestmark = pytest.mark.slow
+NOTEBOOK = ".jp-NotebookPanel:visible .jp-Notebook"
+IDLE = ".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']"
+
+TRAIN_CELL = '''%%ddp -n 2
+def train(rank, world_size):
+    import time, torch, ddpnb
+    from tqdm.auto import tqdm
+    torch.manual_seed(rank)
+    x, w = torch.randn(512, 16), torch.linspace(-1, 1, 16)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+    for step in tqdm(range(80), desc="train"):
+        started = time.perf_counter()
+        batch = x[torch.randint(0, 512, (64,))]
+        loss = (model(batch).squeeze(1) - batch @ w).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.08)
+        ddpnb.log(step=step, loss=loss.item(), samples_per_s=64 / (time.perf_counter() - started))
+        if step % 4 == 0:
+            print(f"step {step:3d}  loss {loss.item():.4f}")
+'''
+
+BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
+def slow(rank):
+    import time
+    import ddpnb
+    for step in range(30):
+        ddpnb.log(step=step, value=step * (rank + 1))
+        print(f"tick {step}")
+        time.sleep(0.1)
+    return "background done"
+'''
+
+
+def _require(module: str) -> None:
+    try:
+        __import__(module)
+    except ImportError:
+        pytest.skip(f"{module} is not installed (pip install jupyterlab playwright); CI installs it")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """A JupyterLab server on 127.0.0.1 (a port the server binds as 0), with a token; stopped afterwards."""
+    if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"Debian's chromium is not at {CHROMIUM} (apt-get install -y chromium); CI installs it")
+    _require("jupyterlab")
+    _require("playwright")
+    root = tmp_path_factory.mktemp("lab")
+    runtime, settings = root / ".runtime", root / ".settings"
+    notification = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    notification.parent.mkdir(parents=True)
+    notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    token = secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime), "JUPYTERLAB_SETTINGS_DIR": str(settings),
+           "JUPYTERLAB_WORKSPACES_DIR": str(root / ".workspaces"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("DDPNB_VIEW", None)  # auto: the dashboard, as a user gets it
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", "--port=0",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
+         "--LabApp.extension_manager=readonly", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "wb"),  # noqa: SIM115
+    )
+    try:
+        url = _server_url(runtime, server, root / "server.log")
+        yield url, token, root
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+
+
+def _server_url(runtime: Path, server: subprocess.Popen, log: Path) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for info in runtime.glob("jpserver-*.json"):
+            data = json.loads(info.read_text() or "{}")
+            if data.get("port"):
+                return f"http://127.0.0.1:{data['port']}"
+        if server.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"JupyterLab did not start:\n{log.read_text()[-3000:]}")
+
+
+def _notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.fixture()
+def page(lab: tuple[str, str, Path], request: pytest.FixtureRequest) -> Iterator:
+    """A Chromium page; when the test fails, a screenshot of it lands beside the notebooks."""
+    failed_before = request.session.testsfailed
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1180, "height": 1500}, device_scale_factor=2)
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        try:
+            yield page
+        finally:
+            if request.session.testsfailed > failed_before:  # what the browser showed, for the CI log's reader
+                shot = lab[2] / f"{request.node.name}.png"
+                page.screenshot(path=str(shot))
+                print(f"\nwhat the browser showed: {shot}")
+            context.close()
+            browser.close()
+
+
+def _open(page, lab: tuple[str, str, Path], name: str, cells: list[str]):
+    url, token, root = lab
+    _notebook(root / name, cells)
+    workspace = Path(name).stem  # a fresh workspace per test: only this notebook opens
+    page.goto(f"{url}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}")
+    page.wait_for_selector(f"{NOTEBOOK} .jp-Cell")
+    page.wait_for_selector(IDLE, timeout=120_000)
+    page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # the notebook gets the whole width
+    cells_in_page = page.locator(f"{NOTEBOOK} .jp-Cell")
+    cells_in_page.nth(len(cells) - 1).wait_for()
+    return cells_in_page
+
+
+def _screenshot(lab: tuple[str, str, Path], name: str) -> Path:
+    return (REPO / "docs" if UPDATE_SCREENSHOTS else lab[2]) / name
+
+
+def _run_cell(page, cell, finished: bool = True) -> None:
+    """Select the cell, run it (Ctrl+Enter), and wait until it ran (`finished`) or at least started."""
+    prompt = cell.locator(".jp-InputPrompt")
+    before = prompt.inner_text()
+    for _ in range(3):  # a key press can be lost while the notebook is still settling after it opened
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Escape")  # command mode: the cell is selected, not edited
+        page.keyboard.press("Control+Enter")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and prompt.inner_text() == before:
+            page.wait_for_timeout(100)
+        if prompt.inner_text() != before:
+            break
+    else:
+        raise AssertionError("the cell did not start running")
+    if finished:
+        page.wait_for_function("el => /\\[\\d+\\]/.test(el.innerText)", arg=prompt.element_handle(),
+                               timeout=120_000)
+
+
+def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summary(lab, page):
+    cells = _open(page, lab, "dashboard.ipynb", ["%load_ext ddpnb", TRAIN_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+
+    # mid-run: the live widget, both rank rows, a plot with lines, log text, tqdm as a bar
+    live = output.locator(".ddpnb .ddpnb-pill[data-state='running']")
+    live.wait_for(timeout=120_000)
+    for rank in (0, 1):
+        output.locator(f"table.ddpnb-ranks tr[data-rank='{rank}']").wait_for()
+    output.locator(".ddpnb-plot[data-metric='loss'] svg polyline[data-rank='1']").wait_for()
+    output.locator(".ddpnb-line", has_text="step").first.wait_for()
+    output.locator(".ddpnb-progress[data-total='80'] .ddpnb-bar").first.wait_for()
+    assert live.is_visible(), "the run ended before the mid-run checks; the test workload is too short"
+    page.wait_for_timeout(1500)
+    cells.nth(1).screenshot(path=str(_screenshot(lab, "dashboard-live.png")))
+
+    # the end: the widget is replaced by the static summary, which says finished
+    summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
+    summary.wait_for(timeout=120_000)
+    assert output.locator("[data-ddpnb-summary] tr[data-state='finished']").count() == 2
+    assert output.locator("[data-ddpnb-summary] .ddpnb-plot svg polyline").count() >= 2
+    assert output.locator(".jp-OutputArea-output", has_text="Error displaying widget").count() == 0
+    page.wait_for_selector(IDLE)
+    cells.nth(0).locator(".jp-InputArea-editor").click()  # another cell active: no toolbar over this one
+    page.keyboard.press("Escape")
+    page.mouse.move(0, 0)
+    cells.nth(1).screenshot(path=str(_screenshot(lab, "dashboard.png")))
+
+
+def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
+    cells = _open(page, lab, "background.ipynb", ["%load_ext ddpnb", BACKGROUND_CELL, "print(40 + 2)",
+                                                  "print(job.result())"])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1))  # returns at once
+    background = cells.nth(1).locator(".jp-OutputArea")
+    background.locator(".ddpnb .ddpnb-pill[data-state='running']").wait_for(timeout=120_000)
+
+    _run_cell(page, cells.nth(2))
+    cells.nth(2).locator(".jp-OutputArea-output", has_text="42").wait_for()
+    assert background.locator(".ddpnb .ddpnb-pill[data-state='running']").is_visible()
+    background.locator(".ddpnb-line", has_text="tick").first.wait_for()
+
+    _run_cell(page, cells.nth(3), finished=False)
+    cells.nth(3).locator(".jp-OutputArea-output", has_text="background done").wait_for(timeout=120_000)
+    background.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=30_000)
+

@@ -1,0 +1,359 @@
+"""The live dashboard and background runs, through real kernels (issue 3).
+
+Widget state is read the way a front end gets it: nbclient with `store_widget_state=True`, or the comm messages
+a kernel publishes. The plain-text view is checked in terminal IPython (`ipython -c`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from ddpnb import _dashboard
+from ddpnb._record import Outcome, RankRecord, RankState, RunRecord
+from tests.conftest import Kernel, wait_gone
+
+pytestmark = pytest.mark.slow
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+TRAIN_CELL = '''%%ddp -n 2
+def train(rank, world_size):
+    import ddpnb
+    for step in range(25):
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + rank)
+        print(f"step {step} on rank {rank}")
+    return "trained"
+'''
+
+TQDM_CELL = '''%%ddp -n 2
+def bars(rank):
+    from tqdm.auto import tqdm
+    total = 0
+    for i in tqdm(range(20000), desc="batches", mininterval=0, miniters=1):
+        total += i
+    return total
+'''
+
+FAILING_CELL = '''%%ddp -n 2
+def broken(rank):
+    import time
+    if rank == 1:
+        raise ValueError("bad batch on rank 1")
+    time.sleep(30)
+'''
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+def _dashboards(nb: nbformat.NotebookNode) -> list[str]:
+    """For each ddpnb dashboard in the stored widget state, in creation order, all its HTML joined."""
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+
+    def html_below(model_id: str) -> list[str]:
+        model = state[model_id]["state"]
+        found = [model["value"]] if state[model_id]["model_name"] == "HTMLModel" else []
+        for child in model.get("children", []):
+            found += html_below(child.removeprefix("IPY_MODEL_"))
+        return found
+
+    return ["\n".join(html_below(model_id)) for model_id, model in state.items()
+            if "ddpnb" in model["state"].get("_dom_classes", [])]
+
+
+def _execute(cells: list[str], path: Path) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell) for cell in cells])
+    NotebookClient(nb, timeout=240, store_widget_state=True, allow_errors=True,
+                   resources={"metadata": {"path": str(path)}}).execute()
+    return nb
+
+
+def _summary(cell: nbformat.NotebookNode) -> dict:
+    """The static summary a finished run leaves in its cell."""
+    shown = [out for out in cell.outputs if out.get("output_type") == "display_data"]
+    assert len(shown) == 1, cell.outputs
+    return shown[0]["data"]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
+    """One notebook run through a real kernel with widget state stored, as a front end would save it."""
+    path = tmp_path_factory.mktemp("dashboard")
+    saved = os.environ.pop("DDPNB_VIEW", None)  # auto: a Jupyter kernel gets the dashboard
+    os.environ["DDPNB_RUNS_DIR"] = str(path / "runs")
+    try:
+        nb = _execute(["%load_ext ddpnb", TRAIN_CELL, TQDM_CELL, "import ddpnb\nrecord = ddpnb.last_run()",
+                       FAILING_CELL], path)
+    finally:
+        os.environ.pop("DDPNB_RUNS_DIR")
+        if saved is not None:
+            os.environ["DDPNB_VIEW"] = saved
+    nbformat.write(nb, path / "executed.ipynb")
+    return nb
+
+
+# --- through nbclient, widget state stored ----------------------------------------------------------------------
+
+def test_widget_state_has_both_rank_rows_the_metric_series_and_finished(executed):
+    train = _dashboards(executed)[0]
+    assert re.search(r'class="ddpnb-pill" data-state="finished"', train)
+    for rank in (0, 1):
+        assert f'<tr data-rank="{rank}" data-state="finished">' in train
+        assert re.search(rf'<polyline data-rank="{rank}" data-points="25" ', train)
+    points = re.search(r'<polyline data-rank="0" data-points="25" [^>]* points="([^"]+)"', train).group(1)
+    assert len(points.split()) == 25
+    assert "[rank 1]</span><span class=\"ddpnb-text\">step 24 on rank 1" in train
+    assert not [out for out in executed.cells[1].outputs if out.get("output_type") == "stream"]
+
+
+def test_finished_run_leaves_a_static_summary_instead_of_the_widget(executed):
+    summary = _summary(executed.cells[1])
+    assert "application/vnd.jupyter.widget-view+json" not in summary
+    html = summary["text/html"]
+    assert "data-ddpnb-summary" in html and 'data-state="finished"' in html
+    assert html.count("<polyline") == 2 and "<svg" in html  # the final plots, inline
+    assert "step 24 on rank 0" in html
+    assert "run succeeded" in summary["text/plain"] and "finished" in summary["text/plain"]
+    result = [out for out in executed.cells[1].outputs if out.get("output_type") == "execute_result"]
+    assert result[0]["data"]["text/plain"] == "'trained'"
+
+
+def test_tqdm_in_a_worker_becomes_a_progress_bar_not_thousands_of_lines(executed):
+    bars = _dashboards(executed)[1]
+    for rank in (0, 1):
+        row = re.search(rf'<tr data-rank="{rank}" .*?</tr>', bars).group(0)
+        assert re.search(r'data-n="20000" data-total="20000"', row), row
+        assert "batches" in row and "20000/20000" in row
+    shown_lines = bars.count('class="ddpnb-line')
+    assert shown_lines <= 4, f"{shown_lines} lines reached the log panel"  # one final bar line per rank
+    log = Path(_summary(executed.cells[2])["text/plain"].rsplit("full per-rank logs: ", 1)[1].strip())
+    assert "20000/20000" in (log / "rank0.log").read_text(errors="replace")
+
+
+def test_first_failure_traceback_shows_in_the_error_panel(executed):
+    failing = _dashboards(executed)[2]
+    assert 'data-state="failed"' in failing
+    assert "rank 1 failed first: ValueError: bad batch on rank 1" in failing
+    assert 'raise ValueError(&quot;bad batch on rank 1&quot;)' in failing  # the worker's own traceback
+    summary = _summary(executed.cells[4])
+    assert "bad batch on rank 1" in summary["text/html"]
+    assert "WorkerError" not in summary["text/html"]
+    errors = [out for out in executed.cells[4].outputs if out.get("output_type") == "error"]
+    assert errors and "bad batch on rank 1" in "\n".join(errors[0]["traceback"])
+
+
+# --- a real kernel driven through jupyter_client ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def widget_kernel(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("background")
+    kernel = Kernel(env={"DDPNB_VIEW": "widget", "DDPNB_RUNS_DIR": str(path / "runs")})
+    kernel.execute("%load_ext ddpnb\nimport ddpnb, os, time, psutil")
+    kernel.execute("ddpnb.run(lambda: None, nprocs=1, view='none')", timeout=180)  # the forkserver is warm
+    yield kernel
+    kernel.shutdown()
+
+
+def _value(kernel: Kernel, expression: str, timeout: float = 120) -> object:
+    done = kernel.execute(f"print('<<' + __import__('json').dumps({expression}) + '>>')", timeout=timeout)
+    assert done.error is None, done.error
+    return json.loads(re.search(r"<<(.*)>>", done.stdout, re.DOTALL).group(1))
+
+
+def _timed(kernel: Kernel, code: str, timeout: float = 60) -> float:
+    started = time.monotonic()
+    done = kernel.execute(code, timeout=timeout)
+    assert done.error is None, done.error
+    return time.monotonic() - started
+
+
+FLOOD_CELL = '''%%ddp -n 2 --background -o flood
+def flood(rank):
+    import sys, time
+    write = sys.stdout.write
+    for burst in range(200):  # 200k lines a rank in about three seconds
+        for i in range(burst * 1000, burst * 1000 + 1000):
+            write(f"rank {rank} line {i:06d} of a flood that the dashboard must survive\\n")
+        time.sleep(0.015)
+    sys.stdout.flush()
+'''
+
+
+def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_bounded(widget_kernel):
+    started = _timed(widget_kernel, FLOOD_CELL)
+    assert started < 30
+    latencies = []
+    while not _value(widget_kernel, "flood.done"):
+        latencies.append(_timed(widget_kernel, "1 + 1"))
+        time.sleep(0.2)
+    print(f"flood: {len(latencies)} cells ran meanwhile, the slowest in {max(latencies, default=0):.2f} s")
+    assert len(latencies) >= 3, "the flood ended before the kernel could be measured"
+    assert max(latencies) < 3.0, f"an unrelated cell waited {max(latencies):.1f} s during the flood"
+    assert _value(widget_kernel, "flood.outcome.value") == "succeeded"
+    counts = _value(widget_kernel, "[sum(1 for _ in open(r.log_path, 'rb')) for r in flood.record.ranks]")
+    assert counts == [200_000, 200_000]  # every line is in the rank's log file
+    assert _value(widget_kernel, "[r.lines for r in flood.record.ranks]") == [200_000, 200_000]
+    sizes = _value(widget_kernel, """{
+        "recent": len(flood.record.recent),
+        "widget_chars": max(len(w.value) for w in __import__('ipywidgets').Widget.widgets.values()
+                            if hasattr(w, 'value') and isinstance(w.value, str)),
+    }""")
+    assert sizes["recent"] <= 5000
+    assert sizes["widget_chars"] < 200_000, sizes
+
+
+BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
+def forever(rank):
+    import subprocess, time
+    child = subprocess.Popen(["sleep", "600"])
+    print(f"child {child.pid}", flush=True)
+    while True:
+        print("still training", flush=True)
+        time.sleep(0.2)
+'''
+
+
+def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
+    started = _timed(widget_kernel, BACKGROUND_CELL)
+    assert started < 10, f"the cell took {started:.1f} s to hand back the run"
+    assert _timed(widget_kernel, "x = 40 + 2") < 5  # another cell runs while the ranks train
+    assert _value(widget_kernel, "x") == 42
+    assert _value(widget_kernel, "job.done") is False
+    assert _value(widget_kernel, "job.status").startswith("running")
+    deadline = time.monotonic() + 60
+    children: list[int] = []
+    while len(children) < 2 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        children = _value(widget_kernel, "[int(t.split()[1]) for _, _, _, t in list(job.record.recent) "
+                                         "if t.startswith('child ')]")
+    ranks = _value(widget_kernel, "[r.pid for r in job.record.ranks]")
+    assert len(children) == 2, "the ranks did not start their children"
+    assert _timed(widget_kernel, "job.stop()") < 15
+    assert _value(widget_kernel, "[job.done, job.outcome.value]") == [True, "stopped"]
+    assert wait_gone(ranks + children) == []
+
+
+def test_stop_button_click_from_the_front_end_stops_a_background_run(widget_kernel):
+    launched = widget_kernel.execute(BACKGROUND_CELL.replace("-o job", "-o clicked"), timeout=60)
+    opened = {msg["content"]["comm_id"]: msg["content"]["data"]["state"] for msg in launched.outputs
+              if msg["msg_type"] == "comm_open"}
+    stop = [comm for comm, state in opened.items() if state.get("description") == "Stop"]
+    assert len(stop) == 1 and opened[stop[0]]["disabled"] is False
+    client = widget_kernel.client
+    client.shell_channel.send(client.session.msg("comm_msg", {
+        "comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}))
+    deadline = time.monotonic() + 20
+    while not _value(widget_kernel, "clicked.done") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert _value(widget_kernel, "[clicked.outcome.value, clicked.record.note]") == ["stopped", "stopped by the user"]
+
+
+TWO_RUNS = '''first = ddpnb.launch(lambda rank: print("first", rank) or "one", nprocs=2)
+second = ddpnb.launch(lambda rank: print("second", rank) or "two", nprocs=2)
+'''
+
+
+def test_two_background_runs_keep_their_own_dashboards_and_results(widget_kernel):
+    launched = widget_kernel.execute(TWO_RUNS, timeout=60)
+    assert launched.error is None, launched.error
+    displays = [msg["content"]["transient"]["display_id"] for msg in launched.outputs
+                if msg["msg_type"] == "display_data"]
+    assert len(set(displays)) == 2
+    summaries = {}  # the kernel is idle: each dashboard's own thread replaces its widget by its summary
+    deadline = time.monotonic() + 120
+    while len(summaries) < 2 and time.monotonic() < deadline:
+        try:
+            msg = widget_kernel.client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["msg_type"] == "update_display_data":
+            summaries[msg["content"]["transient"]["display_id"]] = msg["content"]["data"]["text/plain"]
+    assert set(summaries) == set(displays)
+    finished = widget_kernel.execute("print(first.result(), second.result())", timeout=120)
+    assert finished.stdout.strip() == "one two"
+    run_dirs = [_value(widget_kernel, f"str({name}.record.run_dir)") for name in ("first", "second")]
+    for display, run_dir in zip(displays, run_dirs):
+        assert run_dir in summaries[display] and "succeeded" in summaries[display]
+
+
+def test_background_run_result_returns_rank_zeros_value(widget_kernel):
+    widget_kernel.execute("%%ddp -n 2 --background -o quick\ndef quick(rank):\n    return f'value of rank {rank}'")
+    assert _value(widget_kernel, "quick.result()") == "value of rank 0"
+
+
+# --- terminal IPython: the plain-text view ----------------------------------------------------------------------
+
+def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
+    cell = ("%%ddp -n 2\ndef hello(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n"
+            "    print('hello from', rank)\n    return 7\n")
+    env = {**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)}
+    env.pop("DDPNB_VIEW", None)  # auto: text, since terminal IPython has no widgets
+    done = subprocess.run([sys.executable, "-m", "IPython", "--ext", "ddpnb", "--no-banner", "--colors=NoColor",
+                           "-c", cell], capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert "[ddpnb] run succeeded" in out
+    assert re.search(r"^\s+0\s+finished\s", out, re.MULTILINE) and re.search(r"^\s+1\s+finished\s", out, re.MULTILINE)
+    assert "Out[1]: 7" in out
+
+
+# --- the renderers, without a kernel ----------------------------------------------------------------------------
+
+def _record(world_size: int = 2) -> RunRecord:
+    record = RunRecord(run_dir=Path("/tmp/run"), world_size=world_size, backend="gloo")
+    record.ranks = [RankRecord(rank=r) for r in range(world_size)]
+    return record
+
+
+def test_plots_thin_long_series_but_report_every_point():
+    record = _record()
+    for rank in record.ranks:
+        rank.state = RankState.RUNNING
+        rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1)) for step in range(300_000)]
+    started = time.perf_counter()
+    svg = _dashboard.plots_html(record)
+    assert time.perf_counter() - started < 0.5  # a redraw does not grow with the run: ten a second stay cheap
+    drawn = re.search(r'data-rank="1" data-points="300000" [^>]* points="([^"]+)"', svg).group(1)
+    assert len(drawn.split()) <= _dashboard.MAX_POINTS + 1
+
+
+def test_many_ranks_plot_rank_zero_and_the_spread():
+    record = _record(world_size=16)
+    for rank in record.ranks:
+        rank.metrics["loss"] = [(step, 0.0, float(step + rank.rank)) for step in range(5)]
+    svg = _dashboard.plots_html(record)
+    assert svg.count("<polyline") == 1 and "<polygon" in svg and "min–max of all ranks" in svg
+
+
+def test_static_summary_escapes_what_the_ranks_print():
+    record = _record()
+    record.outcome = Outcome.SUCCEEDED
+    record.ranks[0].last_line = "<script>alert(1)</script>"
+    html = _dashboard.summary_html(record, [(0, "stdout", "<b>not bold</b>")])
+    assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
+
+
+def test_gpu_runs_show_each_ranks_gpu_memory():
+    record = _record()
+    assert "GPU memory" not in _dashboard.ranks_html(record)  # CPU ranks: no such column
+    record.ranks[0].device, record.ranks[1].device = "cuda:0", "cuda:1"
+    record.ranks[1].gpu_memory = (3 * 2**30, 5 * 2**30)
+    rows = _dashboard.ranks_html(record)
+    assert "<th>GPU memory</th>" in rows and "3.0 GiB" in rows and "peak 5.0 GiB" in rows
+
+
+def test_nice_ticks_are_round_and_cover_the_range():
+    assert _dashboard.nice_ticks(0.0, 1.0, 4) == [0.0, 0.5, 1.0]
+    ticks = _dashboard.nice_ticks(3.7, 1234.5, 5)
+    assert ticks == [0.0, 500.0, 1000.0, 1500.0]
