@@ -152,10 +152,25 @@ def _open(page, lab: tuple[str, str, Path], name: str, cells: list[str]):
     page.goto(f"{url}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}")
     page.wait_for_selector(f"{NOTEBOOK} .jp-Cell")
     page.wait_for_selector(IDLE, timeout=120_000)
+    _accept_kernel_dialog(page)
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # the notebook gets the whole width
     cells_in_page = page.locator(f"{NOTEBOOK} .jp-Cell")
     cells_in_page.nth(len(cells) - 1).wait_for()
     return cells_in_page
+
+
+def _accept_kernel_dialog(page) -> None:
+    """JupyterLab sometimes asks which kernel to start even though the notebook names one (a race between its
+    session restore and the notebook opening); accept its preselected choice, as a user would."""
+    accept = page.locator(".jp-Dialog .jp-mod-accept")
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if accept.count() and accept.first.is_visible():
+            accept.first.click()
+            page.wait_for_selector(".jp-Dialog", state="detached")
+            page.wait_for_selector(IDLE, timeout=120_000)
+            return
+        page.wait_for_timeout(100)
 
 
 def _screenshot(lab: tuple[str, str, Path], name: str) -> Path:

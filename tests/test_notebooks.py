@@ -22,7 +22,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
     for cell in nb.cells:
         tags = cell.get("metadata", {}).get("tags", [])
-        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        # an exception is an error output; a magic's UsageError is printed to stderr instead
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"
+                  or (o.output_type == "stream" and o.name == "stderr" and "UsageError" in o.text)]
         if "raises-exception" in tags:
             assert errors, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
 
