@@ -119,8 +119,8 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     output when `wait()` or `result()` is called.
 
     `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install 'ddpnb[ray]'`): `address` is
-    the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT'; default: see the README), `placement` 'pack' (default)
-    or 'spread' across nodes.
+    the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: see the README), `placement` 'pack'
+    (default: few nodes) or 'spread' (across nodes).
     """
     return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
                  call_style=call_style, view=view, foreground=False, engine=engine, address=address,

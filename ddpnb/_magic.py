@@ -32,9 +32,10 @@ class DDPMagics(Magics):
     @argument("--engine", choices=list(_api.ENGINES), default="local",
               help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
                    "Train (pip install 'ddpnb[ray]').")
-    @argument("--address", metavar="auto|HOST:PORT",
+    @argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
               help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
-                   "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance).")
+                   "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
+                   "run, which 'local' asks for in any case).")
     @argument("--placement", choices=["pack", "spread"],
               help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes.")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",

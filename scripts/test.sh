@@ -3,7 +3,7 @@
 # test), then runs pytest. Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,ray]"
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "scripts/test.sh: could not install chromium; the browser test will say so" >&2

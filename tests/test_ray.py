@@ -1,0 +1,374 @@
+"""The ray engine (issue 7): `%%ddp --engine ray` through a real kernel, on a local Ray instance and on a two-node
+Ray cluster on this machine, CPU only.
+
+Ray is an optional extra: the tests that need it are skipped, saying so, where `ray[train]` is not installed.
+Each Ray run costs seconds of process start-up (Ray Train's controller and workers, each importing torch), so
+the tests share one local instance, started by ddpnb itself in the module's kernel, and keep runs few.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import Execution, Kernel, wait_gone
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install 'ddpnb[ray]')")
+RAY_TEST_TIMEOUT = 900  # seconds; a Ray run takes ~30 s on an idle 2-core machine, minutes on a busy one
+CELL_TIMEOUT = 600
+# every kernel here: text view, Ray quiet; RAY_ADDRESS=local keeps a `ray start` elsewhere on the machine out
+KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+
+TRAIN_CELL = '''%%ddp --engine ray -n 2 {flags} -o trained
+def train(rank, world_size):
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # seed-style: Ray Train made the group
+    torch.manual_seed(rank)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        x = torch.randn(16, 4)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ddpnb.log(step=step, loss=loss.item())
+    print(f"trained on rank {{rank}}")
+    print("the same line on every rank")
+    print(f"stderr line from rank {{rank}}", file=sys.stderr)
+    os.write(1, f"fd-level write from rank {{rank}}\\n".encode())
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    dist.destroy_process_group()
+    return {{"state": model.module.state_dict(), "ranks_agree": all(torch.equal(g, flat) for g in gathered)}}
+'''
+
+NODE_LINE = re.compile(r"\[rank (\d+)\] \[ddpnb\] on Ray node ([0-9a-f]+) ")
+RUN_ACTORS = ("_RunActor", "TrainController", "RayTrainWorker", "PlacementGroupCleaner")  # Ray process titles
+
+
+def run_actors_left(root_pids: list[int], within: float = 30) -> list[str]:
+    """The Ray processes of a run (ddpnb's run actor, Ray Train's controller, workers, placement group cleaner)
+    still alive under `root_pids` (a kernel that started Ray, or `ray start` nodes) after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for root in root_pids:
+            try:
+                processes = psutil.Process(root).children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for process in processes:
+                try:
+                    title = " ".join(process.cmdline())
+                    if process.status() != psutil.STATUS_ZOMBIE and any(name in title for name in RUN_ACTORS):
+                        left.append(f"{process.pid} {title}")
+                except psutil.NoSuchProcess:
+                    continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def check_training_run(kernel: Kernel, flags: str = "") -> dict[int, str]:
+    """Run TRAIN_CELL; check output, metrics and result as the issue asks; return each rank's node (ID prefix)."""
+    run = kernel.execute(TRAIN_CELL.format(flags=flags), timeout=CELL_TIMEOUT)
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] trained on rank {rank}" in run.stdout
+        assert f"[rank {rank}] fd-level write from rank {rank}" in run.stdout
+        assert f"[rank {rank}] stderr line from rank {rank}" in run.stderr
+        assert f"[rank {rank}] the same line on every rank" in run.stdout  # Ray would have deduplicated it
+    assert "run succeeded" in run.stdout
+    check = kernel.execute(
+        "record = ddpnb.last_run()\n"
+        "print(record.engine, [len(record.metrics('loss', rank)) for rank in (0, 1)], record.outcome.value)\n"
+        "print(sorted(trained['state']), trained['ranks_agree'], type(trained['state']['weight']).__name__,\n"
+        "      trained['state']['weight'].device)")
+    assert check.error is None, check.error
+    assert check.stdout.splitlines() == ["ray [5, 5] succeeded", "['bias', 'weight'] True Tensor cpu"]
+    return {int(rank): node for rank, node in NODE_LINE.findall(run.stdout)}
+
+
+# --- no Ray needed ------------------------------------------------------------------------------------------------
+def test_importing_ddpnb_never_imports_ray():
+    code = "import sys, ddpnb, ddpnb._magic, ddpnb._api; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_engine_ray_without_ray_says_how_to_install(monkeypatch):
+    from ddpnb import _api
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name.split(".")[0] == "ray" else real_find_spec(name, *args))
+    with pytest.raises(_api.LaunchError, match=re.escape("pip install 'ddpnb[ray]'")):
+        _api.plan(None, 2, None, engine="ray")
+
+
+def test_address_and_placement_need_the_ray_engine():
+    import ddpnb
+
+    with pytest.raises(ddpnb.LaunchError, match="engine='ray'"):
+        ddpnb.launch(print, nprocs=2, placement="spread")
+    with pytest.raises(ddpnb.LaunchError, match="one of local, ray"):
+        ddpnb.launch(print, nprocs=2, engine="slurm")
+
+
+# --- a two-node cluster, started with `ray start` on this machine ----------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def two_node_cluster(log_dir: Path, auth: dict[str, str]) -> Iterator[tuple[str, list[int]]]:
+    """A head (`ray start --head`) and a second node joined to it (`ray start --address`), each with 2 CPUs and
+    its own processes, on loopback. Yields the head's address and the nodes' PIDs; stops both nodes and everything
+    they started.
+
+    Both run with --block, so each is a child of this test: stopping them is signalling the processes they
+    started, never `ray stop` (which would stop every Ray on the machine). `auth` is the cluster's token
+    authentication, which every process that joins it (the kernel too) needs.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
+    address = f"127.0.0.1:{free_port()}"
+    common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", f"--object-store-memory={100 * 2**20}",
+              "--disable-usage-stats", "--include-log-monitor=false"]
+    head = [f"--port={address.split(':')[1]}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+    nodes: list[subprocess.Popen] = []
+    try:
+        for name, flags in (("head", ["--head", *head]), ("node2", [f"--address={address}"])):
+            start_node(nodes, [*common, *flags], log_dir / name,
+                       env={**os.environ, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **auth})
+        yield address, [node.pid for node in nodes]
+    finally:
+        stop_nodes(nodes)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def start_node(nodes: list[subprocess.Popen], flags: list[str], log_stem: Path, env: dict[str, str],
+               attempts: int = 3, within: float = 300) -> None:
+    """`ray start FLAGS`, until it says the node runs. Ray gives a node's processes 30 s to come up, which a
+    busy 2-core machine can overrun (the node then exits): such a start is tried again."""
+    for attempt in range(attempts):
+        log_path = log_stem.with_suffix(f".{attempt}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", *flags,
+                 f"--dashboard-agent-listen-port={free_port()}"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + within
+        while proc.poll() is None and time.monotonic() < deadline:
+            if b"Ray runtime started." in log_path.read_bytes():
+                nodes.append(proc)
+                return
+            time.sleep(0.5)
+        stop_nodes([proc])
+    raise RuntimeError(f"`ray start` failed {attempts} times:\n{log_path.read_text(errors='replace')}")
+
+
+def stop_nodes(nodes: list[subprocess.Popen]) -> None:
+    """SIGTERM each node's processes (what `ray stop` sends), SIGKILL what is left after 20 s; check none remain."""
+    started = []
+    for proc in nodes:
+        try:
+            started += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+    for process in [*started, *(psutil.Process(p.pid) for p in nodes if p.poll() is None)]:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(started, timeout=20)
+    for process in alive:
+        process.kill()
+    for proc in nodes:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    assert wait_gone([process.pid for process in started], within=10) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_spread_run_lands_ranks_on_two_nodes_of_a_cluster(tmp_path):
+    token = tmp_path / "ray-token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    with two_node_cluster(tmp_path, auth) as (address, node_pids):
+        kernel = Kernel(env={**KERNEL_ENV, **auth})
+        try:
+            kernel.execute("%load_ext ddpnb")
+            joined = kernel.execute(  # the second node may still be joining: wait for it, as a user would
+                "import time, ray\n"
+                f"ray.init(address={address!r}, log_to_driver=False)\n"
+                "deadline = time.monotonic() + 300\n"
+                "while len([n for n in ray.nodes() if n['Alive']]) < 2 and time.monotonic() < deadline:\n"
+                "    time.sleep(0.5)\n"
+                "print(*sorted(n['NodeID'] for n in ray.nodes() if n['Alive']))", timeout=CELL_TIMEOUT)
+            alive = joined.stdout.split()
+            assert len(alive) == 2, joined.stdout + joined.stderr
+            kernel.execute("import os\nimport torch\nimport ddpnb")
+            nodes = check_training_run(kernel, flags=f"--address {address} --placement spread")
+            assert sorted(nodes) == [0, 1]
+            assert nodes[0] != nodes[1], f"both ranks on one node: {nodes}"
+            assert all(any(node_id.startswith(prefix) for node_id in alive) for prefix in nodes.values())
+            pids = [int(p) for p in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+            assert wait_gone(pids, within=30) == []
+            assert run_actors_left(node_pids) == []
+            kernel.execute("ray.shutdown()")
+        finally:
+            kernel.shutdown()
+
+
+# --- a local Ray instance, started by ddpnb in the kernel and shared by the tests below --------------------------
+@pytest.fixture(scope="module")
+def ray_kernel():
+    if not HAVE_RAY:
+        pytest.skip("ray[train] is not installed (pip install 'ddpnb[ray]')")
+    kernel = Kernel(env=KERNEL_ENV)
+    kernel.execute("%load_ext ddpnb")
+    kernel.execute("import os, time\nimport torch\nimport torch.distributed as dist\nimport ddpnb, ray")
+    yield kernel
+    ray_processes = [int(pid) for pid in kernel.execute(
+        "import psutil\nprint(*[p.pid for p in psutil.Process().children(recursive=True)])").stdout.split()]
+    kernel.execute("import ray\nray.shutdown()", timeout=CELL_TIMEOUT)
+    kernel.shutdown()
+    assert wait_gone(ray_processes, within=30) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_notebook_trains_ddp_on_a_local_ray_instance(ray_kernel):
+    check_training_run(ray_kernel)
+    assert run_actors_left([ray_kernel.pid]) == []
+    started = ray_kernel.execute("import ray\nprint(ray.is_initialized(), ray.cluster_resources().get('CPU'))")
+    assert started.stdout.split() == ["True", "2.0"]  # ddpnb started it with what the run needed, and kept it
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_failing_rank_raises_worker_error_and_leaves_no_ray_worker(ray_kernel):
+    run = ray_kernel.execute('''%%ddp --engine ray -n 2
+def fails(rank, world_size):
+    print(f"rank {rank} starts")
+    if rank == 1:
+        raise ValueError("bad batch on purpose")
+    dist.barrier()
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
+    shown = "\n".join(run.error["traceback"])
+    assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
+    assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
+    assert "_ray.py" not in shown and "_worker.py" not in shown
+    assert "[rank 1] rank 1 starts" in run.stdout
+    pids = [int(p) for p in ray_kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, within=30) == []
+    assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_timeout_stops_a_hung_ray_run_and_shows_where_each_rank_was(ray_kernel):
+    # the timeout is set once both ranks run, so Ray's start-up time (seconds to minutes) cannot eat it up
+    run = ray_kernel.execute('''
+def hangs(rank):
+    print(f"rank {rank} waits", flush=True)
+    time.sleep(600)
+
+handle = ddpnb.launch(hangs, engine="ray", nprocs=2, view="none")
+deadline = time.monotonic() + 500
+while not all(r.state.value == "running" for r in handle.record.ranks) and time.monotonic() < deadline:
+    time.sleep(0.2)
+handle.timeout = handle.record.duration + 2
+record = handle.wait()
+print(record.outcome.value)
+print(all("time.sleep(600)" in r.stack for r in record.ranks))
+print(*[r.pid for r in record.ranks])
+''', timeout=CELL_TIMEOUT)
+    assert run.error is None, run.error
+    outcome, stacks, pids = run.stdout.splitlines()[-3:]
+    assert (outcome, stacks) == ("timed out", "True"), run.stdout
+    assert wait_gone([int(p) for p in pids.split()], within=30) == []
+    assert cpus_released(ray_kernel)
+    assert run_actors_left([ray_kernel.pid]) == []
+
+
+def cpus_released(kernel: Kernel) -> bool:
+    """Whether the local instance's 2 CPUs are free again: a stopped run must release its placement group, or
+    every later run waits for CPUs forever."""
+    return kernel.execute(
+        "deadline = time.monotonic() + 60\n"
+        "while ray.available_resources().get('CPU', 0) < 2 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.5)\n"
+        "print(ray.available_resources().get('CPU', 0))").stdout.strip() == "2.0"
+
+
+def execute_and_interrupt(kernel: Kernel, code: str, interrupt_after: list[str]) -> Execution:
+    """Run a cell; send the kernel an interrupt (Ctrl-C, the notebook's stop button) once its output shows every
+    string in `interrupt_after`."""
+    msg_id = kernel.client.execute(code)
+    result, interrupted = Execution(), False
+    deadline = time.monotonic() + CELL_TIMEOUT
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+            if not interrupted and all(text in result.stdout for text in interrupt_after):
+                kernel.manager.interrupt_kernel()
+                interrupted = True
+        elif kind == "error":
+            result.error = content
+        elif kind == "status" and content["execution_state"] == "idle":
+            return result
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_interrupt_stops_a_ray_run_like_a_local_one(ray_kernel):
+    run = execute_and_interrupt(ray_kernel, """%%ddp --engine ray -n 2
+def hangs(rank):
+    print(f"rank {rank} waits", flush=True)
+    time.sleep(600)
+""", interrupt_after=["[rank 0] rank 0 waits", "[rank 1] rank 1 waits"])
+    assert run.error is not None and run.error["ename"] == "RunInterrupted", run.stdout + run.stderr
+    after = ray_kernel.execute("record = ddpnb.last_run()\nprint(record.outcome.value, *[r.pid for r in record.ranks])")
+    outcome, *pids = after.stdout.split()
+    assert outcome == "interrupted"
+    assert wait_gone([int(pid) for pid in pids], within=30) == []
+    assert cpus_released(ray_kernel)
+    assert run_actors_left([ray_kernel.pid]) == []
