@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ddpnb's GPU check (issue 5, goal 5), for the one-H200 box: ResNet-18 (batch 512, 32 px) and ResNet-50
 # (batch 256, 224 px), bf16 autocast, channels_last, synthetic data, 1-rank NCCL DDP, as a plain torchrun script
-# vs ddpnb.run(gpus=1) vs %%ddp --gpus 1 in a real kernel (nbclient), with ratios; then launch latency there.
+# vs ddpnb.run(gpus=1) vs %%ddp --gpus 1 in a real kernel (nbclient), with ratios; then launch latency there;
+# then every tutorial notebook through a real kernel (bench/gpu_tutorials.py).
 # About 5 minutes on the H200 box. Results go to stdout and, when $OUT is set, to $OUT/gpu_check.{md,json,log}.
 #
 #   bash bench/gpu_check.sh             on the GPU box
@@ -28,4 +29,8 @@ if [[ -n "${OUT:-}" ]]; then
     "$python" bench/gpu_check.py "$@" 2>&1 | tee "$OUT/gpu_check.log"
 else
     "$python" bench/gpu_check.py "$@"
+fi
+# the tutorials, executed through a real kernel on this machine's GPU (issue 6); skipped with --dry-run
+if [[ " $* " != *" --dry-run "* ]]; then
+    "$python" bench/gpu_tutorials.py 2>&1 | tee ${OUT:+"$OUT/gpu_tutorials.log"}
 fi

@@ -1,0 +1,45 @@
+"""Execute every tutorial notebook through a real kernel on the GPU box (`--gpus all` there means its GPU).
+
+Run by `bench/gpu_check.sh` after the benchmarks; DDPNB_QUICK=1 keeps it to a few minutes. Notebooks whose
+engine is not installed there (Ray) are skipped and say so. Exit status 1 if any notebook fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def main() -> int:
+    os.environ.setdefault("DDPNB_QUICK", "1")
+    os.environ.setdefault("DDPNB_VIEW", "text")
+    failed = 0
+    for path in NOTEBOOKS:
+        if "scale_out" in path.stem and importlib.util.find_spec("ray") is None:
+            print(f"tutorial {path.name}: skipped (ray is not installed here)")
+            continue
+        nb = nbformat.read(path, as_version=4)
+        started = time.perf_counter()
+        try:
+            NotebookClient(nb, timeout=900, kernel_name="python3",
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
+        except Exception as exc:  # noqa: BLE001 - report every notebook, then fail at the end
+            failed += 1
+            print(f"tutorial {path.name}: FAILED after {time.perf_counter() - started:.0f} s: {exc}"[:4000])
+            continue
+        text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+        device = "cuda" if "cuda:0" in text else "cpu"
+        print(f"tutorial {path.name}: ok in {time.perf_counter() - started:.0f} s (ranks on {device})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
