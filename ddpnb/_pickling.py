@@ -6,6 +6,7 @@ import inspect
 import io
 import linecache
 import os
+import sys
 import types
 from typing import Any
 
@@ -19,34 +20,45 @@ class NotPicklableError(TypeError):
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, keeping each code object's real filename (cloudpickle >= 3.1 replaces it with
-    '<dynamic-code>'), so a worker's traceback names the user's cell and, with its source shipped, shows its lines."""
+    """cloudpickle for everything that crosses between kernel and ranks. It keeps each code object's real filename
+    (cloudpickle >= 3.1 replaces it with '<dynamic-code>'), so a worker's traceback names the user's cell and,
+    with its source shipped, shows its lines; and it moves every tensor to the CPU, however deeply nested, so a
+    result never makes the kernel initialise CUDA."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType):
             rebuild, args = cloudpickle.cloudpickle._code_reduce(obj)
             return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+        torch = sys.modules.get("torch")  # never imported here just to look: a kernel without torch stays so
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return _identity, (obj.detach().cpu(),)
         return super().reducer_override(obj)
 
 
-def dump_function(fn: Any) -> bytes:
+def _identity(value: Any) -> Any:
+    return value
+
+
+def dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
+    _Pickler(buffer, protocol=5).dump(obj)
+    return buffer.getvalue()
+
+
+def dump_function(fn: Any) -> bytes:
     try:
-        _Pickler(buffer, protocol=5).dump(fn)
+        return dumps(fn)
     except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise _not_picklable(f"`{_name(fn)}`", unpicklable_path(fn, _name(fn)), exc) from None
-    return buffer.getvalue()
 
 
 def dump_spec(spec: Any) -> bytes:
     """A run's `WorkerSpec`, pickled once in the kernel before any rank starts: its `args` may hold objects
     defined in the notebook, which only cloudpickle can send."""
-    buffer = io.BytesIO()
     try:
-        _Pickler(buffer, protocol=5).dump(spec)
+        return dumps(spec)
     except Exception as exc:  # noqa: BLE001 - as above; the function itself was checked already
         raise _not_picklable("the run's arguments", unpicklable_path(tuple(spec.args), "args"), exc) from None
-    return buffer.getvalue()
 
 
 def _not_picklable(subject: str, where: str, exc: Exception) -> NotPicklableError:

@@ -258,36 +258,17 @@ def _user_traceback(exc: BaseException) -> str:
 
 def _dump_result(value: Any) -> bytes:
     """cloudpickle the result with every tensor moved to the CPU, however deeply it is nested."""
-    try:
-        return _dump_on_cpu(value)
-    except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
-        from ddpnb._pickling import NotPicklableError, unpicklable_path
+    from ddpnb._pickling import NotPicklableError, dumps, unpicklable_path
 
+    try:
+        return dumps(value)
+    except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise NotPicklableError(
             f"rank 0's return value cannot be sent back to the notebook: {unpicklable_path(value, 'return value')} "
             f"cannot be pickled ({type(exc).__name__}: {exc}).\n"
             "Return plain data (tensors, numbers, lists, dicts, a state_dict()), or save the object to a file and "
             "return its path."
         ) from None
-
-
-def _dump_on_cpu(value: Any) -> bytes:
-    import cloudpickle
-    import torch
-
-    class CpuPickler(cloudpickle.CloudPickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return _identity, (obj.detach().cpu(),)
-            return super().reducer_override(obj)
-
-    buffer = io.BytesIO()
-    CpuPickler(buffer, protocol=5).dump(value)
-    return buffer.getvalue()
-
-
-def _identity(value: Any) -> Any:
-    return value
 
 
 # --- progress bars -----------------------------------------------------------------------------------------
