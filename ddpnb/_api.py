@@ -17,7 +17,7 @@ VIEWS = ("auto", "widget", "text", "none")
 DEFAULT_CPU_RANKS = 2
 ENGINES = ("local", "ray")
 
-_last_run: Run | None = None
+_last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
 
 class LaunchError(ValueError):
@@ -132,7 +132,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None,
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`)."""
-    global _last_run
+    global _last_record
     if timeout is not None and timeout <= 0:
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
     view = choose_view(view)
@@ -162,7 +162,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     if note:
         print(note, file=sys.stderr)
     run.start()
-    _last_run = run
+    _last_record = run.record
     if view == "widget":
         from ddpnb._dashboard import Dashboard
 
@@ -212,7 +212,7 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
 
 def last_run() -> RunRecord | None:
     """The record of the latest run in this process: per-rank exit codes, durations, metrics, log paths."""
-    return _last_run.record if _last_run is not None else None
+    return _last_record
 
 
 def log(step: int | None = None, **scalars: float) -> None:

@@ -417,7 +417,7 @@ class Dashboard:
         from IPython import get_ipython
         from IPython.display import display
 
-        self.run = run
+        self.run: Run | None = run  # dropped when the run ends: a widget lives as long as the kernel, a result need not
         self.record = run.record
         self._lock = threading.RLock()  # one redraw at a time: the timer thread, wait()'s thread, a click
         self._finished = False
@@ -463,14 +463,15 @@ class Dashboard:
 
     # --- drawing ---------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self.run.done:
+        while (run := self.run) is not None and not run.done:
             self._render()
             time.sleep(REFRESH)
         self.finish()
 
     def _on_wait(self) -> None:
         """Called by `Run.wait()`: a foreground cell ends only after its summary is in place."""
-        if self.run.done:
+        run = self.run
+        if run is None or run.done:
             self.finish()
 
     def finish(self) -> None:
@@ -485,6 +486,7 @@ class Dashboard:
             if self._display is not None:
                 self._display.update({"text/html": summary_html(self.record, list(self._all)),
                                       "text/plain": summary_text(self.record)}, raw=True)
+            self.run = None
 
     def _render(self) -> None:
         with self._lock:
@@ -506,6 +508,8 @@ class Dashboard:
 
     def _take_lines(self) -> None:
         run = self.run
+        if run is None:
+            return
         new = []
         with run.lock:  # newest first, stopping at what was seen: the supervisor waits on this lock
             for entry in reversed(run.record.recent):
@@ -543,5 +547,6 @@ class Dashboard:
     def _on_stop(self, button: Any) -> None:
         button.disabled = True
         button.description = "Stopping…"
-        # stop() waits for the ranks to exit; the kernel must not wait with it
-        threading.Thread(target=self.run.stop, name="ddpnb-stop", daemon=True).start()
+        run = self.run
+        if run is not None:  # stop() waits for the ranks to exit; the kernel must not wait with it
+            threading.Thread(target=run.stop, name="ddpnb-stop", daemon=True).start()

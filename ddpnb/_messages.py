@@ -1,11 +1,15 @@
 """Typed messages a worker sends to the kernel over its private channel.
 
-Raw stdout/stderr bytes travel on separate pipes; these carry structure only.
+Raw stdout/stderr bytes travel on separate pipes; these carry structure only. On the wire a message is the
+pickle of a plain tuple, its class name then its fields (`encode`/`decode`): pickling a dataclass instance
+looks its class up by name every time, which made `ddpnb.log` cost a training step ~60 µs instead of ~3 µs.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,10 +51,12 @@ class GpuMemory:
 
 @dataclass(frozen=True)
 class Returned:
-    """The function returned. Only rank 0 carries its (cloudpickled) value."""
+    """The function returned. Only rank 0 carries its value: cloudpickled in `payload`, or, when it holds tensors,
+    `saved` with torch.save in the run's result file (see `_worker._dump_result`)."""
 
     rank: int
-    payload: bytes | None
+    payload: bytes | None = None
+    saved: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,3 +71,14 @@ class Failed:
 
 
 Message = Started | Metric | Progress | GpuMemory | Returned | Failed
+
+KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed)}
+
+
+def encode(message: Message) -> bytes:
+    return pickle.dumps((type(message).__name__, *vars(message).values()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    kind, *fields = pickle.loads(data)
+    return KINDS[kind](*fields)

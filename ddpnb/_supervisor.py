@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from itertools import repeat
 from pathlib import Path
@@ -52,7 +53,6 @@ DRAIN_WAIT = 2.0  # seconds the output pipes may stay open after every rank exit
 MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
 PIPE_SIZE = 1 << 20  # bytes a rank may write before it waits for the kernel to read (Linux pipe buffer)
 COALESCE = 0.1  # seconds between two wake-ups of a run's reader while every rank is busy (see `Run._loop`)
-CHANNEL_BURST = 50  # messages per channel in one wake-up above which the reader stops pausing (a channel holds ~270)
 
 _live_runs: set[Run] = set()
 _forkserver_lock = threading.Lock()
@@ -147,11 +147,10 @@ class _Stream:
     it whole), and a progress bar redrawing one line with carriage returns keeps only its latest redraw.
     """
 
-    def __init__(self, rank: int, name: str, log: Any, capacity: int = PIPE_SIZE) -> None:
+    def __init__(self, rank: int, name: str, log: Any) -> None:
         self.rank = rank
         self.name = name
         self.log = log
-        self.capacity = capacity  # bytes the pipe holds: the run's reader hurries when a read finds it filling
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.partial = ""  # the line being written, not yet ended by a newline
         self.partial_cut = 0  # characters of that line already dropped from memory
@@ -204,7 +203,9 @@ class Run:
         ]
         self.lock = threading.Lock()  # guards record.recent and line counters against view threads
         self.line_seq = 0
-        self._payload: bytes | None = None
+        self._payload: bytes | None = None  # rank 0's value, pickled; or, `_saved`, in the result file
+        self._saved = False
+        self._result_fd: int | None = None
         self._value: Any = None
         self._returned: set[int] = set()
         self._stop_reason: Outcome | None = None
@@ -216,6 +217,7 @@ class Run:
         self._procs: list[Any] = []
         self._listeners: list[Callable[[], None]] = []
         self._buffer = bytearray(PIPE_SIZE)  # every read of a rank's output lands here first
+        self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
         self._buffer_view = memoryview(self._buffer)
 
     # --- public lifecycle -----------------------------------------------------------------------------------
@@ -234,10 +236,14 @@ class Run:
         self._conns: dict[Any, int] = {}
         self._streams: dict[int, _Stream] = {}
         self._logs: list[Any] = []
-        self._read_ends: list[Any] = []  # the Connections that own the stdout/stderr read fds
+        self._kernel_ends: list[Any] = []  # the kernel's other pipe ends: stdout/stderr read ends, lifelines
+        # rank 0 writes a value holding tensors to an anonymous memory file; the kernel maps it (`result()`)
+        if hasattr(os, "memfd_create"):
+            self._result_fd = os.memfd_create("ddpnb-result", os.MFD_CLOEXEC)
+            self._result_closer = weakref.finalize(self, os.close, self._result_fd)  # a result nobody took
         try:
             for rank in range(self.spec.world_size):
-                self._start_rank(context, rank, spec_payload, store_socket if rank == 0 else None)
+                self._start_rank(context, rank, spec_payload, *((store_socket, self._result_fd) if rank == 0 else ()))
                 if rank == 0:
                     store_socket.close()  # rank 0 has its own copy now
         except BaseException:  # a rank could not start: the ones that did must not outlive this call
@@ -246,8 +252,9 @@ class Run:
             for proc in self._procs:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.join(5)
-            for end in [*self._logs, *self._read_ends, *self._conns]:
+            for end in [*self._logs, *self._kernel_ends, *self._conns]:
                 end.close()
+            self._close_result_file()
             raise
         # the duration and the timeout count from the first rank's start, not from the forkserver's first import
         self.record.started = self.record.ranks[0].started
@@ -255,25 +262,31 @@ class Run:
         threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
         return self
 
-    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None) -> None:
+    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None = None,
+                    result_fd: int | None = None) -> None:
+        """Fork one rank, with its pipes: stdout, stderr and the message channel (rank to kernel), and a lifeline
+        the kernel never writes to, whose EOF tells the rank's watchdog that the kernel is gone."""
         record = self.record.ranks[rank]
         log = open(record.log_path, "wb", buffering=0, opener=_worker._private)  # noqa: SIM115
         self._logs.append(log)
-        channel, child_channel = multiprocessing.Pipe(duplex=True)
+        channel, channel_w = multiprocessing.Pipe(duplex=False)
+        lifeline_r, lifeline = multiprocessing.Pipe(duplex=False)
         out_r, out_w = multiprocessing.Pipe(duplex=False)
         err_r, err_w = multiprocessing.Pipe(duplex=False)
         self._conns[channel] = rank
-        self._read_ends += [out_r, err_r]
-        self._streams[out_r.fileno()] = _Stream(rank, "stdout", log, _enlarge_pipe(out_w.fileno()))
-        self._streams[err_r.fileno()] = _Stream(rank, "stderr", log, _enlarge_pipe(err_w.fileno()))
+        self._kernel_ends += [out_r, err_r, lifeline]
+        self._streams[out_r.fileno()] = _Stream(rank, "stdout", log)
+        self._streams[err_r.fileno()] = _Stream(rank, "stderr", log)
+        self._pipe_room = min(self._pipe_room, *(_enlarge_pipe(end.fileno()) for end in (channel_w, out_w, err_w)))
+        result = None if result_fd is None else _worker.FdForChild(result_fd)
         proc = context.Process(
-            target=_worker.entry, args=(rank, child_channel, out_w, err_w, spec_payload, store_socket),
+            target=_worker.entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result),
             name=f"ddpnb-rank{rank}", daemon=False,
         )
         try:
             proc.start()
         finally:
-            for end in (child_channel, out_w, err_w):
+            for end in (channel_w, lifeline_r, out_w, err_w):
                 end.close()
         self._procs.append(proc)
         record.pid, record.started = proc.pid, time.time()
@@ -323,7 +336,17 @@ class Run:
             raise WorkerError(self.record, hint=_hint(self.record))
         if self._payload is not None:  # unpickled once; the bytes are dropped so a big result is not held twice
             self._value, self._payload = pickle.loads(self._payload), None
+        elif self._saved:  # mapped, not read: the tensors are the file's pages
+            assert self._result_fd is not None
+            self._value, self._saved = _pickling.load(self._result_fd), False
+            self._close_result_file()
         return self._value
+
+    def _close_result_file(self) -> None:
+        """The file's memory goes with the last reference to it: this fd, or a tensor mapped from it."""
+        if self._result_fd is not None:
+            self._result_closer()
+            self._result_fd = None
 
     def join(self, timeout: float | None = None) -> bool:
         """Like mp.spawn's `ProcessContext.join`: True once every rank has ended, raises `WorkerError` on
@@ -362,9 +385,9 @@ class Run:
         While every rank is busy in its function, wake-ups are spaced COALESCE apart (the views redraw no more
         often): a training loop that prints and logs every step then costs the kernel ten wake-ups a second, not
         one per line, and a rank's write never waits for the kernel to wake (on a virtual machine a wake-up can
-        cost 0.3 ms of CPU). The pipes and channels hold what arrives meanwhile, and each wake-up reads them
-        empty; when a pipe was found a quarter full, or the channels held many messages, output is flowing
-        fast and the next pass reads without pausing.
+        cost 0.3 ms of CPU). The pipes hold what arrives meanwhile, and each wake-up reads them empty; when one
+        wake-up read more than a quarter of what a pipe holds, output is flowing fast and the next pass reads
+        without pausing.
         """
         self._selector = selectors.DefaultSelector()
         for fd in self._streams:
@@ -374,15 +397,15 @@ class Run:
         for rank, proc in enumerate(self._procs):
             self._selector.register(proc.sentinel, selectors.EVENT_READ, functools.partial(self._on_exit, rank))
         self._exits = len(self._procs)
-        self._hurry, self._messages = False, 0
+        self._wake_bytes = 0  # read since the last wake-up
         all_exited: float | None = None
-        last_wake = 0.0
+        last_wake, hurry = 0.0, False
         try:
             while self._selector.get_map():
                 woken = time.monotonic()
-                if woken - last_wake < COALESCE and not self._hurry and self._steady():
+                if woken - last_wake < COALESCE and not hurry and self._steady():
                     time.sleep(COALESCE - (woken - last_wake))  # let more arrive; a burst is one read
-                last_wake, self._hurry, self._messages = time.monotonic(), False, 0
+                last_wake, self._wake_bytes = time.monotonic(), 0
                 timeout = 0.1
                 while events := self._selector.select(timeout):  # until nothing is left to read
                     for key, _ in events:
@@ -390,7 +413,7 @@ class Run:
                     timeout = 0
                     if time.monotonic() - last_wake > COALESCE:  # flooded: still check timeouts and stops
                         break
-                self._hurry |= self._messages >= CHANNEL_BURST * len(self._conns)
+                hurry = self._wake_bytes >= self._pipe_room // 4
                 self._check_stop()
                 if not self._exits:
                     all_exited = all_exited or time.monotonic()
@@ -408,7 +431,7 @@ class Run:
     def _read_stream(self, fd: int) -> None:
         stream = self._streams[fd]
         size = os.readv(fd, [self._buffer])
-        self._hurry |= size >= stream.capacity // 4
+        self._wake_bytes += size
         data = bytes(self._buffer_view[:size])
         lines = stream.feed(data, final=not data)
         if not data:
@@ -429,11 +452,12 @@ class Run:
 
     def _read_channel(self, conn: Any) -> None:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             self._close_channel(conn)
             return
-        self._messages += 1
+        self._wake_bytes += len(data)
+        message = msg.decode(data)
         self._handle(self._conns[conn], message)
 
     def _close_channel(self, conn: Any) -> None:
@@ -441,12 +465,9 @@ class Run:
         del self._conns[conn]
         conn.close()
 
-    def _handle(self, rank: int, message: msg.Message | list[msg.Message]) -> None:
+    def _handle(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]
-        if isinstance(message, list):  # a rank's buffered metrics and progress, sent together
-            for each in message:
-                self._handle(rank, each)
-        elif isinstance(message, msg.Metric):
+        if isinstance(message, msg.Metric):
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
         elif isinstance(message, msg.Progress):
@@ -458,7 +479,7 @@ class Run:
         elif isinstance(message, msg.Returned):
             self._returned.add(rank)
             if rank == 0:
-                self._payload = message.payload
+                self._payload, self._saved = message.payload, message.saved
         elif isinstance(message, msg.Failed):
             record.state = RankState.FAILED
             if message.exc_type == "SystemExit":
@@ -499,7 +520,7 @@ class Run:
                 continue
             while conn.poll(1.0):
                 try:
-                    self._handle(rank, pickle.loads(conn.recv_bytes()))
+                    self._handle(rank, msg.decode(conn.recv_bytes()))
                 except (EOFError, OSError):
                     break
             self._close_channel(conn)
@@ -549,7 +570,7 @@ class Run:
                     proc.join(5)
             self._write_endings()
         finally:  # whatever failed above (a full disk), release everything and let `wait()` return
-            for end in [*self._logs, *self._read_ends, *self._conns]:
+            for end in [*self._logs, *self._kernel_ends, *self._conns]:
                 end.close()
             os.close(self._dir_lock)
             for proc in self._procs:
@@ -567,6 +588,10 @@ class Run:
             record.outcome = Outcome.SUCCEEDED
         else:
             record.outcome, record.note = Outcome.FAILED, "not every rank finished"
+        if record.outcome is not Outcome.SUCCEEDED:  # `result()` raises: what rank 0 sent is not needed
+            self._payload, self._saved = None, False
+        if not self._saved:
+            self._close_result_file()
         _live_runs.discard(self)
         self._done.set()
 

@@ -13,6 +13,7 @@ import linecache
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -44,18 +45,49 @@ class WorkerSpec:
     torch_threads: int | None = None
 
 
-class _Context:
-    """The running worker's link to the kernel; `ddpnb.log` sends through it."""
+class FdForChild:
+    """A file descriptor passed to a worker as a `Process` argument: duplicated into the child over the
+    forkserver's socket, as multiprocessing does for pipes and sockets; the child receives the int."""
 
-    def __init__(self, rank: int, conn: Connection) -> None:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicated: Any) -> int:
+    return duplicated.detach()
+
+
+class _Context:
+    """The running worker's link to the kernel; `ddpnb.log` sends through it.
+
+    The channel is the write end of a pipe the kernel reads with `Connection.recv_bytes`; frames are written
+    here with that same layout (a big-endian length, then the bytes) in as few `os.write` calls as possible,
+    because this runs inside the user's training step.
+    """
+
+    def __init__(self, rank: int, channel: Connection) -> None:
         self.rank = rank
-        self.conn = conn
+        self.channel = channel  # keeps the fd open
+        self.fd = channel.fileno()
         self.lock = threading.Lock()
 
     def send(self, message: msg.Message) -> None:
-        data = _dumps(message)
+        data = msg.encode(message)
+        size = len(data)
+        header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
         with self.lock:
-            self.conn.send_bytes(data)
+            if size <= 4096:  # one write, never split (PIPE_BUF)
+                os.write(self.fd, header + data)
+                return
+            os.write(self.fd, header)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
 
 
 _context: _Context | None = None
@@ -64,12 +96,7 @@ _store_uses = 0
 _device: str = "cpu"
 _stack_file: io.TextIOBase | None = None
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
-
-
-def _dumps(obj: Any) -> bytes:
-    import pickle
-
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+_result_fd: int | None = None  # rank 0: the kernel's anonymous memory file for a result that holds tensors
 
 
 def current() -> _Context | None:
@@ -80,17 +107,20 @@ def device() -> str:
     return _device
 
 
-def entry(rank: int, conn: Connection, out: Connection, err: Connection, spec_payload: bytes,
-          store_socket: socket.socket | None = None) -> None:
-    """multiprocessing target: runs once per rank. `spec_payload` is the cloudpickled `WorkerSpec`, unpickled
-    here, after the output is redirected, so that a failure to rebuild it is reported like any other."""
-    global _context, _store_fd
+def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
+          spec_payload: bytes, store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
+    """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
+    the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
+    `WorkerSpec`, unpickled here, after the output is redirected, so that a failure to rebuild it is reported
+    like any other. Rank 0 also gets the socket for its TCPStore and the file for its result."""
+    global _context, _store_fd, _result_fd
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
     _redirect_output(out, err)
-    _context = _Context(rank, conn)
-    threading.Thread(target=_watch_kernel, args=(conn,), name="ddpnb-watchdog", daemon=True).start()
+    _context = _Context(rank, channel)
+    threading.Thread(target=_watch_kernel, args=(lifeline,), name="ddpnb-watchdog", daemon=True).start()
     if store_socket is not None:
         _store_fd = store_socket.detach()  # the TCPStore takes it over
+    _result_fd = result_fd
 
     code = 0
     try:
@@ -142,11 +172,11 @@ def _redirect_output(out: Connection, err: Connection) -> None:
                                   line_buffering=True)
 
 
-def _watch_kernel(conn: Connection) -> None:
-    """Parent-death watchdog: the kernel holds the other end of `conn`; EOF means it is gone."""
+def _watch_kernel(lifeline: Connection) -> None:
+    """Parent-death watchdog: the kernel holds the write end of `lifeline`; EOF means it is gone."""
     try:
         while True:
-            conn.recv_bytes()
+            lifeline.recv_bytes()
     except (EOFError, OSError):
         pass
     os.killpg(0, signal.SIGKILL)  # this rank and whatever it started (DataLoader workers, ...)
@@ -207,9 +237,9 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         (join_group or _init_process_group)(rank, spec)
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
-        payload = _dump_result(value) if rank == 0 else None
+        returned = _dump_result(value) if rank == 0 else msg.Returned(rank=rank)
         _destroy_process_group()
-        _context.send(msg.Returned(rank=rank, payload=payload))
+        _context.send(returned)
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
         raise
@@ -256,12 +286,26 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _dump_result(value: Any) -> bytes:
-    """cloudpickle the result with every tensor moved to the CPU, however deeply it is nested."""
-    from ddpnb._pickling import NotPicklableError, dumps, unpicklable_path
+def _dump_result(value: Any) -> msg.Returned:
+    """Rank 0's value for the kernel, every tensor moved to the CPU however deeply it is nested.
+
+    Without tensors it is cloudpickled into the message. With tensors (a state dict), and where the kernel gave
+    this rank a result file (an anonymous memory file, `Run.start`), it is written there with torch.save: the
+    tensor bytes once and raw, which the kernel then maps (`torch.load(mmap=True)`) instead of reading; no
+    pickle of the bytes, no pipe, no second copy in the kernel.
+    """
+    from ddpnb._pickling import HoldsTensors, NotPicklableError, dumps, save, unpicklable_path
 
     try:
-        return dumps(value)
+        if _result_fd is not None:
+            try:
+                return msg.Returned(rank=0, payload=dumps(value, tensors=False))
+            except HoldsTensors:
+                save(value, _result_fd)
+                return msg.Returned(rank=0, saved=True)
+        return msg.Returned(rank=0, payload=dumps(value))
+    except OSError:  # out of memory for the result file: say so as it is
+        raise
     except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise NotPicklableError(
             f"rank 0's return value cannot be sent back to the notebook: {unpicklable_path(value, 'return value')} "

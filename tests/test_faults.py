@@ -766,8 +766,65 @@ def test_large_result_arrives_whole():
     result = ddpnb.run(returns_300_mb, nprocs=2, view="none")
     assert result.shape == (RESULT_ELEMENTS,) and result.dtype.itemsize == 4
     assert float(result[0]) == float(result[-1]) == 7.0
+    assert _result_files()[1]  # mapped, not copied
     del result
+    gc.collect()
+    assert _result_files() == ([], [])
     assert_nothing_left(ddpnb.last_run())
+
+
+class Checkpoint:  # defined here, pickled by value: a notebook's own class inside a result
+    def __init__(self, step, weights):
+        self.step, self.weights = step, weights
+
+
+def returns_tensors(rank, fail_after_rank0_returns=False):
+    import torch
+
+    if rank == 1 and fail_after_rank0_returns:
+        time.sleep(1)  # rank 0 has returned and sent its value by now
+        raise ValueError("rank 1 failed late")
+    grid = torch.arange(12.0).reshape(3, 4)
+    return {"checkpoint": Checkpoint(7, {"w": grid, "w.T": grid.t(), "b": torch.ones(3, dtype=torch.bfloat16)}),
+            "loss": 0.25, "steps": [1, 2, 3]}
+
+
+def _result_files() -> tuple[list[str], list[str]]:
+    """The kernel's fds and mappings of ranks' result files (anonymous memory files named ddpnb-result)."""
+    fds = [fd for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}") and "ddpnb-result" in os.readlink(f"/proc/self/fd/{fd}")]
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "ddpnb-result" in line]
+    return fds, maps
+
+
+def test_result_holding_tensors_is_mapped_from_a_memory_file_and_freed_with_it():
+    import torch
+
+    result = ddpnb.run(returns_tensors, nprocs=2, view="none")
+    checkpoint = result["checkpoint"]
+    assert type(checkpoint).__name__ == "Checkpoint" and checkpoint.step == 7
+    assert torch.equal(checkpoint.weights["w"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(checkpoint.weights["w.T"], checkpoint.weights["w"].t())  # views keep their layout
+    assert checkpoint.weights["b"].dtype == torch.bfloat16
+    assert result["loss"] == 0.25 and result["steps"] == [1, 2, 3]
+    fds, maps = _result_files()
+    assert not fds and maps  # the tensors are the file's pages; the file itself is closed
+    del result, checkpoint
+    gc.collect()
+    assert _result_files() == ([], [])  # the memory went with the last tensor
+    assert_nothing_left(ddpnb.last_run())
+
+
+def test_result_without_tensors_travels_in_the_message():
+    assert ddpnb.run(sum_of_ranks, nprocs=2, view="none") == 1.0
+    assert _result_files() == ([], [])
+
+
+def test_result_of_a_run_that_failed_later_is_dropped():
+    error = run_failing(returns_tensors, args=(True,))
+    assert error.rank == 1 and "rank 1 failed late" in error.record.first_failure.summary
+    assert _result_files() == ([], [])
+    assert_nothing_left(error.record)
 
 
 # --- 11. exits before returning ------------------------------------------------------------------------------------
