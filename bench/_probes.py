@@ -314,6 +314,15 @@ class PeakRss:
         return max(self.peak, self.process.memory_info().rss)
 
 
+def _queue_target(rank: int, nbytes: int, results: Any, taken: Any) -> None:
+    """torch.multiprocessing.spawn's way back for a value: a queue. torch's reductions move the tensors to shared
+    memory and send file descriptors; rank 0 must stay alive until the kernel has taken them."""
+    state = _workloads.big_result(rank, 2, nbytes)
+    if rank == 0:
+        results.put(state)
+        taken.wait(300)
+
+
 def probe_result(args: argparse.Namespace) -> None:
     import gc
     import resource
@@ -325,19 +334,22 @@ def probe_result(args: argparse.Namespace) -> None:
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2)  # warm: this measures the transfer, not start-up
     gc.collect()
-    path = f"/dev/shm/ddpnb-bench-{os.getpid()}.pt"
     baseline = PeakRss().close()
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sampler = PeakRss()
-    if args.via_file:
-        handle = ddpnb.launch(_workloads.big_result_via_file, nprocs=2, args=(args.bytes, path), view="none")
-        info = handle.result()
-        state = torch.load(info["path"], mmap=True, weights_only=False)
-        os.unlink(info["path"])  # the mapping keeps the pages; the name is gone
+    if args.via == "mp-queue":
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        results, taken = context.SimpleQueue(), context.Event()
+        workers = mp.spawn(_queue_target, args=(args.bytes, results, taken), nprocs=2, join=False)
+        state = results.get()
+        arrived = time.time()
+        taken.set()
+        workers.join()
     else:
-        handle = ddpnb.launch(_workloads.big_result, nprocs=2, args=(args.bytes,), view="none")
-        state = handle.result()
-    arrived = time.time()
+        state = ddpnb.run(_workloads.big_result, nprocs=2, args=(args.bytes,), view="none")
+        arrived = time.time()
     returned_at = state.pop("_returned_at")
     checksum = sum(float(t.sum()) for t in state.values())  # touch every page, so the RSS shows all of it
     peak = sampler.close()
@@ -347,7 +359,7 @@ def probe_result(args: argparse.Namespace) -> None:
         "bytes": nbytes, "seconds": arrived - returned_at, "gb_per_s": nbytes / 1e9 / (arrived - returned_at),
         "baseline_rss": baseline, "peak_rss": peak, "peak_over_size": (peak - baseline) / nbytes,
         "maxrss_over_size": (maxrss - baseline) / nbytes if maxrss > maxrss_before else None,
-        "checksum": checksum,
+        "checksum": checksum, "torch": torch.__version__,
     })
 
 
@@ -400,14 +412,19 @@ def probe_result_steps(args: argparse.Namespace) -> None:
     steps["kernel: unpickle the value"] = clock() - started
     del unpacked
 
-    path = f"/dev/shm/ddpnb-bench-{os.getpid()}.pt"
+    from ddpnb import _pickling
+
+    fd = os.memfd_create("ddpnb-bench-result")
     started = clock()
-    torch.save(state, path, pickle_module=cloudpickle)
-    steps["prototype, rank 0: torch.save to /dev/shm"] = clock() - started
+    _pickling.save(state, fd)
+    steps["ddpnb, rank 0: torch.save into a memory file"] = clock() - started
     started = clock()
-    torch.load(path, mmap=True, weights_only=False)
-    steps["prototype, kernel: torch.load(mmap=True)"] = clock() - started
-    os.unlink(path)
+    mapped = _pickling.load(fd)
+    steps["ddpnb, kernel: torch.load(mmap=True)"] = clock() - started
+    os.close(fd)
+    started = clock()
+    sum(float(t.sum()) for t in mapped.values() if isinstance(t, torch.Tensor))
+    steps["ddpnb, kernel: first read of every mapped page"] = clock() - started
     emit({"bytes": args.bytes, "steps": steps})
 
 
@@ -436,7 +453,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0, help="lines/s per rank (0: as fast as print goes)")
     p = sub.add_parser("result")
     p.add_argument("--bytes", type=int, required=True)
-    p.add_argument("--via-file", action="store_true")
+    p.add_argument("--via", choices=["ddpnb", "mp-queue"], default="ddpnb")
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()

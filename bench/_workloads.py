@@ -169,16 +169,3 @@ def big_result(rank: int, world_size: int, nbytes: int) -> dict[str, Any]:
     state["_returned_at"] = time.time()
     return state
 
-
-def big_result_via_file(rank: int, world_size: int, nbytes: int, path: str) -> dict[str, Any]:
-    """A prototype of a faster result path, not ddpnb's: rank 0 writes its return value with torch.save (tensor
-    bytes written once, the rest cloudpickled) to a file in shared memory and returns only the path; the kernel
-    maps the file with torch.load(mmap=True), so the tensors are the file's pages and nothing is copied."""
-    import cloudpickle
-    import torch
-
-    if rank != 0:
-        return {}
-    state = big_result(rank, world_size, nbytes)
-    torch.save(state, path, pickle_module=cloudpickle)
-    return {"path": path}

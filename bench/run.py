@@ -449,8 +449,8 @@ def bench_stream(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
 
 # --- 4. large results -----------------------------------------------------------------------------------------
 def bench_result(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
-    variants = [("ddpnb.run returns the state dict", []),
-                ("prototype, not ddpnb: torch.save to /dev/shm + torch.load(mmap=True)", ["--via-file"])]
+    variants = [("ddpnb.run returns the state dict", ["--via=ddpnb"]),
+                ("torch.multiprocessing.spawn + a queue (torch moves the tensors to shared memory)", ["--via=mp-queue"])]
     got: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in variants}
     notes = {label: Samples() for label, _ in variants}
     for rep in range(settings.result_reps):
@@ -484,7 +484,9 @@ def bench_result(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
             + "\n\nTimed from rank 0's `return` (a timestamp in the dict) to the value in the kernel's hands; "
               "peak: the kernel's resident memory sampled every 2 ms, above its level before the launch, with "
               "every tensor read once after arrival (mapped pages count once touched).\n\n"
-            + "Where the time goes — each step of a pickle through a pipe, timed alone on the same state dict:\n\n"
+            + "Where the time goes, each step timed alone on the same state dict: a pickle through a pipe (how "
+              "ddpnb sent results until 2026-11-30, and what any pipe- or socket-based launcher does), then "
+              "ddpnb's memory file:\n\n"
             + table(["step", "time", "GB/s"], step_rows))
 
 

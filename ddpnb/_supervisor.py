@@ -233,7 +233,8 @@ class Run:
             os.close(self._dir_lock)
             Path(self.spec.run_dir).rmdir()  # still empty: a run that never started leaves nothing
             raise
-        self._conns: dict[Any, int] = {}
+        self._conns: dict[Any, int] = {}  # each rank's channel, read end -> rank
+        self._frames: dict[Any, msg.Frames] = {}
         self._streams: dict[int, _Stream] = {}
         self._logs: list[Any] = []
         self._kernel_ends: list[Any] = []  # the kernel's other pipe ends: stdout/stderr read ends, lifelines
@@ -274,6 +275,7 @@ class Run:
         out_r, out_w = multiprocessing.Pipe(duplex=False)
         err_r, err_w = multiprocessing.Pipe(duplex=False)
         self._conns[channel] = rank
+        self._frames[channel] = msg.Frames()
         self._kernel_ends += [out_r, err_r, lifeline]
         self._streams[out_r.fileno()] = _Stream(rank, "stdout", log)
         self._streams[err_r.fileno()] = _Stream(rank, "stderr", log)
@@ -451,14 +453,14 @@ class Run:
             record.last_line = lines[-1]
 
     def _read_channel(self, conn: Any) -> None:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
+        size = os.readv(conn.fileno(), [self._buffer])
+        if not size:
             self._close_channel(conn)
             return
-        self._wake_bytes += len(data)
-        message = msg.decode(data)
-        self._handle(self._conns[conn], message)
+        self._wake_bytes += size
+        rank = self._conns[conn]
+        for data in self._frames[conn].feed(self._buffer_view[:size]):
+            self._handle(rank, msg.decode(data))
 
     def _close_channel(self, conn: Any) -> None:
         self._selector.unregister(conn)
@@ -518,12 +520,10 @@ class Run:
         for conn, owner in list(self._conns.items()):
             if owner != rank:
                 continue
-            while conn.poll(1.0):
-                try:
-                    self._handle(rank, msg.decode(conn.recv_bytes()))
-                except (EOFError, OSError):
-                    break
-            self._close_channel(conn)
+            while conn in self._conns and conn.poll(1.0):
+                self._read_channel(conn)  # closes it at EOF
+            if conn in self._conns:  # a process the rank started still holds the channel: stop waiting for it
+                self._close_channel(conn)
 
     def _begin_stop(self, outcome: Outcome, note: str) -> None:
         if self._stop_reason is not None:

@@ -42,12 +42,16 @@ class TextView:
             skipped_by_window = run.line_seq - self.seen - len(new)
             self.seen = run.line_seq
         self.skipped += skipped_by_window
-        for _, rank, stream, line in new:
-            if self.shown >= self.max_lines:
-                self.skipped += 1
-                continue
-            self.shown += 1
-            (self.err if stream == "stderr" else self.out).write(f"[rank {rank}] {line}\n")
+        shown = new[: max(0, self.max_lines - self.shown)]
+        self.shown += len(shown)
+        self.skipped += len(new) - len(shown)
+        # one write per run of same-stream lines: a busy run redraws in a few writes, in the ranks' order
+        start = 0
+        for end in range(1, len(shown) + 1):
+            if end == len(shown) or shown[end][2] != shown[start][2]:
+                stream = self.err if shown[start][2] == "stderr" else self.out
+                stream.write("".join(f"[rank {rank}] {line}\n" for _, rank, _, line in shown[start:end]))
+                start = end
         self.out.flush()
         self.err.flush()
         if run.done and not self.summarised:

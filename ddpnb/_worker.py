@@ -13,7 +13,6 @@ import linecache
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -65,9 +64,8 @@ def _detach(duplicated: Any) -> int:
 class _Context:
     """The running worker's link to the kernel; `ddpnb.log` sends through it.
 
-    The channel is the write end of a pipe the kernel reads with `Connection.recv_bytes`; frames are written
-    here with that same layout (a big-endian length, then the bytes) in as few `os.write` calls as possible,
-    because this runs inside the user's training step.
+    The channel is the write end of a pipe; each message is one frame (`_messages.frame`) written with as few
+    `os.write` calls as possible, because this runs inside the user's training step.
     """
 
     def __init__(self, rank: int, channel: Connection) -> None:
@@ -77,15 +75,8 @@ class _Context:
         self.lock = threading.Lock()
 
     def send(self, message: msg.Message) -> None:
-        data = msg.encode(message)
-        size = len(data)
-        header = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
-        with self.lock:
-            if size <= 4096:  # one write, never split (PIPE_BUF)
-                os.write(self.fd, header + data)
-                return
-            os.write(self.fd, header)
-            view = memoryview(data)
+        view = memoryview(msg.frame(msg.encode(message)))
+        with self.lock:  # one os.write for a frame up to PIPE_BUF (4 KiB): never split
             while view:
                 view = view[os.write(self.fd, view):]
 
