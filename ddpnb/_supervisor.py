@@ -12,6 +12,7 @@ import codecs
 import fcntl
 import functools
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
@@ -389,7 +390,8 @@ class Run:
         one per line, and a rank's write never waits for the kernel to wake (on a virtual machine a wake-up can
         cost 0.3 ms of CPU). The pipes hold what arrives meanwhile, and each wake-up reads them empty; when one
         wake-up read more than a quarter of what a pipe holds, output is flowing fast and the next pass reads
-        without pausing.
+        without pausing. A pause ends early when a rank exits (every rank exits right after its function
+        returns or fails), so the end of a run is seen at once.
         """
         self._selector = selectors.DefaultSelector()
         for fd in self._streams:
@@ -406,7 +408,9 @@ class Run:
             while self._selector.get_map():
                 woken = time.monotonic()
                 if woken - last_wake < COALESCE and not hurry and self._steady():
-                    time.sleep(COALESCE - (woken - last_wake))  # let more arrive; a burst is one read
+                    # let more arrive, so a burst is one read; a rank that exits ends the pause at once
+                    multiprocessing.connection.wait([proc.sentinel for proc in self._procs],
+                                                    timeout=COALESCE - (woken - last_wake))
                 last_wake, self._wake_bytes = time.monotonic(), 0
                 timeout = 0.1
                 while events := self._selector.select(timeout):  # until nothing is left to read

@@ -6,6 +6,7 @@ the kernel except `WorkerSpec` construction.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import inspect
 import io
@@ -116,12 +117,24 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     code = 0
     try:
         _run_function(rank, spec_payload)
+        _leave_store(rank)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
         code = _exit_code(exc)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: user threads or CUDA state must not hang the exit
+
+
+def _leave_store(rank: int) -> None:
+    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
+    running (or still in init_process_group's closing barrier) needs the store. The others say they are done."""
+    if _store is None:
+        return
+    if rank:
+        _store.set(f"ddpnb/done/{rank}", b"")
+    else:
+        _store.wait([f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))], datetime.timedelta(days=365))
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -229,7 +242,8 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
         returned = _dump_result(value) if rank == 0 else msg.Returned(rank=rank)
-        _destroy_process_group()
+        # no destroy_process_group (20 ms with gloo): a local rank exits right after (`entry`, once no rank
+        # needs rank 0's store), and Ray Train tears down the group it made
         _context.send(returned)
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
@@ -422,10 +436,3 @@ def _new_group(backend: str | None, **kwargs: Any) -> None:
 
 def _default_backend() -> str:
     return "nccl" if _device != "cpu" else "gloo"
-
-
-def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -76,6 +76,25 @@ def test_ranks_get_torchrun_environment_and_a_ready_process_group():
     assert env["initialized"] and env["backend"] == "gloo"
 
 
+def _rank_zero_returns_first(rank, world_size):
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        return "rank 0 done"
+    time.sleep(1.0)  # rank 0 has returned long ago; the store it hosts must still be there
+    group = dist.new_group([1], backend="gloo", use_local_synchronization=True)  # rank 1 alone
+    dist.distributed_c10d._get_default_store().set(f"late/{rank}", "still here")
+    return dist.get_world_size(group)
+
+
+def test_rank_zero_stays_until_every_rank_is_done_with_its_store():
+    for _ in range(3):  # the race it guards against is one of milliseconds: give it a few chances
+        assert ddpnb.run(_rank_zero_returns_first, nprocs=3, view="none") == "rank 0 done"
+    assert all(rank.exitcode == 0 for rank in ddpnb.last_run().ranks)
+
+
 def _spawn_target(rank, scale, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
         f.write(str(rank * scale))

@@ -269,7 +269,9 @@ def test_two_background_runs_keep_their_own_dashboards_and_results(widget_kernel
     displays = [msg["content"]["transient"]["display_id"] for msg in launched.outputs
                 if msg["msg_type"] == "display_data"]
     assert len(set(displays)) == 2
-    summaries = {}  # the kernel is idle: each dashboard's own thread replaces its widget by its summary
+    # each dashboard's own thread replaces its widget by its summary, the first maybe while the cell still runs
+    summaries = {msg["content"]["transient"]["display_id"]: msg["content"]["data"]["text/plain"]
+                 for msg in launched.outputs if msg["msg_type"] == "update_display_data"}
     deadline = time.monotonic() + 120
     while len(summaries) < 2 and time.monotonic() < deadline:
         try:
