@@ -721,7 +721,7 @@ class _Link(_worker._Context):
         self._thread.start()
 
     def send(self, message: Any) -> None:
-        data = _worker._dumps(message)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
             self._pending.append(data)
             self.lock.notify()
