@@ -53,7 +53,7 @@ class Settings:
 
 
 FULL = Settings(reps=3, warm=8, train_reps=3, train_steps=600, stream_reps=2, stream_lines=250_000,
-                result_reps=2, result_bytes=1 << 30, hang_timeout=20)
+                result_reps=5, result_bytes=1 << 30, hang_timeout=20)
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15)
 

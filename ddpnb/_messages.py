@@ -3,8 +3,8 @@
 Raw stdout/stderr bytes travel on separate pipes; these carry structure only. On the wire a message is the
 pickle of a plain tuple, its class name then its fields (`encode`/`decode`): pickling a dataclass instance
 looks its class up by name every time, which made `ddpnb.log` cost a training step ~60 µs instead of ~3 µs.
-Each one travels in a frame (`frame`, `Frames`): its length, big-endian, then its bytes, the layout of
-`multiprocessing.connection`, written by the rank in one `os.write` and read by the kernel in bulk.
+Each one travels in a frame (`header`, `Frames`): its length, big-endian, then its bytes, the layout of
+`multiprocessing.connection`; the rank writes a small one with a single `os.write`, the kernel reads in bulk.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def decode(data: bytes) -> Message:
     return KINDS[kind](*fields)
 
 
-def frame(data: bytes) -> bytes:
-    size = len(data)
-    return (struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)) + data
+def header(size: int) -> bytes:
+    """A frame's header: its length, as `multiprocessing.connection` writes it."""
+    return struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
 
 
 class Frames:
@@ -102,17 +102,18 @@ class Frames:
         pending = self.pending
         pending += data
         frames, start = [], 0
-        while len(pending) - start >= 4:
-            (size,) = struct.unpack_from("!i", pending, start)
-            head = 4
-            if size == -1:  # over 2 GiB: the length follows as 8 bytes
-                if len(pending) - start < 12:
+        with memoryview(pending) as view:  # released before `pending` is resized below
+            while len(pending) - start >= 4:
+                (size,) = struct.unpack_from("!i", pending, start)
+                head = 4
+                if size == -1:  # over 2 GiB: the length follows as 8 bytes
+                    if len(pending) - start < 12:
+                        break
+                    (size,) = struct.unpack_from("!Q", pending, start + 4)
+                    head = 12
+                if len(pending) - start - head < size:
                     break
-                (size,) = struct.unpack_from("!Q", pending, start + 4)
-                head = 12
-            if len(pending) - start - head < size:
-                break
-            frames.append(bytes(pending[start + head:start + head + size]))
-            start += head + size
+                frames.append(bytes(view[start + head:start + head + size]))  # one copy
+                start += head + size
         del pending[:start]
         return frames

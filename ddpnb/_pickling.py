@@ -60,7 +60,7 @@ def dumps(obj: Any, tensors: bool = True) -> bytes:
 
 
 def save(obj: Any, fd: int) -> None:
-    """torch.save with this module's pickler into the file `fd` (from its start): tensor bytes go to the file raw
+    """torch.save with this module's pickler into the empty file `fd`: tensor bytes go to the file raw
     (mappable), everything else is cloudpickled. No CRC-32 of the tensor bytes: the file lives in this machine's
     memory for a moment, and checksumming halved the speed (1 GB: 0.45 s without, 1.0 s with, on 2 cores)."""
     import torch
@@ -79,7 +79,8 @@ def save(obj: Any, fd: int) -> None:
 
 def load(fd: int) -> Any:
     """What `save` wrote to `fd`, its tensors mapped from the file rather than read: the mapping stays valid
-    after `fd` is closed, and the memory is freed with the last tensor."""
+    after `fd` is closed, and the memory is freed with the last tensor (every tensor of the value maps the same
+    file: keeping one keeps it all; writing to one copies the pages written, as with any private mapping)."""
     import torch
 
     return torch.load(f"/proc/self/fd/{fd}", mmap=True, weights_only=False, map_location="cpu")

@@ -2,8 +2,9 @@
 
 Workers are forked from multiprocessing's forkserver, a fresh process (never a fork of the kernel) that has
 imported torch once but never touches CUDA; each run therefore gets new, clean processes in milliseconds.
-Each rank gets three private pipes from the kernel: stdout, stderr (fd level) and a duplex message channel.
-One thread per run multiplexes all of them plus the process sentinels; nothing it does waits on a view.
+Each rank gets private pipes from the kernel: stdout, stderr (fd level), a message channel to the kernel, and a
+lifeline that tells it when the kernel is gone. One thread per run multiplexes them plus the process sentinels;
+nothing it does waits on a view.
 """
 
 from __future__ import annotations
@@ -217,9 +218,7 @@ class Run:
         self._done = threading.Event()
         self._procs: list[Any] = []
         self._listeners: list[Callable[[], None]] = []
-        self._buffer = bytearray(PIPE_SIZE)  # every read of a rank's output lands here first
         self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
-        self._buffer_view = memoryview(self._buffer)
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -240,10 +239,8 @@ class Run:
         self._logs: list[Any] = []
         self._kernel_ends: list[Any] = []  # the kernel's other pipe ends: stdout/stderr read ends, lifelines
         # rank 0 writes a value holding tensors to an anonymous memory file; the kernel maps it (`result()`)
-        if hasattr(os, "memfd_create"):
-            self._result_fd = os.memfd_create("ddpnb-result", os.MFD_CLOEXEC)
-            self._result_closer = weakref.finalize(self, os.close, self._result_fd)  # a result nobody took
         try:
+            self._create_result_file()
             for rank in range(self.spec.world_size):
                 self._start_rank(context, rank, spec_payload, *((store_socket, self._result_fd) if rank == 0 else ()))
                 if rank == 0:
@@ -345,6 +342,15 @@ class Run:
             self._close_result_file()
         return self._value
 
+    def _create_result_file(self) -> None:
+        """Where rank 0 writes a value holding tensors (`_worker._dump_result`); without one (no memfd_create
+        here, or refused) every value travels in rank 0's last message."""
+        try:
+            self._result_fd = os.memfd_create("ddpnb-result", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return
+        self._result_closer = weakref.finalize(self, os.close, self._result_fd)  # a result nobody took
+
     def _close_result_file(self) -> None:
         """The file's memory goes with the last reference to it: this fd, or a tensor mapped from it."""
         if self._result_fd is not None:
@@ -390,8 +396,8 @@ class Run:
         one per line, and a rank's write never waits for the kernel to wake (on a virtual machine a wake-up can
         cost 0.3 ms of CPU). The pipes hold what arrives meanwhile, and each wake-up reads them empty; when one
         wake-up read more than a quarter of what a pipe holds, output is flowing fast and the next pass reads
-        without pausing. A pause ends early when a rank exits (every rank exits right after its function
-        returns or fails), so the end of a run is seen at once.
+        without pausing. A pause ends early when a rank exits (a rank exits right after its function returns
+        or fails; rank 0 once the others are done too), so the end of a run is seen at once.
         """
         self._selector = selectors.DefaultSelector()
         for fd in self._streams:
@@ -402,6 +408,7 @@ class Run:
             self._selector.register(proc.sentinel, selectors.EVENT_READ, functools.partial(self._on_exit, rank))
         self._exits = len(self._procs)
         self._wake_bytes = 0  # read since the last wake-up
+        self._buffer = memoryview(bytearray(PIPE_SIZE))  # every read lands here first
         all_exited: float | None = None
         last_wake, hurry = 0.0, False
         try:
@@ -415,7 +422,7 @@ class Run:
                 timeout = 0.1
                 while events := self._selector.select(timeout):  # until nothing is left to read
                     for key, _ in events:
-                        key.data(key.fileobj)  # one read of a pipe, or one message of a channel
+                        key.data(key.fileobj)  # one read of a pipe
                     timeout = 0
                     if time.monotonic() - last_wake > COALESCE:  # flooded: still check timeouts and stops
                         break
@@ -427,6 +434,7 @@ class Run:
                         break  # still holds its output pipe open: stop reading rather than hang the cell
         finally:
             self._selector.close()
+            self._buffer = memoryview(b"")
             self._finish()
 
     def _steady(self) -> bool:
@@ -438,7 +446,7 @@ class Run:
         stream = self._streams[fd]
         size = os.readv(fd, [self._buffer])
         self._wake_bytes += size
-        data = bytes(self._buffer_view[:size])
+        data = bytes(self._buffer[:size])
         lines = stream.feed(data, final=not data)
         if not data:
             self._selector.unregister(fd)
@@ -463,12 +471,17 @@ class Run:
             return
         self._wake_bytes += size
         rank = self._conns[conn]
-        for data in self._frames[conn].feed(self._buffer_view[:size]):
-            self._handle(rank, msg.decode(data))
+        for data in self._frames[conn].feed(self._buffer[:size]):
+            try:
+                message = msg.decode(data)
+            except Exception:  # noqa: BLE001 - a frame cut short (a rank killed mid-write): nothing more to trust
+                self._close_channel(conn)
+                return
+            self._handle(rank, message)
 
     def _close_channel(self, conn: Any) -> None:
         self._selector.unregister(conn)
-        del self._conns[conn]
+        del self._conns[conn], self._frames[conn]
         conn.close()
 
     def _handle(self, rank: int, message: msg.Message) -> None:
@@ -524,7 +537,8 @@ class Run:
         for conn, owner in list(self._conns.items()):
             if owner != rank:
                 continue
-            while conn in self._conns and conn.poll(1.0):
+            deadline = time.monotonic() + DRAIN_WAIT
+            while conn in self._conns and time.monotonic() < deadline and conn.poll(1.0):
                 self._read_channel(conn)  # closes it at EOF
             if conn in self._conns:  # a process the rank started still holds the channel: stop waiting for it
                 self._close_channel(conn)

@@ -65,8 +65,8 @@ def _detach(duplicated: Any) -> int:
 class _Context:
     """The running worker's link to the kernel; `ddpnb.log` sends through it.
 
-    The channel is the write end of a pipe; each message is one frame (`_messages.frame`) written with as few
-    `os.write` calls as possible, because this runs inside the user's training step.
+    The channel is the write end of a pipe; each message is one frame (`_messages.header`, then its bytes),
+    written with as few `os.write` calls as possible, because this runs inside the user's training step.
     """
 
     def __init__(self, rank: int, channel: Connection) -> None:
@@ -76,8 +76,14 @@ class _Context:
         self.lock = threading.Lock()
 
     def send(self, message: msg.Message) -> None:
-        view = memoryview(msg.frame(msg.encode(message)))
-        with self.lock:  # one os.write for a frame up to PIPE_BUF (4 KiB): never split
+        data = msg.encode(message)
+        header = msg.header(len(data))
+        with self.lock:
+            if len(data) <= 4000:  # one write up to PIPE_BUF (4 KiB) is never split nor interleaved
+                os.write(self.fd, header + data)
+                return
+            os.write(self.fd, header)
+            view = memoryview(data)  # a big value: written in place, not copied into a frame first
             while view:
                 view = view[os.write(self.fd, view):]
 
@@ -89,6 +95,7 @@ _device: str = "cpu"
 _stack_file: io.TextIOBase | None = None
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 _result_fd: int | None = None  # rank 0: the kernel's anonymous memory file for a result that holds tensors
+LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 
 
 def current() -> _Context | None:
@@ -128,13 +135,29 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
 def _leave_store(rank: int) -> None:
     """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
-    running (or still in init_process_group's closing barrier) needs the store. The others say they are done."""
+    running (or still in init_process_group's closing barrier) needs the store. The others say they are done.
+
+    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
+    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
+    backend's timeout. Best effort: the rank's function has returned, so nothing here is the user's failure.
+    """
     if _store is None:
         return
-    if rank:
-        _store.set(f"ddpnb/done/{rank}", b"")
-    else:
-        _store.wait([f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))], datetime.timedelta(days=365))
+    try:
+        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+        if rank:
+            _store.set(f"ddpnb/done/{rank}", b"")
+            return
+        try:
+            _store.wait(others, datetime.timedelta(seconds=LEAVE_WAIT))
+        except Exception:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _store.wait(others, datetime.timedelta(days=365))
+    except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
+        return
 
 
 def _exit_code(exc: SystemExit) -> int:

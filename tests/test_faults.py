@@ -160,6 +160,22 @@ def test_rank_error_while_others_wait_in_all_reduce_stops_every_rank():
     assert_next_run_works()
 
 
+def one_collective_too_many(rank):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        dist.all_reduce(torch.ones(1))  # rank 0 has returned and will never join this one
+    return rank
+
+
+def test_rank_waiting_for_a_rank_that_returned_fails_instead_of_hanging():
+    error = run_failing(one_collective_too_many, timeout=60)  # the timeout only keeps a regression from hanging
+    assert error.record.outcome is ddpnb.Outcome.FAILED  # not TIMED_OUT: rank 0 let go of its group
+    assert error.rank == 1 and "in one_collective_too_many" in str(error)
+    assert_nothing_left(error.record)
+
+
 def leaves_a_process_holding_its_output(rank):
     # start_new_session: this process leaves the rank's process group, so stopping the rank cannot reach it,
     # and it holds the rank's stdout open
