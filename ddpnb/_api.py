@@ -221,14 +221,8 @@ def log(step: int | None = None, **scalars: float) -> None:
     Outside a ddpnb worker it does nothing, so the same function also runs as a plain script.
     """
     context = _worker.current()
-    if context is None:
-        return
-    import time
-
-    from ddpnb._messages import Metric
-
-    context.send(Metric(rank=context.rank, step=step, time=time.time(),
-                        values={name: float(value) for name, value in scalars.items()}))
+    if context is not None:
+        context.send_metric(step, {name: float(value) for name, value in scalars.items()})
 
 
 def device() -> str:

@@ -726,6 +726,9 @@ class _Link(_worker._Context):
             self._pending.append(data)
             self.lock.notify()
 
+    def send_metric(self, step: int | None, values: dict[str, float]) -> None:
+        self.send(msg.Metric(rank=self.rank, step=step, time=time.time(), values=values))
+
     def _send_loop(self) -> None:
         import ray
 
