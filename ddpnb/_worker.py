@@ -142,8 +142,9 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
 
 def _leave_store(rank: int) -> None:
-    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
-    running (or still in init_process_group's closing barrier) needs the store. The others say they are done.
+    """No rank exits before every rank's process group is up, and rank 0, which hosts the run's TCPStore, exits
+    only once every rank's function has returned: a rank still running (or still in init_process_group's closing
+    barrier) needs the store. The others say they are done.
 
     Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
     group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
@@ -152,7 +153,11 @@ def _leave_store(rank: int) -> None:
     if _store is None:
         return
     try:
-        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+        world_size = int(os.environ["WORLD_SIZE"])
+        # no rank leaves while another is still connecting its process group (gloo's full mesh would see the
+        # connection close): every rank says so once its group is up (`_init_process_group`)
+        _store.wait([f"ddpnb/joined/{r}" for r in range(world_size)], datetime.timedelta(days=365))
+        others = [f"ddpnb/done/{r}" for r in range(1, world_size)]
         if rank:
             _store.set(f"ddpnb/done/{rank}", b"")
             return
@@ -273,8 +278,9 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
         returned = _dump_result(value) if rank == 0 else msg.Returned(rank=rank)
-        # no destroy_process_group (20 ms with gloo): a local rank exits right after (`entry`, once no rank
-        # needs rank 0's store), and Ray Train tears down the group it made
+        # taken down before the rank exits: gloo ranks that exit with their group up made a peer's
+        # connectFullMesh fail now and then ("Connection closed by peer", 3 runs in 60 of 4 ranks)
+        _destroy_process_group()
         _context.send(returned)
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
@@ -448,6 +454,7 @@ def _init_process_group(rank: int, spec: WorkerSpec) -> None:
     _store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=rank == 0,
                            master_listen_fd=_store_fd if rank == 0 else None)
     _new_group(spec.backend)
+    _store.set(f"ddpnb/joined/{rank}", b"")  # see `_leave_store`
 
 
 def _new_group(backend: str | None, **kwargs: Any) -> None:
@@ -467,3 +474,10 @@ def _new_group(backend: str | None, **kwargs: Any) -> None:
 
 def _default_backend() -> str:
     return "nccl" if _device != "cpu" else "gloo"
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
