@@ -103,7 +103,6 @@ _device: str = "cpu"
 _stack_file: io.TextIOBase | None = None
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 _result_fd: int | None = None  # rank 0: the kernel's anonymous memory file for a result that holds tensors
-LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 
 
 def current() -> _Context | None:
@@ -144,31 +143,20 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 def _leave_store(rank: int) -> None:
     """No rank exits before every rank's process group is up, and rank 0, which hosts the run's TCPStore, exits
     only once every rank's function has returned: a rank still running (or still in init_process_group's closing
-    barrier) needs the store. The others say they are done.
-
-    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
-    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
-    backend's timeout. Best effort: the rank's function has returned, so nothing here is the user's failure.
+    barrier) needs the store. The others say they are done. (Each rank took down its own group already, so a rank
+    left waiting in a collective rank 0 never joins fails rather than hangs.) Best effort: the rank's function
+    has returned, so nothing here is the user's failure.
     """
     if _store is None:
         return
     try:
         world_size = int(os.environ["WORLD_SIZE"])
-        # no rank leaves while another is still connecting its process group (gloo's full mesh would see the
-        # connection close): every rank says so once its group is up (`_init_process_group`)
+        # gloo's full mesh would see the connection close: every rank says so once its group is up
         _store.wait([f"ddpnb/joined/{r}" for r in range(world_size)], datetime.timedelta(days=365))
-        others = [f"ddpnb/done/{r}" for r in range(1, world_size)]
         if rank:
             _store.set(f"ddpnb/done/{rank}", b"")
-            return
-        try:
-            _store.wait(others, datetime.timedelta(seconds=LEAVE_WAIT))
-        except Exception:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            _store.wait(others, datetime.timedelta(days=365))
+        else:
+            _store.wait([f"ddpnb/done/{r}" for r in range(1, world_size)], datetime.timedelta(days=365))
     except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
         return
 
