@@ -422,7 +422,8 @@ class Run:
                 timeout = 0.1
                 while events := self._selector.select(timeout):  # until nothing is left to read
                     for key, _ in events:
-                        key.data(key.fileobj)  # one read of a pipe
+                        if key.fd in self._selector.get_map():  # not closed by an earlier event of this batch
+                            key.data(key.fileobj)  # one read of a pipe (a rank's exit drains and closes its channel)
                     timeout = 0
                     if time.monotonic() - last_wake > COALESCE:  # flooded: still check timeouts and stops
                         break

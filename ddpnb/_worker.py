@@ -141,21 +141,18 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
 
 def _leave_store(rank: int) -> None:
-    """No rank exits before every rank's process group is up, and rank 0, which hosts the run's TCPStore, exits
-    only once every rank's function has returned: a rank still running (or still in init_process_group's closing
-    barrier) needs the store. The others say they are done. (Each rank took down its own group already, so a rank
-    left waiting in a collective rank 0 never joins fails rather than hangs.) Best effort: the rank's function
-    has returned, so nothing here is the user's failure.
+    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
+    running needs the store. The others say they are done. (Each rank took down its own group already, so a
+    rank left waiting in a collective rank 0 never joins fails rather than hangs.) Best effort: the rank's
+    function has returned, so nothing here is the user's failure.
     """
     if _store is None:
         return
     try:
-        world_size = int(os.environ["WORLD_SIZE"])
-        # gloo's full mesh would see the connection close: every rank says so once its group is up
-        _store.wait([f"ddpnb/joined/{r}" for r in range(world_size)], datetime.timedelta(days=365))
         if rank:
             _store.set(f"ddpnb/done/{rank}", b"")
         else:
+            world_size = int(os.environ["WORLD_SIZE"])
             _store.wait([f"ddpnb/done/{r}" for r in range(1, world_size)], datetime.timedelta(days=365))
     except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
         return
@@ -174,6 +171,7 @@ def _exit_code(exc: SystemExit) -> int:
 def _prepare(rank: int, spec: WorkerSpec) -> None:
     _install_stack_dump(spec.run_dir, rank)
     os.environ.clear()
+    os.environ.update(INIT_BARRIER)  # unless the kernel's environment or --env says otherwise
     os.environ.update(spec.environ)
     os.environ.update(_torchrun_env(rank, spec))
     loopback = _loopback_interface()
@@ -222,6 +220,13 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
+# init_process_group returns once this rank's group is up, not every rank's: a rank whose function is quick can
+# take its group down (or exit) while a peer is still connecting gloo's full mesh, and that peer fails with
+# "Gloo connectFullMesh failed ... Connection closed by peer" (2 runs in 30 of 8 ranks here, with any launcher).
+# torch's own store barrier at the end of init_process_group closes that gap; ddpnb turns it on.
+INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}
+
+
 def _torchrun_env(rank: int, spec: WorkerSpec) -> dict[str, str]:
     return {
         "RANK": str(rank),
@@ -266,9 +271,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
         returned = _dump_result(value) if rank == 0 else msg.Returned(rank=rank)
-        # taken down before the rank exits: gloo ranks that exit with their group up made a peer's
-        # connectFullMesh fail now and then ("Connection closed by peer", 3 runs in 60 of 4 ranks)
-        _destroy_process_group()
+        _destroy_process_group()  # as a script should; see INIT_BARRIER for why that is safe
         _context.send(returned)
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
@@ -442,7 +445,6 @@ def _init_process_group(rank: int, spec: WorkerSpec) -> None:
     _store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=rank == 0,
                            master_listen_fd=_store_fd if rank == 0 else None)
     _new_group(spec.backend)
-    _store.set(f"ddpnb/joined/{rank}", b"")  # see `_leave_store`
 
 
 def _new_group(backend: str | None, **kwargs: Any) -> None:
