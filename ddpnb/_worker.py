@@ -103,6 +103,7 @@ _device: str = "cpu"
 _stack_file: io.TextIOBase | None = None
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 _result_fd: int | None = None  # rank 0: the kernel's anonymous memory file for a result that holds tensors
+LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 
 
 def current() -> _Context | None:
@@ -142,18 +143,25 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
 def _leave_store(rank: int) -> None:
     """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
-    running needs the store. The others say they are done. (Each rank took down its own group already, so a
-    rank left waiting in a collective rank 0 never joins fails rather than hangs.) Best effort: the rank's
-    function has returned, so nothing here is the user's failure.
+    running needs the store. The others say they are done and exit, their process group with them (exiting
+    closes its sockets; `destroy_process_group` would cost each rank 20 ms of the launch here).
+
+    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
+    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
+    backend's timeout. Best effort: the rank's function has returned, so nothing here is the user's failure.
     """
     if _store is None:
         return
     try:
         if rank:
             _store.set(f"ddpnb/done/{rank}", b"")
-        else:
-            world_size = int(os.environ["WORLD_SIZE"])
-            _store.wait([f"ddpnb/done/{r}" for r in range(1, world_size)], datetime.timedelta(days=365))
+            return
+        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+        try:
+            _store.wait(others, datetime.timedelta(seconds=LEAVE_WAIT))
+        except Exception:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
+            _destroy_process_group()
+            _store.wait(others, datetime.timedelta(days=365))
     except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
         return
 
@@ -270,9 +278,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         (join_group or _init_process_group)(rank, spec)
         fn = cloudpickle.loads(spec.fn_payload)
         value = _call(fn, rank, spec)
-        returned = _dump_result(value) if rank == 0 else msg.Returned(rank=rank)
-        _destroy_process_group()  # as a script should; see INIT_BARRIER for why that is safe
-        _context.send(returned)
+        _context.send(_dump_result(value) if rank == 0 else msg.Returned(rank=rank))
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
         raise
