@@ -206,35 +206,59 @@ def probe_nbdistributed(args: argparse.Namespace) -> None:
 
 # --- training overhead ----------------------------------------------------------------------------------------
 def probe_train_ddpnb(args: argparse.Namespace) -> None:
-    import resource
-
-    import ddpnb
-
-    by_value()
-    ddpnb.run(_workloads.trivial, nprocs=2)  # warm, so the kernel's CPU below is the training run's
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    value = ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, True))
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    kernel_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    record = ddpnb.last_run()
-    steps = args.steps + _workloads.TRAIN_WARMUP_STEPS
-    emit({**value, "kernel_cpu_per_step": kernel_cpu / steps, "lines": sum(r.lines for r in record.ranks),
-          "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
-
-
-def probe_report_cost(args: argparse.Namespace) -> None:
-    """The per-step cost of ddpnb.log + print, in the ranks and in the kernel (CPU time of this process)."""
-    import resource
-
     import ddpnb
 
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2)  # warm
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    value = ddpnb.run(_workloads.report_cost, nprocs=2, args=(args.steps,))
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    kernel_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    emit({**value, "kernel_cpu_seconds_per_step": kernel_cpu / args.steps})
+    value, kernel_cpu = _with_kernel_cpu(lambda: ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, True)))
+    record = ddpnb.last_run()
+    emit({**value, "kernel_cpu_per_step": kernel_cpu, "lines": sum(r.lines for r in record.ranks),
+          "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
+
+
+def probe_train_alternating(args: argparse.Namespace) -> None:
+    """The cost of ddpnb.log + print inside the training loop, in the ranks: blocks of steps that report against
+    their neighbours that do not, in the same ranks (`_workloads.train_alternating`)."""
+    import ddpnb
+
+    by_value()
+    emit(ddpnb.run(_workloads.train_alternating, nprocs=2, args=(args.steps, args.block)))
+
+
+def _with_kernel_cpu(call: Any, interval: float = 0.5) -> tuple[Any, float]:
+    """`call()` (a foreground ddpnb.run of a training workload), and this process's CPU time per step rank 0
+    reported while the steps ran: sampled every `interval` against the count of rank 0's `loss` metrics, so the
+    run's start and end (launch, not training) are left out. Everything the kernel does meanwhile (its wake-ups
+    in blocks that do not report too, and these samples) is charged to the reported steps."""
+    import resource
+
+    import ddpnb
+
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval):
+            record = ddpnb.last_run()
+            if record is None:
+                continue
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            samples.append((usage.ru_utime + usage.ru_stime, len(record.ranks[0].metrics.get("loss", []))))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        value = call()
+    finally:
+        stop.set()
+        sampler.join()
+    final = len(ddpnb.last_run().ranks[0].metrics["loss"])
+    # samples of this run while its steps were going: after the first step was seen, before the last
+    steady = [(cpu, n) for cpu, n in samples if 0 < n < final]
+    if len(steady) < 2 or steady[-1][1] == steady[0][1]:
+        raise RuntimeError("the run was too short to sample the kernel's CPU while it trained: give it more steps")
+    (cpu_a, n_a), (cpu_b, n_b) = steady[0], steady[-1]
+    return value, (cpu_b - cpu_a) / (n_b - n_a)
 
 
 # --- streaming ------------------------------------------------------------------------------------------------
@@ -444,8 +468,9 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p = sub.add_parser("train-ddpnb")
     p.add_argument("--steps", type=int, required=True)
-    p = sub.add_parser("report-cost")
-    p.add_argument("--steps", type=int, default=20_000)
+    p = sub.add_parser("train-alternating")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--block", type=int, default=5)
     p = sub.add_parser("stream")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--lines", type=int, required=True)
@@ -460,7 +485,7 @@ def main() -> None:
     probe = {
         "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
         "nbdistributed": probe_nbdistributed, "train-ddpnb": probe_train_ddpnb,
-        "report-cost": probe_report_cost, "stream": probe_stream,
+        "train-alternating": probe_train_alternating, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps,
     }[args.probe]
     probe(args)

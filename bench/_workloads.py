@@ -51,17 +51,68 @@ def train(rank: int, world_size: int, steps: int, report: bool) -> dict[str, flo
 
     `report=True` calls `ddpnb.log(...)` and `print(...)` every step, as a user watching a run would.
     """
-    import torch
     import torch.distributed as dist
+
+    step_once = _training_step(rank)
+    log = _reporter() if report else None
+    for step in range(TRAIN_WARMUP_STEPS):
+        step_once(step, log)
+    dist.barrier()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for step in range(TRAIN_WARMUP_STEPS, TRAIN_WARMUP_STEPS + steps):
+        step_once(step, log)
+    dist.barrier()
+    elapsed = time.perf_counter() - started
+    cpu = [0.0] * world_size
+    dist.all_gather_object(cpu, (time.process_time() - cpu_started) / steps)
+    # CPU time per step is what the rank itself spent, whatever else the machine's 2 cores were doing
+    return {"steps_per_s": steps / elapsed, "seconds": elapsed, "cpu_per_step": sum(cpu) / world_size}
+
+
+def train_alternating(rank: int, world_size: int, steps: int, block: int) -> dict[str, Any]:
+    """`train` under ddpnb, reporting (`ddpnb.log` + `print`) only in every other block of `block` steps: the
+    cost of reporting inside a training loop, measured in the same processes, so that what differs between two
+    launches (memory layout, the machine's load) cancels out. Each block is timed against its neighbour: the
+    median of those pairs' ratios shrugs off a burst of load on the machine (on a VM, time the host takes the
+    CPU away counts as the process's CPU time too)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    step_once = _training_step(rank)
+    log = _reporter()
+    for step in range(TRAIN_WARMUP_STEPS):
+        step_once(step, log)
+    dist.barrier()
+    blocks: list[tuple[float, float]] = []  # (CPU, wall) of each block, silent ones at even indexes
+    for first in range(0, steps - steps % (2 * block), block):
+        reporting = (first // block) % 2 == 1
+        cpu_started, started = time.process_time(), time.perf_counter()
+        for step in range(first, first + block):
+            step_once(step, log if reporting else None)
+        blocks.append((time.process_time() - cpu_started, time.perf_counter() - started))
+    dist.barrier()
+    pairs = list(zip(blocks[::2], blocks[1::2]))
+    mine = {"cpu": [silent[0] / with_[0] for silent, with_ in pairs],
+            "wall": [silent[1] / with_[1] for silent, with_ in pairs],
+            "cpu_per_step_silent": sum(silent[0] for silent, _ in pairs) / (block * len(pairs)),
+            "cpu_per_step_reporting": sum(with_[0] for _, with_ in pairs) / (block * len(pairs))}
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return {"cpu_ratio": statistics.median(r for rank in everyone for r in rank["cpu"]),
+            "wall_ratio": statistics.median(r for rank in everyone for r in rank["wall"]),
+            "cpu_per_step_silent": statistics.mean(rank["cpu_per_step_silent"] for rank in everyone),
+            "cpu_per_step_reporting": statistics.mean(rank["cpu_per_step_reporting"] for rank in everyone),
+            "reporting_steps": block * len(pairs)}
+
+
+def _training_step(rank: int) -> Any:
+    """The step both training workloads time: forward, backward and SGD on a DDP MLP, then the reporting."""
+    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)  # the same in every launcher: 2 ranks on 2 cores
     init_from_env()
-    log = None
-    if report:
-        import ddpnb
-
-        log = ddpnb.log
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 512), torch.nn.ReLU(),
@@ -74,13 +125,8 @@ def train(rank: int, world_size: int, steps: int, report: bool) -> dict[str, flo
     batches = [(torch.randn(64, 256, generator=generator), torch.randint(0, 10, (64,), generator=generator))
                for _ in range(16)]
     loss_fn = torch.nn.CrossEntropyLoss()
-    started = 0.0
-    warmup = TRAIN_WARMUP_STEPS
-    cpu_started = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
-            dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
+
+    def step_once(step: int, log: Any) -> None:
         inputs, targets = batches[step % len(batches)]
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs), targets)
@@ -90,30 +136,14 @@ def train(rank: int, world_size: int, steps: int, report: bool) -> dict[str, flo
             value = loss.item()
             log(step=step, loss=value)
             print(f"step {step} loss {value:.4f}")
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    cpu = [0.0] * world_size
-    dist.all_gather_object(cpu, (time.process_time() - cpu_started) / steps)
-    # CPU time per step is what the rank itself spent, whatever else the machine's 2 cores were doing
-    return {"steps_per_s": steps / elapsed, "seconds": elapsed, "cpu_per_step": sum(cpu) / world_size}
+
+    return step_once
 
 
-def report_cost(rank: int, world_size: int, steps: int) -> dict[str, float]:
-    """What `ddpnb.log(...)` + `print(...)` cost a rank per step, with no training around them: CPU time, and
-    wall time (which includes waiting when the kernel reads slower than the loop sends)."""
-    import torch.distributed as dist
-
+def _reporter() -> Any:
     import ddpnb
 
-    dist.barrier()
-    started, cpu_started = time.perf_counter(), time.process_time()
-    for step in range(steps):
-        ddpnb.log(step=step, loss=0.5)
-        print(f"step {step} loss 0.5000")
-    mine = ((time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps)
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
-    return {"rank_wall_per_step": max(w for w, _ in everyone), "rank_cpu_per_step": max(c for _, c in everyone)}
+    return ddpnb.log
 
 
 def stream(rank: int, world_size: int, lines: int, rate: float) -> dict[str, Any]:

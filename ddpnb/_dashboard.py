@@ -1,6 +1,7 @@
-"""The live dashboard: an ipywidgets projection of a run's record, redrawn at most ten times a second.
+"""The live dashboard: an ipywidgets projection of a run's record, redrawn when the run's reader has news (at most
+five times a second) and once a second anyway.
 
-The supervisor thread keeps the record; this view only reads it. Its own timer thread redraws (so background
+The supervisor thread keeps the record; this view only reads it. Its own thread redraws (so background
 runs, where nobody calls `wait()`, stay live) and sends a widget update only for a part that changed. Each part
 is an HTML string built by a pure function of the record, so the same functions draw the static summary that
 replaces the widget when the run ends: a saved notebook then reads well without a kernel.
@@ -21,12 +22,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ddpnb._record import Outcome, RankRecord, RankState, RunRecord, describe_exit
-from ddpnb._supervisor import Run
+from ddpnb._supervisor import TICK, Run
 
-REFRESH = 0.1  # seconds between redraws: at most ten a second, however fast the ranks print or log
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
 MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
+PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
 MANY_RANKS = 8  # above this, plots show rank 0 and the min-max band of all ranks
 SUMMARY_LOG_LINES = 30
 
@@ -355,13 +356,14 @@ def _tick_label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def log_html(lines: Iterable[tuple[int, str, str]], note: str) -> str:
-    body = []
-    for rank, stream, text in lines:
-        body.append(f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" '
-                    f'style="color:{_rank_colour(rank)}">[rank {rank}]</span>'
-                    f'<span class="ddpnb-text">{html.escape(text)}</span></div>')
-    inner = "".join(body) or '<div class="ddpnb-muted">no output yet</div>'
+def line_html(rank: int, stream: str, text: str) -> str:
+    return (f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" style="color:{_rank_colour(rank)}">'
+            f'[rank {rank}]</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
+
+
+def log_html(lines: Iterable[str], note: str) -> str:
+    """The log panel from lines drawn by `line_html` (the live dashboard draws each line once, not each redraw)."""
+    inner = "".join(lines) or '<div class="ddpnb-muted">no output yet</div>'
     return (f'<div class="ddpnb-muted">{note}</div>'
             f'<div class="ddpnb-log ddpnb-mono"><div>{inner}</div></div>')
 
@@ -393,7 +395,7 @@ def summary_html(record: RunRecord, lines: Sequence[tuple[int, str, str]]) -> st
     note = (f"last {len(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
             else f"no output · logs in {_log_location(record)}")
     logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
-            f'</summary>{log_html(tail, note)}</details>')
+            f'</summary>{log_html((line_html(*line) for line in tail), note)}</details>')
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
             f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}</div>')
 
@@ -419,12 +421,13 @@ class Dashboard:
 
         self.run: Run | None = run  # dropped when the run ends: a widget lives as long as the kernel, a result need not
         self.record = run.record
-        self._lock = threading.RLock()  # one redraw at a time: the timer thread, wait()'s thread, a click
+        self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
         self._seen = 0  # sequence number of the last line taken from the record
-        self._all: deque[tuple[int, str, str]] = deque(maxlen=log_lines)
+        self._all: deque[tuple[int, str, str, str]] = deque(maxlen=log_lines)  # rank, stream, text, its HTML
         self._per_rank = [deque(maxlen=log_lines) for _ in range(self.record.world_size)]
         self._metrics_seen: tuple[int, ...] | None = None
+        self._plotted = 0.0  # when the plots were last drawn
         self._lines_changed = True
 
         self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
@@ -458,14 +461,15 @@ class Dashboard:
                                 f"front end); the summary replaces it when the run ends. Logs: {self.record.run_dir}")
         # outside IPython (a script forcing view="widget", a benchmark) the widget is drawn but shown nowhere
         self._display = display(bundle, raw=True, display_id=True) if get_ipython() is not None else None
-        run.subscribe(self._on_wait)
+        run.subscribe(self._on_wait, news=False)
         threading.Thread(target=self._loop, name="ddpnb-dashboard", daemon=True).start()
 
     # --- drawing ---------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        seen = 0
         while (run := self.run) is not None and not run.done:
             self._render()
-            time.sleep(REFRESH)
+            seen = run.watch(seen, TICK)  # the reader's news (at most one per COALESCE), or a TICK for the clocks
         self.finish()
 
     def _on_wait(self) -> None:
@@ -484,7 +488,7 @@ class Dashboard:
             self.stop_button.disabled = True
             self.stop_button.layout.display = "none"
             if self._display is not None:
-                self._display.update({"text/html": summary_html(self.record, list(self._all)),
+                self._display.update({"text/html": summary_html(self.record, [entry[:3] for entry in self._all]),
                                       "text/plain": summary_text(self.record)}, raw=True)
             self.run = None
 
@@ -495,8 +499,9 @@ class Dashboard:
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
             signature = metrics_signature(record)
-            if signature != self._metrics_seen:
-                self._metrics_seen = signature
+            if signature != self._metrics_seen and (time.monotonic() - self._plotted >= PLOT_INTERVAL
+                                                    or self._finished):  # the final state is drawn whole
+                self._metrics_seen, self._plotted = signature, time.monotonic()
                 self.plots.value = plots_html(record)
             if self._lines_changed:
                 self._lines_changed = False
@@ -519,7 +524,8 @@ class Dashboard:
             self._seen = run.line_seq
         new.reverse()
         for _, rank, stream, text in new:
-            entry = (rank, stream, text[:MAX_LINE_CHARS])
+            text = text[:MAX_LINE_CHARS]
+            entry = (rank, stream, text, line_html(rank, stream, text))
             self._all.append(entry)
             self._per_rank[rank].append(entry)
         if new:
@@ -537,7 +543,7 @@ class Dashboard:
         shown = len(lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
                 else f"{total:,} lines · also in {where}")
-        return log_html(list(lines), note)
+        return log_html((entry[3] for entry in lines), note)
 
     # --- controls ----------------------------------------------------------------------------------------------------
     def _on_pick(self, change: dict[str, Any]) -> None:

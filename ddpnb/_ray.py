@@ -355,6 +355,8 @@ class RayRun(Run):
                 ready, _ = ray.wait([self._fit_ref], timeout=POLL)
                 if not self._aborted:
                     self._drain()  # after fit() returned too: the ranks flushed everything before they returned
+                if self._news:
+                    self._announce()
                 if ready:
                     break
                 self._check_stop()

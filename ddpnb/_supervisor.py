@@ -54,7 +54,10 @@ STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before
 DRAIN_WAIT = 2.0  # seconds the output pipes may stay open after every rank exited (a process that escaped)
 MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
 PIPE_SIZE = 1 << 20  # bytes a rank may write before it waits for the kernel to read (Linux pipe buffer)
-COALESCE = 0.1  # seconds between two wake-ups of a run's reader while every rank is busy (see `Run._loop`)
+# seconds between two wake-ups of a run's reader while every rank is busy (see `Run._loop`), and so between two
+# redraws of its views: ipykernel sends a cell's printed output every 0.2 s too
+COALESCE = 0.2
+TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
 _live_runs: set[Run] = set()
 _forkserver_lock = threading.Lock()
@@ -217,7 +220,11 @@ class Run:
         self._signalled: dict[int, set[int]] = {}  # rank -> the stop signals ddpnb sent it
         self._done = threading.Event()
         self._procs: list[Any] = []
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
+        self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
+        self._changes = threading.Condition()  # views wait on it for the reader's news (`watch`)
+        self._generation = 0  # how many times the reader announced news
+        self._news = False  # something was read or changed since the last announcement
         self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
 
     # --- public lifecycle -----------------------------------------------------------------------------------
@@ -313,21 +320,37 @@ class Run:
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
         try:
-            while True:
+            while not self._done.is_set():
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                # with no view to feed, sleep until the end (Ctrl-C still wakes this wait)
-                if self._done.wait(min(0.1, left or 0.1) if self._listeners else left):
-                    break
-                self._notify()
-                if deadline is not None and time.monotonic() > deadline:
+                if not self._listeners:  # no view to feed: sleep until the end (Ctrl-C still wakes this wait)
+                    self._done.wait(left)
+                else:  # feed the views whenever the reader has news
+                    seen = self.watch(seen, TICK if left is None else min(TICK, left))
+                    self._notify()
+                if deadline is not None and time.monotonic() >= deadline:
                     break
         except KeyboardInterrupt:
             self.stop(Outcome.INTERRUPTED, "interrupted by the user (Ctrl-C / kernel interrupt)")
             raise RunInterrupted(self.record) from None
         finally:
-            self._notify()
+            self._notify(ending=True)
         return self.record
+
+    def watch(self, seen: int, timeout: float) -> int:
+        """Wait until the reader announces news after announcement number `seen` (lines, metrics, a rank's state;
+        at most one announcement per COALESCE, and one when the run ends), or `timeout` passes; return the
+        latest announcement's number. How views redraw without waking on a timer of their own."""
+        with self._changes:
+            self._changes.wait_for(lambda: self._generation != seen or self._done.is_set(), timeout)
+            return self._generation
+
+    def _announce(self) -> None:
+        with self._changes:
+            self._generation += 1
+            self._news = False
+            self._changes.notify_all()
 
     def result(self) -> Any:
         """Rank 0's return value; raises `WorkerError` if the run did not succeed."""
@@ -379,12 +402,14 @@ class Run:
             except KeyboardInterrupt:  # a second interrupt while stopping: keep stopping, we are nearly done
                 continue
 
-    def subscribe(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` from the waiting thread about ten times a second (views redraw from the record)."""
-        self._listeners.append(callback)
+    def subscribe(self, callback: Callable[[], None], *, news: bool = True) -> None:
+        """Call `callback()` from the thread in `wait()` when the record changed and once a TICK anyway (views
+        redraw from the record), and when `wait()` returns; with `news=False`, only when `wait()` returns (a view
+        with a thread of its own, which must still be complete before a foreground cell ends)."""
+        (self._listeners if news else self._enders).append(callback)
 
-    def _notify(self) -> None:
-        for callback in self._listeners:
+    def _notify(self, ending: bool = False) -> None:
+        for callback in [*self._listeners, *(self._enders if ending else ())]:
             callback()
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -410,7 +435,7 @@ class Run:
         self._wake_bytes = 0  # read since the last wake-up
         self._buffer = memoryview(bytearray(PIPE_SIZE))  # every read lands here first
         all_exited: float | None = None
-        last_wake, hurry = 0.0, False
+        last_wake, last_news, hurry = 0.0, 0.0, False
         try:
             while self._selector.get_map():
                 woken = time.monotonic()
@@ -429,6 +454,9 @@ class Run:
                         break
                 hurry = self._wake_bytes >= self._pipe_room // 4
                 self._check_stop()
+                if self._news and (time.monotonic() - last_news >= COALESCE or not self._steady()):
+                    self._announce()  # at most once a COALESCE while output floods in
+                    last_news = time.monotonic()
                 if not self._exits:
                     all_exited = all_exited or time.monotonic()
                     if time.monotonic() - all_exited > DRAIN_WAIT:  # a process that left the rank's group
@@ -457,6 +485,7 @@ class Run:
 
     def _add_lines(self, rank: int, stream: str, lines: list[str]) -> None:
         record = self.record.ranks[rank]
+        self._news = True
         with self.lock:
             self.line_seq += len(lines)
             kept = lines[-(self.record.recent.maxlen or len(lines)):]  # older ones would fall out at once
@@ -487,6 +516,7 @@ class Run:
 
     def _handle(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]
+        self._news = True
         if isinstance(message, msg.Metric):
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
@@ -513,6 +543,7 @@ class Run:
 
     def _on_exit(self, rank: int, sentinel: int) -> None:
         self._selector.unregister(sentinel)
+        self._news = True
         self._exits -= 1
         proc, record = self._procs[rank], self.record.ranks[rank]
         record.exitcode, record.ended = proc.exitcode, time.time()
@@ -613,6 +644,7 @@ class Run:
             self._close_result_file()
         _live_runs.discard(self)
         self._done.set()
+        self._announce()
 
     def _write_endings(self) -> None:
         """End each rank's log with how the rank ended, so the file alone tells the story."""
