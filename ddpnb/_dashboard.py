@@ -1,5 +1,5 @@
-"""The live dashboard: an ipywidgets projection of a run's record, redrawn when the run's reader has news (at most
-five times a second) and once a second anyway.
+"""The live dashboard: an ipywidgets projection of a run's record, redrawn when the run's reader has news (output
+at most five times a second, ten on Ray; a rank's turn at once) and once a second anyway.
 
 The supervisor thread keeps the record; this view only reads it. Its own thread redraws (so background
 runs, where nobody calls `wait()`, stay live) and sends a widget update only for a part that changed. Each part
@@ -469,7 +469,7 @@ class Dashboard:
         seen = 0
         while (run := self.run) is not None and not run.done:
             self._render()
-            seen = run.watch(seen, TICK)  # the reader's news (at most one per COALESCE), or a TICK for the clocks
+            seen = run.watch(seen, TICK)  # the reader's news, or a TICK for the clocks
         self.finish()
 
     def _on_wait(self) -> None:

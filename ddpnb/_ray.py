@@ -666,6 +666,9 @@ def _rank_main(config: dict[str, Any]) -> None:
     try:
         _warn_about_versions(config["versions"])
         _worker._run_function(rank, config["spec"], setup=_setup_on_ray, join_group=_join_ray_group)
+        # Ray Train's workers outlive the rank: take its group down, so that a peer left in a collective this rank
+        # never joins (one all_reduce too many) fails now (gloo) instead of waiting for the group's timeout
+        _worker._destroy_process_group()
     except SystemExit:  # the rank failed and said so (`_worker._report`): Ray Train must now stop the others
         raise RankFailed(f"rank {rank} failed; its traceback is in the notebook") from None
     finally:

@@ -225,6 +225,7 @@ class Run:
         self._changes = threading.Condition()  # views wait on it for the reader's news (`watch`)
         self._generation = 0  # how many times the reader announced news
         self._news = False  # something was read or changed since the last announcement
+        self._turn = False  # ... and it is a rank starting, returning, failing or exiting, or the run stopping
         self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
 
     # --- public lifecycle -----------------------------------------------------------------------------------
@@ -339,9 +340,10 @@ class Run:
         return self.record
 
     def watch(self, seen: int, timeout: float) -> int:
-        """Wait until the reader announces news after announcement number `seen` (lines, metrics, a rank's state;
-        at most one announcement per COALESCE, and one when the run ends), or `timeout` passes; return the
-        latest announcement's number. How views redraw without waking on a timer of their own."""
+        """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the
+        latest announcement's number. Lines and metrics are announced at most once a COALESCE (once a POLL on
+        Ray), a rank starting, returning, failing or exiting at once, and the run's end. How views redraw without
+        waking on a timer of their own."""
         with self._changes:
             self._changes.wait_for(lambda: self._generation != seen or self._done.is_set(), timeout)
             return self._generation
@@ -349,7 +351,7 @@ class Run:
     def _announce(self) -> None:
         with self._changes:
             self._generation += 1
-            self._news = False
+            self._news = self._turn = False
             self._changes.notify_all()
 
     def result(self) -> Any:
@@ -417,7 +419,7 @@ class Run:
         """Read everything the ranks send until all have exited, with one epoll selector for the run's life.
 
         While every rank is busy in its function, wake-ups are spaced COALESCE apart (the views redraw no more
-        often): a training loop that prints and logs every step then costs the kernel ten wake-ups a second, not
+        often): a training loop that prints and logs every step then costs the kernel five wake-ups a second, not
         one per line, and a rank's write never waits for the kernel to wake (on a virtual machine a wake-up can
         cost 0.3 ms of CPU). The pipes hold what arrives meanwhile, and each wake-up reads them empty; when one
         wake-up read more than a quarter of what a pipe holds, output is flowing fast and the next pass reads
@@ -454,8 +456,8 @@ class Run:
                         break
                 hurry = self._wake_bytes >= self._pipe_room // 4
                 self._check_stop()
-                if self._news and (time.monotonic() - last_news >= COALESCE or not self._steady()):
-                    self._announce()  # at most once a COALESCE while output floods in
+                if self._turn or (self._news and time.monotonic() - last_news >= COALESCE):
+                    self._announce()  # output at most once a COALESCE, however it floods in; a turn at once
                     last_news = time.monotonic()
                 if not self._exits:
                     all_exited = all_exited or time.monotonic()
@@ -517,6 +519,7 @@ class Run:
     def _handle(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]
         self._news = True
+        self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
         if isinstance(message, msg.Metric):
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
@@ -543,7 +546,7 @@ class Run:
 
     def _on_exit(self, rank: int, sentinel: int) -> None:
         self._selector.unregister(sentinel)
-        self._news = True
+        self._news = self._turn = True
         self._exits -= 1
         proc, record = self._procs[rank], self.record.ranks[rank]
         record.exitcode, record.ended = proc.exitcode, time.time()
@@ -579,6 +582,7 @@ class Run:
         if self._stop_reason is not None:
             return
         self._stop_reason, self._stop_note = outcome, note
+        self._news = self._turn = True
         for proc, rank in zip(self._procs, self.record.ranks):
             if proc.exitcode is None and rank.state is not RankState.FAILED:  # a failed rank exits by itself
                 self._signal(rank.rank, signal.SIGTERM)

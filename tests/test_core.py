@@ -138,6 +138,29 @@ def test_run_record_keeps_exit_codes_durations_metrics_and_logs():
     assert all(r.log_path.exists() for r in record.ranks)
 
 
+def _floods_after_rank_one_returned(rank):
+    import time
+
+    if rank == 0:
+        for i in range(1500):  # 3 s of a line every 2 ms, the other rank gone
+            print(i)
+            time.sleep(0.002)
+    return rank
+
+
+def test_views_are_fed_at_most_five_times_a_second_however_output_floods():
+    """A view redraws when the run's reader has news; lines are news at most once every 0.2 s (ranks starting,
+    returning or exiting at once), also when one rank floods after another returned."""
+    handle = ddpnb.launch(_floods_after_rank_one_returned, nprocs=2, view="none")
+    fed = []
+    handle.subscribe(lambda: fed.append(handle.record.ranks[0].lines))
+    handle.wait()
+    duration = handle.record.duration
+    assert handle.record.ranks[0].lines == 1500 and fed[-1] == 1500  # the last call saw every line
+    assert len(fed) <= duration / 0.2 + 12, (len(fed), duration)  # 2 starts, 2 returns, 2 exits and the end
+    assert len(fed) >= 5  # and it was fed while the lines came, not only at the end
+
+
 def test_log_outside_a_worker_is_a_no_op():
     assert ddpnb.log(step=1, loss=0.5) is None
 

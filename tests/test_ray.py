@@ -299,6 +299,25 @@ def fails(rank, world_size):
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_rank_waiting_for_a_rank_that_returned_fails_on_ray_too(ray_kernel):
+    """Ray Train's workers outlive their rank, so each rank takes its group down when its function returns: a
+    peer left in a collective it never joins fails (gloo) instead of waiting for the group's timeout."""
+    run = ray_kernel.execute('''%%ddp --engine ray -n 2 --timeout 300
+def one_collective_too_many(rank, world_size):
+    if rank == 1:
+        dist.all_reduce(torch.ones(1))  # rank 0 has returned and will never join this one
+    return rank
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
+    assert "rank 1 of 2 failed first" in "\n".join(run.error["traceback"])
+    outcome = ray_kernel.execute("print(ddpnb.last_run().outcome.value)").stdout.strip()
+    assert outcome == "failed"  # not "timed out": rank 0 let go of its group
+    assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_timeout_stops_a_hung_ray_run_and_shows_where_each_rank_was(ray_kernel):
     # the timeout is set once both ranks run, so Ray's start-up time (seconds to minutes) cannot eat it up
     run = ray_kernel.execute('''
