@@ -216,20 +216,10 @@ def probe_train_ddpnb(args: argparse.Namespace) -> None:
           "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
 
 
-def probe_train_alternating(args: argparse.Namespace) -> None:
-    """The cost of ddpnb.log + print inside the training loop, in the ranks: blocks of steps that report against
-    their neighbours that do not, in the same ranks (`_workloads.train_alternating`)."""
-    import ddpnb
-
-    by_value()
-    emit(ddpnb.run(_workloads.train_alternating, nprocs=2, args=(args.steps, args.block)))
-
-
 def _with_kernel_cpu(call: Any, interval: float = 0.5) -> tuple[Any, float]:
     """`call()` (a foreground ddpnb.run of a training workload), and this process's CPU time per step rank 0
     reported while the steps ran: sampled every `interval` against the count of rank 0's `loss` metrics, so the
-    run's start and end (launch, not training) are left out. Everything the kernel does meanwhile (its wake-ups
-    in blocks that do not report too, and these samples) is charged to the reported steps."""
+    run's start and end (launch, not training) are left out. These samples' own wake-ups are charged too."""
     import resource
 
     import ddpnb
@@ -468,9 +458,6 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p = sub.add_parser("train-ddpnb")
     p.add_argument("--steps", type=int, required=True)
-    p = sub.add_parser("train-alternating")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--block", type=int, default=5)
     p = sub.add_parser("stream")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--lines", type=int, required=True)
@@ -485,7 +472,7 @@ def main() -> None:
     probe = {
         "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
         "nbdistributed": probe_nbdistributed, "train-ddpnb": probe_train_ddpnb,
-        "train-alternating": probe_train_alternating, "stream": probe_stream,
+         "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps,
     }[args.probe]
     probe(args)

@@ -69,45 +69,8 @@ def train(rank: int, world_size: int, steps: int, report: bool) -> dict[str, flo
     return {"steps_per_s": steps / elapsed, "seconds": elapsed, "cpu_per_step": sum(cpu) / world_size}
 
 
-def train_alternating(rank: int, world_size: int, steps: int, block: int) -> dict[str, Any]:
-    """`train` under ddpnb, reporting (`ddpnb.log` + `print`) only in every other block of `block` steps: the
-    cost of reporting inside a training loop, measured in the same processes, so that what differs between two
-    launches (memory layout, the machine's load) cancels out. Each block is timed against its neighbour: the
-    median of those pairs' ratios shrugs off a burst of load on the machine (on a VM, time the host takes the
-    CPU away counts as the process's CPU time too)."""
-    import statistics
-
-    import torch.distributed as dist
-
-    step_once = _training_step(rank)
-    log = _reporter()
-    for step in range(TRAIN_WARMUP_STEPS):
-        step_once(step, log)
-    dist.barrier()
-    blocks: list[tuple[float, float]] = []  # (CPU, wall) of each block, silent ones at even indexes
-    for first in range(0, steps - steps % (2 * block), block):
-        reporting = (first // block) % 2 == 1
-        cpu_started, started = time.process_time(), time.perf_counter()
-        for step in range(first, first + block):
-            step_once(step, log if reporting else None)
-        blocks.append((time.process_time() - cpu_started, time.perf_counter() - started))
-    dist.barrier()
-    pairs = list(zip(blocks[::2], blocks[1::2]))
-    mine = {"cpu": [silent[0] / with_[0] for silent, with_ in pairs],
-            "wall": [silent[1] / with_[1] for silent, with_ in pairs],
-            "cpu_per_step_silent": sum(silent[0] for silent, _ in pairs) / (block * len(pairs)),
-            "cpu_per_step_reporting": sum(with_[0] for _, with_ in pairs) / (block * len(pairs))}
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
-    return {"cpu_ratio": statistics.median(r for rank in everyone for r in rank["cpu"]),
-            "wall_ratio": statistics.median(r for rank in everyone for r in rank["wall"]),
-            "cpu_per_step_silent": statistics.mean(rank["cpu_per_step_silent"] for rank in everyone),
-            "cpu_per_step_reporting": statistics.mean(rank["cpu_per_step_reporting"] for rank in everyone),
-            "reporting_steps": block * len(pairs)}
-
-
 def _training_step(rank: int) -> Any:
-    """The step both training workloads time: forward, backward and SGD on a DDP MLP, then the reporting."""
+    """The step `train` times: forward, backward and SGD on a DDP MLP, then the reporting."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
