@@ -436,8 +436,8 @@ def bench_stream(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
               "longest single `print` call in any rank, time descheduled included: flat out, 4 ranks and the kernel "
               "share 2 cores, so the scheduler alone makes stalls of tens of ms. Blocked writes (paced rows only): "
               "prints during which the rank's thread slept (a voluntary context switch: the pipe to the kernel was "
-              "full, or a lock), as opposed to being descheduled; a rank's pipe holds 64 KiB, ~3,000 lines, "
-              "~150 ms of printing at this pace.")
+              "full, or a lock), as opposed to being descheduled; a rank's pipe holds 1 MiB, ~55,000 lines, "
+              "~2.7 s of printing at this pace.")
 
 
 # --- 4. large results -----------------------------------------------------------------------------------------
