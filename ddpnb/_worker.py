@@ -161,11 +161,14 @@ def _leave_store(rank: int) -> None:
             _store.set(f"ddpnb/done/{rank}", b"")
             return
         others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
-        try:
-            _store.wait(others, datetime.timedelta(seconds=LEAVE_WAIT))
-        except Exception:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on timeout
-            _destroy_process_group()
-            _store.wait(others, datetime.timedelta(days=365))
+        deadline = time.monotonic() + LEAVE_WAIT
+        # `check`, not `wait` with a timeout: a wait that times out prints c10d warnings into the rank's output
+        while not _store.check(others):
+            if time.monotonic() > deadline:
+                _destroy_process_group()
+                _store.wait(others, datetime.timedelta(days=365))
+                return
+            time.sleep(0.005)
     except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
         return
 
