@@ -1,8 +1,8 @@
 """Plain-text view of a run: `[rank N]` lines while it runs, a per-rank summary at the end.
 
 Used wherever no widget front end exists (terminal IPython, scripts, nbconvert/nbclient, CI). It reads the run's
-record when the run's reader has news (output at most five times a second); it never slows the workers, and it shows at
-most `max_lines` lines, saying how many it skipped (every line is in the rank's log file).
+record when the run's reader has news (output at most five times a second); it never slows the workers, and it
+shows at most `max_lines` lines, saying how many it skipped (every line is in the rank's log file).
 """
 
 from __future__ import annotations

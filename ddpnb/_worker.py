@@ -122,7 +122,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     `WorkerSpec`, unpickled here, after the output is redirected, so that a failure to rebuild it is reported
     like any other. Rank 0 also gets the socket for its TCPStore and the file for its result."""
     global _context, _store_fd, _result_fd
-    # what the forkserver imported (torch: ~280 MB of objects) is never garbage: keep the garbage collector from
+    # what the forkserver imported (torch: ~200,000 objects) is never garbage: keep the garbage collector from
     # walking it, which took ~110 ms a full collection and copied every page it touched out of the shared memory
     gc.freeze()
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
@@ -152,7 +152,7 @@ def _leave_store(rank: int) -> None:
 
     Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
     group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
-    backend's timeout. Best effort: the rank's function has returned, so nothing here is the user's failure.
+    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned, so nothing here is the user's failure.
     """
     if _store is None:
         return
