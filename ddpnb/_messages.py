@@ -82,6 +82,11 @@ def encode(message: Message) -> bytes:
     return pickle.dumps((type(message).__name__, *vars(message).values()), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def encode_metric(rank: int, step: int | None, time: float, values: dict[str, float]) -> bytes:
+    """`encode(Metric(...))` without building the dataclass first: `ddpnb.log`'s path, inside a training step."""
+    return pickle.dumps(("Metric", rank, step, time, values), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def decode(data: bytes) -> Message:
     kind, *fields = pickle.loads(data)
     return KINDS[kind](*fields)

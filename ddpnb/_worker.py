@@ -13,7 +13,6 @@ import inspect
 import io
 import linecache
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -82,8 +81,8 @@ class _Context:
 
     def send_metric(self, step: int | None, values: dict[str, float]) -> None:
         """`ddpnb.log`'s path, inside the training step: what `send(Metric(...))` writes, without building the
-        dataclass first (65 µs a call instead of 120 µs, with the caches cold from the step)."""
-        self._write(pickle.dumps(("Metric", self.rank, step, time.time(), values), protocol=pickle.HIGHEST_PROTOCOL))
+        dataclass first (76 µs a call instead of 120 µs, with the caches cold from the step)."""
+        self._write(msg.encode_metric(self.rank, step, time.time(), values))
 
     def _write(self, data: bytes) -> None:
         header = msg.header(len(data))
@@ -152,7 +151,8 @@ def _leave_store(rank: int) -> None:
 
     Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
     group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
-    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned, so nothing here is the user's failure.
+    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned,
+    so nothing here is the user's failure.
     """
     if _store is None:
         return

@@ -177,6 +177,14 @@ def test_ranks_garbage_collector_skips_what_the_forkserver_imported():
     assert frozen > 100_000 and frozen > 5 * collected, (frozen, collected)
 
 
+def test_a_metric_is_written_as_its_message_would_be():
+    from ddpnb import _messages as msg
+
+    metric = msg.Metric(rank=1, step=3, time=12.5, values={"loss": 0.25})
+    assert msg.encode_metric(1, 3, 12.5, {"loss": 0.25}) == msg.encode(metric)
+    assert msg.decode(msg.encode_metric(1, 3, 12.5, {"loss": 0.25})) == metric
+
+
 def test_log_outside_a_worker_is_a_no_op():
     assert ddpnb.log(step=1, loss=0.5) is None
 
