@@ -289,7 +289,7 @@ class Run:
         result = None if result_fd is None else _worker.FdForChild(result_fd)
         proc = context.Process(
             target=_worker.entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result),
-            name=f"ddpnb-rank{rank}", daemon=False,
+            name=_worker.PROCESS_NAME.format(rank), daemon=False,
         )
         try:
             proc.start()

@@ -40,6 +40,31 @@ def test_run_works_from_a_plain_python_script(tmp_path):
         assert f"[rank {rank}] rank {rank} sees 3.0" in done.stdout
 
 
+UNGUARDED_SCRIPT = textwrap.dedent('''
+    import sys
+    import ddpnb
+
+    print("top-level code ran", flush=True)
+    SCALE = 10
+
+    def train(rank):
+        return [rank * SCALE, hasattr(sys.modules["__main__"], "train")]  # True had the script re-run
+
+    print("RESULT", ddpnb.run(train, nprocs=2))
+''')
+
+
+def test_ranks_never_run_the_launching_scripts_top_level_code(tmp_path):
+    """cloudpickle sends what the script defines by value: ranks skip multiprocessing's re-run of the main
+    module, so a script needs no `if __name__ == "__main__":` guard, and its imports cost nothing per launch."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT [0, False]" in done.stdout
+    assert done.stdout.count("top-level code ran") == 1, done.stdout
+
+
 def _signature_probe_none():
     return "none"
 
