@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpnb._api import LaunchError, device, last_run, launch, log, run, spawn
+from ddpnb._api import LaunchError, device, last_run, launch, log, preload, run, spawn
 from ddpnb._pickling import NotPicklableError
 from ddpnb._record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
+from ddpnb._supervisor import PreloadError
 
 __all__ = [
-    "LaunchError", "NotPicklableError", "Outcome", "RankState", "RunInterrupted", "RunRecord", "WorkerError",
-    "device", "last_run", "launch", "load_ipython_extension", "log", "run", "spawn",
+    "LaunchError", "NotPicklableError", "Outcome", "PreloadError", "RankState", "RunInterrupted", "RunRecord",
+    "WorkerError", "device", "last_run", "launch", "load_ipython_extension", "log", "preload", "run", "spawn",
 ]
 __version__ = "0.1.0"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -208,6 +209,31 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
         return handle
     handle.result()
     return None
+
+
+def preload(*modules: str) -> list[str]:
+    """Import `modules` once in the process ranks are forked from, so that every later launch starts with them:
+    `ddpnb.preload("torchvision")` in a notebook's first cell. Ranks are still fresh processes; a module's import
+    just happened before the fork instead of in every rank at every launch.
+
+    Restarts that process (one `import torch` plus the modules, now, in this call) and checks it: a module that
+    cannot be imported there, starts a thread or initialises CUDA when imported is left out, with a
+    `PreloadError` that says why. Returns every module preloaded so far; `ddpnb.preload()` only returns them.
+    Do not preload a library that reads RANK or LOCAL_RANK when it is imported: it would read the kernel's.
+    For the local engine only: Ray's workers import for themselves.
+    """
+    if _worker.current() is not None:
+        raise LaunchError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
+    for name in modules:
+        if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
+            raise LaunchError(f"ddpnb.preload takes module names such as 'torchvision', not {name!r}.")
+        try:
+            found = importlib.util.find_spec(name)
+        except ImportError:  # a parent package that is missing
+            found = None
+        if found is None:
+            raise LaunchError(f"ddpnb.preload: no module named {name!r} here; install it, or check the name.")
+    return _supervisor.preload(list(modules))
 
 
 def last_run() -> RunRecord | None:

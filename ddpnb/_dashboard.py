@@ -396,13 +396,14 @@ def summary_html(record: RunRecord, lines: Sequence[tuple[int, str, str]]) -> st
             else f"no output · logs in {_log_location(record)}")
     logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
             f'</summary>{log_html((line_html(*line) for line in tail), note)}</details>')
+    hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}</div>')
+            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}{hint}</div>')
 
 
 def summary_text(record: RunRecord) -> str:
     text = f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n{record.summary_table()}"
-    return f"{text}\nfull per-rank logs: {record.run_dir}"
+    return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
 
 
 # --- the live widget ---------------------------------------------------------------------------------------------

@@ -73,9 +73,20 @@ class Failed:
     traceback: str
 
 
-Message = Started | Metric | Progress | GpuMemory | Returned | Failed
+@dataclass(frozen=True)
+class Imported:
+    """Rebuilding the function made rank 0 import `modules` (top-level packages the forkserver does not hold)
+    for `seconds`: what every launch spends on them, and what `ddpnb.preload` would save."""
 
-KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed)}
+    rank: int
+    seconds: float
+    modules: tuple[str, ...]
+
+
+Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported
+
+KINDS: dict[str, Any] = {kind.__name__: kind
+                         for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed, Imported)}
 
 
 def encode(message: Message) -> bytes:

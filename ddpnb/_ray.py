@@ -389,6 +389,8 @@ class RayRun(Run):
             self._add_lines(rank, "stdout", self._ray_streams[(rank, "stdout")].feed(line.encode()))
         elif isinstance(message, Stacks):
             record.stack, record.stalled_state = message.text, record.state
+        elif isinstance(message, msg.Imported):  # Ray's workers import for themselves: preload does not apply
+            pass
         else:
             if isinstance(message, msg.Returned):
                 record.ended = time.time()

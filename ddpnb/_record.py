@@ -123,6 +123,7 @@ class RunRecord:
     started: float = field(default_factory=time.time)
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
+    hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
     recent: deque[tuple[int, str, str]] = field(default_factory=lambda: deque(maxlen=2000))
 
     @property

@@ -61,15 +61,95 @@ TICK = 1.0  # seconds between two redraws of a view when nothing changed (its cl
 
 _live_runs: set[Run] = set()
 _forkserver_lock = threading.Lock()
+_preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
+
+
+class PreloadError(ValueError):
+    """A module `ddpnb.preload` cannot import into the forkserver, or must not: ranks import it as before."""
 
 
 def forkserver_context() -> multiprocessing.context.BaseContext:
     """The pre-warmed process workers are forked from; starting it costs one `import torch`, once per kernel."""
     with _forkserver_lock:
-        multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
-        context = multiprocessing.get_context("forkserver")
-        multiprocessing.forkserver.ensure_running()
-        return context
+        return _forkserver_context()
+
+
+def _forkserver_context() -> multiprocessing.context.BaseContext:
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD + _preloaded)
+    context = multiprocessing.get_context("forkserver")
+    multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def preload(modules: list[str]) -> list[str]:
+    """Import `modules` once in the forkserver, so that ranks start with them instead of importing them at every
+    launch (torchvision: 2.6 s a launch on the 2-core test machine). Restarts the forkserver (one `import torch`
+    plus the modules, now) and checks the new one before any rank is forked from it: each module was imported,
+    no thread is running (a rank forked from a process with threads can hang on a lock one of them held), and
+    the GPU driver is not open (a rank forked after CUDA's initialisation cannot use CUDA). Modules that fail the
+    check are left out, with a PreloadError that says why. Returns every module added so far."""
+    with _forkserver_lock:
+        wanted = [name for name in modules if name not in PRELOAD + _preloaded]
+        if not wanted:
+            return list(_preloaded)
+        if _live_runs:
+            raise PreloadError("ddpnb.preload restarts the processes ranks are forked from: wait for the running "
+                               "run to end (or .stop() it), then call it again.")
+        _stop_forkserver()
+        _preloaded.extend(wanted)
+        try:
+            trouble = _check_forkserver(_forkserver_context(), wanted)
+        except (OSError, EOFError):  # the forkserver died: an import raised something other than ImportError
+            trouble = f"importing them failed in the forkserver (run `import {wanted[0]}` in a cell to see why)"
+        except BaseException:  # interrupted: the next launch starts the forkserver it had before
+            del _preloaded[-len(wanted):]
+            _stop_forkserver()
+            raise
+        if trouble:
+            del _preloaded[-len(wanted):]
+            _stop_forkserver()
+            _forkserver_context()  # back to what it was, started now rather than at the next launch
+            raise PreloadError(f"ddpnb.preload({', '.join(map(repr, wanted))}): {trouble}. Nothing was added; ranks "
+                               "import these modules themselves, as before.")
+        return list(_preloaded)
+
+
+def _stop_forkserver() -> None:
+    """End the forkserver (no run is using it), so that the next `ensure_running` starts one with the current
+    preload list. Killed rather than asked: multiprocessing's own stop waits until every process that holds its
+    "alive" pipe exits, which includes whatever a past rank left running."""
+    server = multiprocessing.forkserver._forkserver  # multiprocessing keeps one per process
+    if server._forkserver_pid is not None:  # started
+        try:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
+
+
+def _check_forkserver(context: multiprocessing.context.BaseContext, modules: list[str]) -> str:
+    """What is wrong with the forkserver after it imported `modules`, as a rank forked from it sees it; "" if
+    nothing. Waits for the forkserver to finish importing (the fork is served after the imports)."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, modules),
+                            name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
+    probe.start()
+    writer.close()
+    try:
+        missing, threads, cuda = reader.recv()
+    finally:
+        reader.close()
+        probe.join()
+    if missing:
+        return (f"{', '.join(missing)} could not be imported there: the forkserver is a fresh Python started in "
+                "this kernel's working directory, which sees PYTHONPATH but not sys.path changes made in the kernel")
+    if threads > 1:
+        return (f"importing them started {threads - 1} thread(s) in the forkserver; ranks forked from a process "
+                "with threads can hang on a lock one of those threads held")
+    if cuda:
+        return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
+                "after that")
+    return ""
 
 
 def warm_up_in_background() -> None:
@@ -289,7 +369,7 @@ class Run:
         result = None if result_fd is None else _worker.FdForChild(result_fd)
         proc = context.Process(
             target=_worker.entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result),
-            name=_worker.PROCESS_NAME.format(rank), daemon=False,
+            name=f"{_worker.PROCESS_PREFIX}rank{rank}", daemon=False,
         )
         try:
             proc.start()
@@ -527,6 +607,8 @@ class Run:
             record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
             record.gpu_memory = (message.reserved, message.peak)
+        elif isinstance(message, msg.Imported):
+            self.record.hint = _preload_hint(message)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
         elif isinstance(message, msg.Returned):
@@ -716,6 +798,20 @@ def _hint(record: RunRecord) -> str:
         return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
                 "output and, after a crash, where Python was.")
     return "Fix the error above and run the cell again; the kernel and its variables are unchanged."
+
+
+_hinted: set[tuple[str, ...]] = set()  # modules `_preload_hint` already named in this kernel
+
+
+def _preload_hint(imported: msg.Imported) -> str:
+    """Once per kernel and set of modules: what rank 0 spent importing at this launch, and how to stop paying."""
+    if imported.modules in _hinted or set(imported.modules) <= set(_preloaded):
+        return ""
+    _hinted.add(imported.modules)
+    names = ", ".join(map(repr, imported.modules))
+    return (f"rank 0 spent {imported.seconds:.1f} s importing {names} before the function started, as every rank does "
+            f"at every launch; ddpnb.preload({names}) imports {'it' if len(imported.modules) == 1 else 'them'} once, "
+            "in the process ranks are forked from.")
 
 
 def stop_all_runs() -> None:

@@ -66,4 +66,6 @@ class TextView:
         self.out.write(f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
             self.out.write(record.summary_table() + "\n")
+        if record.hint:
+            self.out.write(f"[ddpnb] {record.hint}\n")
         self.out.flush()

@@ -30,7 +30,7 @@ from typing import Any
 from ddpnb import _messages as msg
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROCESS_NAME = "ddpnb-rank{}"  # a rank's multiprocessing name; `_keep_main_module_out_of_ranks` looks for it
+PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes (`ddpnb-rank0`); `_keep_main_module_out_of_ranks` looks for it
 
 
 def _keep_main_module_out_of_ranks() -> None:
@@ -42,7 +42,7 @@ def _keep_main_module_out_of_ranks() -> None:
     script importing torchvision at the top: 2.9 s per launch instead of 0.08 s here) and runs its unguarded
     top-level code once per rank (without an `if __name__ == "__main__":` guard: a recursive launch).
     multiprocessing fixes the main module up in `spawn.prepare`, after it has named the process; the wrappers
-    skip it for processes named like a rank, and leave every other child of the forkserver as it was.
+    skip it for ddpnb's processes (ranks, the preload check), and leave every other child of the forkserver as it was.
     Imported in the forkserver (preloaded), so its children inherit the wrappers.
     """
     for name in ("_fixup_main_from_name", "_fixup_main_from_path"):
@@ -52,7 +52,7 @@ def _keep_main_module_out_of_ranks() -> None:
 
         @functools.wraps(fixup)
         def skip_in_ranks(main: str, _fixup: Callable[[str], None] = fixup) -> None:
-            if not multiprocessing.current_process().name.startswith(PROCESS_NAME.format("")):
+            if not multiprocessing.current_process().name.startswith(PROCESS_PREFIX):
                 _fixup(main)
 
         skip_in_ranks.ddpnb_original = fixup  # type: ignore[attr-defined]
@@ -316,7 +316,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         if _device.startswith("cuda"):
             threading.Thread(target=_report_gpu_memory, name="ddpnb-gpu-memory", daemon=True).start()
         (join_group or _init_process_group)(rank, spec)
-        fn = cloudpickle.loads(spec.fn_payload)
+        fn = _load_function(rank, spec.fn_payload)
         value = _call(fn, rank, spec)
         _context.send(_dump_result(value) if rank == 0 else msg.Returned(rank=rank))
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
@@ -325,6 +325,40 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the user's failure: report it as data, exit non-zero
         _report(rank, exc, message=str(exc))
         raise SystemExit(1) from None
+
+
+SLOW_IMPORTS = 0.5  # seconds of imports while rebuilding the function that make rank 0 suggest ddpnb.preload
+
+
+def _load_function(rank: int, payload: bytes) -> Any:
+    """The user's function, rebuilt; unpickling imports the modules it refers to (a notebook's `torchvision`).
+    Rank 0 says which top-level packages that took when it is slow, so the kernel can suggest `ddpnb.preload`."""
+    import cloudpickle
+
+    assert _context is not None
+    known = set(sys.modules) if rank == 0 else set()
+    began = time.perf_counter()
+    fn = cloudpickle.loads(payload)
+    seconds = time.perf_counter() - began
+    if rank == 0 and seconds >= SLOW_IMPORTS:
+        new = {top for name in sys.modules.keys() - known if (top := name.partition(".")[0]) not in known}
+        if new:
+            _context.send(msg.Imported(rank=0, seconds=seconds, modules=_named_in(payload, new)))
+    return fn
+
+
+def _named_in(payload: bytes, modules: set[str]) -> tuple[str, ...]:
+    """Which of the newly imported top-level `modules` the pickle names itself (cloudpickle writes the name of
+    every module and by-reference object it refers to), rather than those they imported in turn: 'torchvision',
+    not the 30 packages torchvision pulls in. Without a usable answer, the non-standard-library ones."""
+    import pickletools
+
+    named: set[str] = set()
+    if len(payload) <= 10_000_000:  # reading a big closure's opcodes would delay the function
+        named = {top for _, arg, _ in pickletools.genops(payload)
+                 if isinstance(arg, str) and (top := arg.partition(".")[0]) in modules}
+    return tuple(sorted(named or {name for name in modules
+                                  if name not in sys.stdlib_module_names and not name.startswith("_")}))
 
 
 def _report(rank: int, exc: BaseException, message: str) -> None:
@@ -392,6 +426,33 @@ def _dump_result(value: Any) -> msg.Returned:
             "Return plain data (tensors, numbers, lists, dicts, a state_dict()), or save the object to a file and "
             "return its path."
         ) from None
+
+
+def inspect_forkserver(report: Connection, modules: list[str]) -> None:
+    """multiprocessing target for `_supervisor.preload`'s check, forked from the forkserver: which of `modules`
+    it holds, how many threads it runs, and whether it opened the GPU driver (an open /dev/nvidia* file: CUDA or
+    NVML initialised, not just their libraries loaded) or initialised CUDA in torch (which makes this fork a "bad
+    fork" in torch's words)."""
+    import torch
+
+    server = os.getppid()  # the forkserver forks its children itself
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
+    report.send(([name for name in modules if name not in sys.modules], len(os.listdir(f"/proc/{server}/task")),
+                 bad_fork or _opened_gpu_driver(server)))
+
+
+def _opened_gpu_driver(pid: int) -> bool:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # not ours to read (a hardened /proc): torch's own answer has to do
+        return False
+    targets = []
+    for name in names:
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:  # closed meanwhile
+            continue
+    return any(target.startswith("/dev/nvidia") for target in targets)
 
 
 # --- progress bars -----------------------------------------------------------------------------------------
