@@ -100,8 +100,22 @@ def probe_ddpnb(args: argparse.Namespace) -> None:
             result = shell.run_cell_magic("ddp", "-n 2", SHELL_CELL)
             shell_warm.append(time.perf_counter() - started)
             assert result == 2.0, result
+    library, preload, preloaded = [], None, []
+    if args.torchvision:  # a cell using a library the forkserver has not imported, before and after ddpnb.preload
+        for _ in range(args.torchvision):
+            started = time.perf_counter()
+            ddpnb.run(_workloads.trivial_with_torchvision, nprocs=2)
+            library.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        ddpnb.preload("torchvision")
+        preload = time.perf_counter() - started
+        for _ in range(args.torchvision):
+            started = time.perf_counter()
+            ddpnb.run(_workloads.trivial_with_torchvision, nprocs=2)
+            preloaded.append(time.perf_counter() - started)
     emit({"cold": cold, "warm": warm, "shell_warm": shell_warm, "after_matmul": after_matmul, "sum": first["sum"],
-          "distinct_rank0_pids": len(pids), "runs": 1 + args.warm})
+          "distinct_rank0_pids": len(pids), "runs": 1 + args.warm, "library": library, "preload": preload,
+          "preloaded": preloaded})
 
 
 def _spawn_target(rank: int, world_size: int, out: str) -> None:
@@ -449,6 +463,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--shell-warm", type=int, default=0)
     p.add_argument("--matmul", action="store_true")
+    p.add_argument("--torchvision", type=int, default=0, help="runs of a function importing torchvision, "
+                   "before and after ddpnb.preload('torchvision')")
     p = sub.add_parser("mp-spawn")
     p.add_argument("--repeat", type=int, default=1)
     p = sub.add_parser("accelerate")

@@ -37,6 +37,13 @@ def trivial(rank: int | None = None, world_size: int | None = None) -> dict[str,
     return {"sum": value.item(), "pid": os.getpid()}
 
 
+def trivial_with_torchvision(rank: int | None = None, world_size: int | None = None) -> dict[str, Any]:
+    """The launch-latency workload of a cell that uses a library besides torch (torchvision: 2.6 s to import)."""
+    import torchvision
+
+    return {**trivial(rank, world_size), "torchvision": torchvision.__version__}
+
+
 def trivial_after_matmul(rank: int | None = None, world_size: int | None = None) -> dict[str, Any]:
     """`trivial` after a multi-threaded 1500×1500 matmul in the rank, as the first step of any training does."""
     import torch

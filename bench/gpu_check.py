@@ -9,8 +9,11 @@ throughput ratios to the plain script. Then launch latency there: a 1-rank NCCL 
 its bound (CUDA context + NCCL init + one all_reduce in a process that has imported torch), and 2 CPU ranks
 against the floor of 2 concurrent `import torch`.
 
+Last, `ddpnb.preload` there: torchvision must pass its check (and a launch of a function using it get faster), a
+module that initialises CUDA when imported must be refused, and a GPU run must work after both.
+
 `--dry-run` does all of it on CPU with tiny models, gloo and `-n 1`, to check the plumbing without a GPU.
-Only the standard library at module level: ddpnb's workers re-import this file as `__mp_main__`.
+Only the standard library at module level: torchrun's worker imports this file.
 """
 
 from __future__ import annotations
@@ -299,6 +302,47 @@ def bench_latency(dry_run: bool, warm: int, repeats: int) -> dict[str, Any]:
     }
 
 
+# --- preload ----------------------------------------------------------------------------------------------------
+CUDA_AT_IMPORT = "import torch\ntorch.cuda.init()  # what ddpnb.preload must refuse: forked ranks could not use CUDA\n"
+
+
+def _with_torchvision(rank: int, world_size: int) -> float:
+    import torchvision  # noqa: F401 - the library the forkserver lacks until ddpnb.preload
+
+    return _trivial(rank, world_size)
+
+
+def cmd_preload(args: argparse.Namespace) -> None:
+    """A launch that imports torchvision, before and after ddpnb.preload('torchvision'); then a module that
+    initialises CUDA at import, which preload must refuse; then a GPU launch, which must still work."""
+    import ddpnb
+
+    modules = tempfile.mkdtemp(prefix="ddpnb-gpu-preload-")
+    Path(modules, "ddpnb_cuda_at_import.py").write_text(CUDA_AT_IMPORT)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [modules, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, modules)
+    gpu = {"nprocs": 1} if args.dry_run else {"gpus": 1}
+    ddpnb.run(_trivial, **gpu)  # the forkserver is up
+    before, after = [], []
+    for timings in (before, after):
+        if timings is after:
+            started = time.perf_counter()
+            ddpnb.preload("torchvision")
+            took = time.perf_counter() - started
+        for _ in range(args.warm):
+            started = time.perf_counter()
+            ddpnb.run(_with_torchvision, **gpu)
+            timings.append(time.perf_counter() - started)
+    try:
+        ddpnb.preload("ddpnb_cuda_at_import")
+        refused = ""
+    except ddpnb.PreloadError as exc:
+        refused = str(exc)
+    value = ddpnb.run(_trivial, **gpu)
+    emit({"before": before, "after": after, "preload_seconds": took, "refused": refused,
+          "run_after": value, "preloaded": ddpnb.preload()})
+
+
 # --- report -----------------------------------------------------------------------------------------------------
 def log(message: str) -> None:
     print(f"[gpu_check] {message}", file=sys.stderr, flush=True)
@@ -312,7 +356,8 @@ def device_name(dry_run: bool) -> str:
     return out.strip()
 
 
-def report(training: dict[str, Any], latency: dict[str, Any], header: str, dry_run: bool) -> str:
+def report(training: dict[str, Any], latency: dict[str, Any], preload: dict[str, Any], header: str,
+           dry_run: bool) -> str:
     columns = ["model", "plain script img/s", "ddpnb.run img/s", "%%ddp (kernel) img/s", "run ÷ plain",
                "%%ddp ÷ plain", "goal", "reference plain"]
     lines = [header, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -335,6 +380,12 @@ def report(training: dict[str, Any], latency: dict[str, Any], header: str, dry_r
     lines += ["", f"CUDA initialised in the kernel after %%ddp --gpus 1: {training['kernel_cuda_initialised']}", "",
               "| launch | median | ratio | goal |", "|---|---|---|---|"]
     lines += [f"| {label} | {seconds:.3f} s | {ratio} | {goal} |" for label, seconds, ratio, goal in rows]
+    refused = "refused" if preload["refused"] else "**NOT refused**"
+    lines += ["", (f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
+                   f"{statistics.median(preload['before']):.3f} s, then ddpnb.preload('torchvision') took "
+                   f"{preload['preload_seconds']:.1f} s, then {statistics.median(preload['after']):.3f} s; a module "
+                   f"that initialises CUDA at import: {refused} ({preload['refused'] or 'no PreloadError'}); a run "
+                   f"after both returned {preload['run_after']}; preloaded: {preload['preloaded']}")]
     if dry_run:
         lines += ["", "DRY RUN on CPU: the figures check the plumbing only."]
     return "\n".join(lines)
@@ -350,13 +401,15 @@ def cmd_all(args: argparse.Namespace) -> None:
     log(header)
     training = bench_training(config, args.repeats, timeout=600)
     latency = bench_latency(args.dry_run, warm=args.warm, repeats=args.latency_repeats)
-    text = report(training, latency, header, args.dry_run) + f"\n\ntotal {time.monotonic() - started:.0f} s"
+    log("ddpnb.preload")
+    preload = parse(sh(me("preload", f"--warm={min(args.warm, 3)}", *(["--dry-run"] if args.dry_run else [])), 300))
+    text = report(training, latency, preload, header, args.dry_run) + f"\n\ntotal {time.monotonic() - started:.0f} s"
     print(text, flush=True)
     out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_check.md").write_text(text + "\n")
         Path(out, "gpu_check.json").write_text(json.dumps({"header": header, "training": training,
-                                                           "latency": latency}, indent=2))
+                                                           "latency": latency, "preload": preload}, indent=2))
 
 
 def main() -> None:
@@ -374,12 +427,13 @@ def main() -> None:
     p.add_argument("--config", required=True)
     p = sub.add_parser("bound")
     p.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("latency")
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--warm", type=int, default=5)
+    for name in ("latency", "preload"):
+        p = sub.add_parser(name)
+        p.add_argument("--dry-run", action="store_true")
+        p.add_argument("--warm", type=int, default=5)
     args = parser.parse_args()
     commands = {"plain-train": cmd_plain_train, "run-train": cmd_run_train, "bound": cmd_bound,
-                "latency": cmd_latency}
+                "latency": cmd_latency, "preload": cmd_preload}
     commands.get(args.command, cmd_all)(args)
 
 

@@ -225,6 +225,10 @@ def say(message: str) -> None:
 # --- 1. launch latency ----------------------------------------------------------------------------------------
 def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
     floor, cold, warm, shell, after_matmul = Samples(), Samples(), Samples(), Samples(), Samples()
+    library, preload, preloaded = Samples(), Samples(), Samples()
+    torchvision = installed("torchvision")
+    if not torchvision:
+        library.note = preload.note = preloaded.note = "torchvision not installed"
     spawn, trun, acc, acc_matmul, nbd_cold, nbd_warm = (Samples() for _ in range(6))
     have_accelerate, have_nbd = installed("accelerate"), installed("nbdistributed")
     missing = "not installed (pip install -r bench/requirements.txt)"
@@ -237,8 +241,12 @@ def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
         say(f"launch latency: round {rnd + 1}/{settings.reps}")
         floor.add(import_torch_floor(env), rnd)
         data = attempt(cold, lambda: probe("ddpnb", f"--warm={settings.warm}", "--shell-warm=3", "--matmul",
-                                           env=env))
+                                           f"--torchvision={3 if torchvision else 0}", env=env))
         if data:
+            library.add(data["library"], rnd)
+            preloaded.add(data["preloaded"], rnd)
+            if data["preload"] is not None:
+                preload.add(data["preload"], rnd)
             cold.add(data["cold"], rnd)
             warm.add(data["warm"], rnd)
             shell.add(data["shell_warm"], rnd)
@@ -280,6 +288,11 @@ def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
         ("%%ddp -n 2 in an IPython shell, later runs", shell, "the magic over the same path"),
         ("ddpnb.run after a 1500×1500 matmul in kernel and ranks", after_matmul,
          "a later run, the ranks' matmul included; no hang"),
+        ("ddpnb.run of a function importing torchvision, later runs", library,
+         "every rank imports torchvision at every launch"),
+        ("ddpnb.preload('torchvision') (once)", preload, "restarts the forkserver: torch + torchvision, checked"),
+        ("ddpnb.run of that function after ddpnb.preload('torchvision')", preloaded,
+         "ranks start with torchvision imported"),
         ("torch.multiprocessing.spawn (script file)", spawn, "cannot run notebook-defined functions"),
         ("torchrun (subprocess on a script)", trun, "needs a script file; its launcher process imports torch too"),
         ("accelerate.notebook_launcher", acc, "forks the kernel; returns no value (rank 0 writes a file)"),
