@@ -323,13 +323,16 @@ def cmd_preload(args: argparse.Namespace) -> None:
     sys.path.insert(0, modules)
     gpu = {"nprocs": 1} if args.dry_run else {"gpus": 1}
     ddpnb.run(_trivial, **gpu)  # the forkserver is up
-    before, after = [], []
+    before, after, took, error = [], [], None, ""
     for timings in (before, after):
         if timings is after:
             started = time.perf_counter()
-            ddpnb.preload("torchvision")
+            try:
+                ddpnb.preload("torchvision")
+            except ddpnb.PreloadError as exc:  # reported, not fatal: the rest still tells something
+                error = str(exc)
             took = time.perf_counter() - started
-        for _ in range(args.warm):
+        for _ in range(max(1, args.warm)):
             started = time.perf_counter()
             ddpnb.run(_with_torchvision, **gpu)
             timings.append(time.perf_counter() - started)
@@ -339,8 +342,8 @@ def cmd_preload(args: argparse.Namespace) -> None:
     except ddpnb.PreloadError as exc:
         refused = str(exc)
     value = ddpnb.run(_trivial, **gpu)
-    emit({"before": before, "after": after, "preload_seconds": took, "refused": refused,
-          "run_after": value, "preloaded": ddpnb.preload()})
+    emit({"before": before, "after": after, "preload_seconds": took, "torchvision_error": error,
+          "refused": refused, "run_after": value, "preloaded": ddpnb.preload()})
 
 
 # --- report -----------------------------------------------------------------------------------------------------
@@ -380,15 +383,26 @@ def report(training: dict[str, Any], latency: dict[str, Any], preload: dict[str,
     lines += ["", f"CUDA initialised in the kernel after %%ddp --gpus 1: {training['kernel_cuda_initialised']}", "",
               "| launch | median | ratio | goal |", "|---|---|---|---|"]
     lines += [f"| {label} | {seconds:.3f} s | {ratio} | {goal} |" for label, seconds, ratio, goal in rows]
-    refused = "refused" if preload["refused"] else "**NOT refused**"
-    lines += ["", (f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
-                   f"{statistics.median(preload['before']):.3f} s, then ddpnb.preload('torchvision') took "
-                   f"{preload['preload_seconds']:.1f} s, then {statistics.median(preload['after']):.3f} s; a module "
-                   f"that initialises CUDA at import: {refused} ({preload['refused'] or 'no PreloadError'}); a run "
-                   f"after both returned {preload['run_after']}; preloaded: {preload['preloaded']}")]
+    lines += ["", preload_line(preload, dry_run)]
     if dry_run:
         lines += ["", "DRY RUN on CPU: the figures check the plumbing only."]
     return "\n".join(lines)
+
+
+def preload_line(preload: dict[str, Any], dry_run: bool) -> str:
+    if "error" in preload:
+        return f"ddpnb.preload: the step failed: {preload['error']}"
+    # on CPU the module's torch.cuda.init() raises, so it is refused for failing to import: only the GPU box
+    # checks the refusal of a module that does initialise CUDA
+    right = "died while importing them" if dry_run else "initialised CUDA"
+    refused = "refused" if right in preload["refused"] else "**NOT refused as it should be**"
+    torchvision = (f"**refused**: {preload['torchvision_error']}" if preload["torchvision_error"]
+                   else f"took {preload['preload_seconds']:.1f} s")
+    return (f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
+            f"{statistics.median(preload['before']):.3f} s; ddpnb.preload('torchvision') {torchvision}; then "
+            f"{statistics.median(preload['after']):.3f} s. A module that initialises CUDA at import: {refused} "
+            f"({preload['refused'] or 'no PreloadError'}). A run after both returned {preload['run_after']}; "
+            f"preloaded: {preload['preloaded']}.")
 
 
 def cmd_all(args: argparse.Namespace) -> None:
@@ -401,11 +415,18 @@ def cmd_all(args: argparse.Namespace) -> None:
     log(header)
     training = bench_training(config, args.repeats, timeout=600)
     latency = bench_latency(args.dry_run, warm=args.warm, repeats=args.latency_repeats)
+    out = os.environ.get("OUT")
+    if out:  # what is measured so far survives a failure in the last step
+        Path(out, "gpu_check.json").write_text(json.dumps({"header": header, "training": training,
+                                                           "latency": latency}, indent=2))
     log("ddpnb.preload")
-    preload = parse(sh(me("preload", f"--warm={min(args.warm, 3)}", *(["--dry-run"] if args.dry_run else [])), 300))
+    try:
+        preload = parse(sh(me("preload", f"--warm={min(args.warm, 3)}", *(["--dry-run"] if args.dry_run else [])),
+                           300))
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        preload = {"error": str(exc)[-2000:]}
     text = report(training, latency, preload, header, args.dry_run) + f"\n\ntotal {time.monotonic() - started:.0f} s"
     print(text, flush=True)
-    out = os.environ.get("OUT")
     if out:
         Path(out, "gpu_check.md").write_text(text + "\n")
         Path(out, "gpu_check.json").write_text(json.dumps({"header": header, "training": training,

@@ -10,7 +10,7 @@ from typing import Any
 
 from ddpnb import _pickling, _supervisor, _worker
 from ddpnb._record import RunRecord
-from ddpnb._supervisor import Run
+from ddpnb._supervisor import PreloadError, Run
 
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
 VIEW_VAR = "DDPNB_VIEW"
@@ -216,24 +216,28 @@ def preload(*modules: str) -> list[str]:
     `ddpnb.preload("torchvision")` in a notebook's first cell. Ranks are still fresh processes; a module's import
     just happened before the fork instead of in every rank at every launch.
 
-    Restarts that process (one `import torch` plus the modules, now, in this call) and checks it: a module that
-    cannot be imported there, starts a thread or initialises CUDA when imported is left out, with a
-    `PreloadError` that says why. Returns every module preloaded so far; `ddpnb.preload()` only returns them.
+    Restarts that process (one `import torch` plus every preloaded module, now, in this call; calling it again
+    re-imports a module you edited) and checks it: if a module cannot be imported there, is imported from another
+    file than here, starts a thread or initialises CUDA when imported, nothing is added, with a `PreloadError`
+    that says why. Returns every module preloaded so far; `ddpnb.preload()` only returns them.
     Do not preload a library that reads RANK or LOCAL_RANK when it is imported: it would read the kernel's.
     For the local engine only: Ray's workers import for themselves.
     """
     if _worker.current() is not None:
-        raise LaunchError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
+        raise PreloadError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
+    origins: dict[str, str | None] = {}
     for name in modules:
         if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
-            raise LaunchError(f"ddpnb.preload takes module names such as 'torchvision', not {name!r}.")
-        try:
-            found = importlib.util.find_spec(name)
-        except ImportError:  # a parent package that is missing
+            raise PreloadError(f"ddpnb.preload takes module names such as 'torchvision', not {name!r}.")
+        top = name.partition(".")[0]
+        try:  # the top-level name only: finding a submodule would import its package here, in the kernel
+            found = importlib.util.find_spec(top)
+        except (ImportError, ValueError):  # ValueError: __main__, or a module without a spec
             found = None
         if found is None:
-            raise LaunchError(f"ddpnb.preload: no module named {name!r} here; install it, or check the name.")
-    return _supervisor.preload(list(modules))
+            raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
+        origins[name] = found.origin if name == top and found.has_location else None
+    return _supervisor.preload(origins)
 
 
 def last_run() -> RunRecord | None:

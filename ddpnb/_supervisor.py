@@ -15,6 +15,7 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.spawn
 import os
 import pickle
 import selectors
@@ -75,50 +76,112 @@ def forkserver_context() -> multiprocessing.context.BaseContext:
 
 
 def _forkserver_context() -> multiprocessing.context.BaseContext:
+    _keep_main_module_out_of_ranks()
     multiprocessing.forkserver.set_forkserver_preload(PRELOAD + _preloaded)
     context = multiprocessing.get_context("forkserver")
     multiprocessing.forkserver.ensure_running()
     return context
 
 
-def preload(modules: list[str]) -> list[str]:
-    """Import `modules` once in the forkserver, so that ranks start with them instead of importing them at every
-    launch (torchvision: 2.6 s a launch on the 2-core test machine). Restarts the forkserver (one `import torch`
-    plus the modules, now) and checks the new one before any rank is forked from it: each module was imported,
-    no thread is running (a rank forked from a process with threads can hang on a lock one of them held), and
-    the GPU driver is not open (a rank forked after CUDA's initialisation cannot use CUDA). Modules that fail the
-    check are left out, with a PreloadError that says why. Returns every module added so far."""
+def _keep_main_module_out_of_ranks() -> None:
+    """A rank never re-runs the launching script's main module.
+
+    Like any spawn or forkserver child, a rank would first re-run the script that called `ddpnb.run` (as
+    `__mp_main__`), so that objects pickled by reference to `__main__` can be found. ddpnb pickles with
+    cloudpickle, which sends whatever `__main__` defines by value, so the re-run would only cost time (a script
+    importing torchvision at the top: 2.9 s per launch instead of 0.1 s here) and run unguarded top-level code
+    once per rank (without an `if __name__ == "__main__":` guard: a recursive launch). multiprocessing sends the
+    main module's name or path with each new process (`spawn.get_preparation_data`, called with the process's
+    name); the wrapper leaves them out for ddpnb's processes and changes nothing for any other.
+    """
+    original = multiprocessing.spawn.get_preparation_data
+    if hasattr(original, "ddpnb_original"):
+        return
+
+    @functools.wraps(original)
+    def preparation_data(name: str) -> dict[str, Any]:
+        data = original(name)
+        if name.startswith(_worker.PROCESS_PREFIX):
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+
+    preparation_data.ddpnb_original = original  # type: ignore[attr-defined]
+    multiprocessing.spawn.get_preparation_data = preparation_data
+
+
+GPU_DRIVER_FILES = "/dev/nvidia"  # a process holding one of these open has initialised CUDA (or NVML)
+CHECK_WAIT = 60.0  # seconds `preload`'s check may take once the forkserver has imported everything
+
+
+def preload(modules: dict[str, str | None]) -> list[str]:
+    """Import `modules` (name -> the file this kernel imports it from, if known) once in the forkserver, so that
+    ranks start with them instead of importing them at every launch (torchvision: 2.6 s a launch on the 2-core
+    test machine). Restarts the forkserver (one `import torch` plus every preloaded module, now: calling it again
+    for a module re-imports it, edits included) and checks the new one before any rank is forked from it: each
+    module was imported, from the file the kernel would use; it runs no more threads than the forkserver it
+    replaces (a rank forked from a process with threads can hang on a lock one of them held); the GPU driver is
+    not open (a rank forked after CUDA's initialisation cannot use CUDA). If anything fails, nothing is added,
+    with a PreloadError that says why. Returns every module preloaded so far."""
     with _forkserver_lock:
-        wanted = [name for name in modules if name not in PRELOAD + _preloaded]
-        if not wanted:
+        if not modules:
             return list(_preloaded)
-        if _live_runs:
-            raise PreloadError("ddpnb.preload restarts the processes ranks are forked from: wait for the running "
-                               "run to end (or .stop() it), then call it again.")
+        if any(run.record.engine == "local" for run in _live_runs):
+            raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
+                               "to end (or .stop() it), then call it again.")
+        server = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing keeps one per process
+        others = _children(server) if server else []
+        if others:
+            raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
+                               f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
+                               "stop them, then call it again.")
+        baseline = len(_threads(server)) if server else 1  # what ranks start from today is the yardstick
+        before = list(_preloaded)
+        _preloaded.extend(name for name in modules if name not in before and name not in PRELOAD)
         _stop_forkserver()
-        _preloaded.extend(wanted)
         try:
-            trouble = _check_forkserver(_forkserver_context(), wanted)
+            trouble = _check_forkserver(_forkserver_context(), modules, baseline)
         except (OSError, EOFError):  # the forkserver died: an import raised something other than ImportError
-            trouble = f"importing them failed in the forkserver (run `import {wanted[0]}` in a cell to see why)"
+            trouble = ("the forkserver died while importing them: an import raised an error (run "
+                       f"`import {next(iter(modules))}` in a cell to see it)")
         except BaseException:  # interrupted: the next launch starts the forkserver it had before
-            del _preloaded[-len(wanted):]
+            _preloaded[:] = before
             _stop_forkserver()
             raise
         if trouble:
-            del _preloaded[-len(wanted):]
+            _preloaded[:] = before
             _stop_forkserver()
             _forkserver_context()  # back to what it was, started now rather than at the next launch
-            raise PreloadError(f"ddpnb.preload({', '.join(map(repr, wanted))}): {trouble}. Nothing was added; ranks "
-                               "import these modules themselves, as before.")
+            raise PreloadError(f"ddpnb.preload({', '.join(map(repr, modules))}): {trouble}. Nothing was added; "
+                               "ranks import these modules themselves, as before.")
         return list(_preloaded)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [int(child) for child in children.read().split()]
+    except OSError:  # no such file in this kernel's /proc: nothing to go by
+        return []
+
+
+def _threads(pid: int) -> list[str]:
+    """The names of a process's threads."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+    return names
 
 
 def _stop_forkserver() -> None:
     """End the forkserver (no run is using it), so that the next `ensure_running` starts one with the current
     preload list. Killed rather than asked: multiprocessing's own stop waits until every process that holds its
     "alive" pipe exits, which includes whatever a past rank left running."""
-    server = multiprocessing.forkserver._forkserver  # multiprocessing keeps one per process
+    server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:  # started
         try:
             os.kill(server._forkserver_pid, signal.SIGKILL)
@@ -127,25 +190,37 @@ def _stop_forkserver() -> None:
         server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
 
 
-def _check_forkserver(context: multiprocessing.context.BaseContext, modules: list[str]) -> str:
-    """What is wrong with the forkserver after it imported `modules`, as a rank forked from it sees it; "" if
-    nothing. Waits for the forkserver to finish importing (the fork is served after the imports)."""
+def _check_forkserver(context: multiprocessing.context.BaseContext, modules: dict[str, str | None],
+                      baseline: int) -> str:
+    """What is wrong with the forkserver after it imported `modules`, as a process forked from it sees it; "" if
+    nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
     reader, writer = multiprocessing.Pipe(duplex=False)
-    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, modules),
+    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, list(modules), GPU_DRIVER_FILES),
                             name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
     probe.start()
     writer.close()
     try:
-        missing, threads, cuda = reader.recv()
+        if not reader.poll(CHECK_WAIT):
+            return f"the check of the new forkserver did not answer within {CHECK_WAIT:g} s"
+        found, threads, cuda = reader.recv()
     finally:
         reader.close()
-        probe.join()
+        probe.join(5)
+        if probe.is_alive():
+            probe.kill()
+            probe.join()
+    missing = [name for name in modules if name not in found]
     if missing:
-        return (f"{', '.join(missing)} could not be imported there: the forkserver is a fresh Python started in "
-                "this kernel's working directory, which sees PYTHONPATH but not sys.path changes made in the kernel")
-    if threads > 1:
-        return (f"importing them started {threads - 1} thread(s) in the forkserver; ranks forked from a process "
-                "with threads can hang on a lock one of those threads held")
+        return (f"{', '.join(missing)} could not be imported there (ImportError): the forkserver is a fresh Python "
+                "started in this kernel's working directory, with its PYTHONPATH, which does not see sys.path "
+                "changes made in the kernel")
+    for name, origin in modules.items():
+        if origin and found[name] and os.path.realpath(origin) != os.path.realpath(found[name]):
+            return (f"the forkserver imported {name} from {found[name]}, but this kernel imports it from {origin} "
+                    "(a sys.path change in the kernel?): ranks would run the other copy")
+    if len(threads) > baseline:
+        return (f"importing them started {len(threads) - baseline} thread(s) in the forkserver ({', '.join(threads)}); "
+                "ranks forked from a process with threads can hang on a lock one of them held")
     if cuda:
         return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
                 "after that")
@@ -310,7 +385,14 @@ class Run:
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
-        context = forkserver_context()
+        # under the forkserver's lock until the run counts as live: `preload` must not restart the forkserver
+        # while ranks are being forked from it
+        with _forkserver_lock:
+            self._start_ranks(_forkserver_context())
+        threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
+        return self
+
+    def _start_ranks(self, context: multiprocessing.context.BaseContext) -> None:
         self._dir_lock = _lock_run_dir(Path(self.spec.run_dir))
         store_socket = _bind_store_socket()
         self.spec.master_port = store_socket.getsockname()[1]
@@ -346,8 +428,6 @@ class Run:
         # the duration and the timeout count from the first rank's start, not from the forkserver's first import
         self.record.started = self.record.ranks[0].started
         _live_runs.add(self)
-        threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
-        return self
 
     def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None = None,
                     result_fd: int | None = None) -> None:
@@ -805,13 +885,13 @@ _hinted: set[tuple[str, ...]] = set()  # modules `_preload_hint` already named i
 
 def _preload_hint(imported: msg.Imported) -> str:
     """Once per kernel and set of modules: what rank 0 spent importing at this launch, and how to stop paying."""
-    if imported.modules in _hinted or set(imported.modules) <= set(_preloaded):
+    if imported.modules in _hinted:
         return ""
     _hinted.add(imported.modules)
     names = ", ".join(map(repr, imported.modules))
-    return (f"rank 0 spent {imported.seconds:.1f} s importing {names} before the function started, as every rank does "
-            f"at every launch; ddpnb.preload({names}) imports {'it' if len(imported.modules) == 1 else 'them'} once, "
-            "in the process ranks are forked from.")
+    return (f"rebuilding the function took rank 0 {imported.seconds:.1f} s, importing {names}, as every rank does at "
+            f"every launch; ddpnb.preload({names}) imports {'it' if len(imported.modules) == 1 else 'them'} once, in "
+            "the process ranks are forked from.")
 
 
 def stop_all_runs() -> None:

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import functools
 import gc
 import inspect
 import io
 import linecache
-import multiprocessing
-import multiprocessing.spawn
 import os
 import signal
 import socket
@@ -30,36 +27,7 @@ from typing import Any
 from ddpnb import _messages as msg
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes (`ddpnb-rank0`); `_keep_main_module_out_of_ranks` looks for it
-
-
-def _keep_main_module_out_of_ranks() -> None:
-    """A rank never runs the launching script's main module.
-
-    Like any spawn or forkserver child, a rank would first re-run the script that called `ddpnb.run` (as
-    `__mp_main__`), so that functions pickled by reference to `__main__` can be found. ddpnb pickles with
-    cloudpickle, which sends whatever `__main__` defines by value, so re-running the script only costs time (a
-    script importing torchvision at the top: 2.9 s per launch instead of 0.08 s here) and runs its unguarded
-    top-level code once per rank (without an `if __name__ == "__main__":` guard: a recursive launch).
-    multiprocessing fixes the main module up in `spawn.prepare`, after it has named the process; the wrappers
-    skip it for ddpnb's processes (ranks, the preload check), and leave every other child of the forkserver as it was.
-    Imported in the forkserver (preloaded), so its children inherit the wrappers.
-    """
-    for name in ("_fixup_main_from_name", "_fixup_main_from_path"):
-        fixup = getattr(multiprocessing.spawn, name, None)
-        if fixup is None or hasattr(fixup, "ddpnb_original"):
-            continue
-
-        @functools.wraps(fixup)
-        def skip_in_ranks(main: str, _fixup: Callable[[str], None] = fixup) -> None:
-            if not multiprocessing.current_process().name.startswith(PROCESS_PREFIX):
-                _fixup(main)
-
-        skip_in_ranks.ddpnb_original = fixup  # type: ignore[attr-defined]
-        setattr(multiprocessing.spawn, name, skip_in_ranks)
-
-
-_keep_main_module_out_of_ranks()
+PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes: `ddpnb-rank0`, `ddpnb-preload-check`
 
 
 @dataclass
@@ -342,23 +310,31 @@ def _load_function(rank: int, payload: bytes) -> Any:
     seconds = time.perf_counter() - began
     if rank == 0 and seconds >= SLOW_IMPORTS:
         new = {top for name in sys.modules.keys() - known if (top := name.partition(".")[0]) not in known}
-        if new:
-            _context.send(msg.Imported(rank=0, seconds=seconds, modules=_named_in(payload, new)))
+        new -= set(sys.stdlib_module_names)
+        named = _named_in(payload, new)
+        if named:
+            _context.send(msg.Imported(rank=0, seconds=seconds, modules=named))
     return fn
 
 
 def _named_in(payload: bytes, modules: set[str]) -> tuple[str, ...]:
-    """Which of the newly imported top-level `modules` the pickle names itself (cloudpickle writes the name of
-    every module and by-reference object it refers to), rather than those they imported in turn: 'torchvision',
-    not the 30 packages torchvision pulls in. Without a usable answer, the non-standard-library ones."""
+    """Which of the newly imported top-level `modules` to suggest preloading: installed packages (a module of
+    one's own, edited next to the notebook, would go stale in the forkserver) that the pickle names itself
+    (cloudpickle writes the name of every module and by-reference object it refers to), rather than those they
+    imported in turn: 'torchvision', not the 30 packages torchvision pulls in."""
     import pickletools
 
+    installed = {name for name in modules if _installed(sys.modules.get(name))}
     named: set[str] = set()
     if len(payload) <= 10_000_000:  # reading a big closure's opcodes would delay the function
         named = {top for _, arg, _ in pickletools.genops(payload)
-                 if isinstance(arg, str) and (top := arg.partition(".")[0]) in modules}
-    return tuple(sorted(named or {name for name in modules
-                                  if name not in sys.stdlib_module_names and not name.startswith("_")}))
+                 if isinstance(arg, str) and (top := arg.partition(".")[0]) in installed}
+    return tuple(sorted(named or {name for name in installed if not name.startswith("_")}))
+
+
+def _installed(module: Any) -> bool:
+    path = getattr(module, "__file__", None) or ""
+    return any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
 
 
 def _report(rank: int, exc: BaseException, message: str) -> None:
@@ -428,31 +404,33 @@ def _dump_result(value: Any) -> msg.Returned:
         ) from None
 
 
-def inspect_forkserver(report: Connection, modules: list[str]) -> None:
-    """multiprocessing target for `_supervisor.preload`'s check, forked from the forkserver: which of `modules`
-    it holds, how many threads it runs, and whether it opened the GPU driver (an open /dev/nvidia* file: CUDA or
-    NVML initialised, not just their libraries loaded) or initialised CUDA in torch (which makes this fork a "bad
-    fork" in torch's words)."""
+def inspect_forkserver(report: Connection, modules: list[str], driver_files: str) -> None:
+    """multiprocessing target for `_supervisor.preload`'s check, forked from the new forkserver: the file each of
+    `modules` was imported from (absent: not imported), the forkserver's threads, and whether it initialised
+    CUDA: torch's own flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML
+    initialised by any library, not just loaded)."""
     import torch
 
+    from ddpnb._supervisor import _threads
+
     server = os.getppid()  # the forkserver forks its children itself
+    found = {name: getattr(sys.modules[name], "__file__", None) for name in modules if name in sys.modules}
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
-    report.send(([name for name in modules if name not in sys.modules], len(os.listdir(f"/proc/{server}/task")),
-                 bad_fork or _opened_gpu_driver(server)))
+    report.send((found, _threads(server), bad_fork or _holds_open(server, driver_files)))
 
 
-def _opened_gpu_driver(pid: int) -> bool:
+def _holds_open(pid: int, prefix: str) -> bool:
     try:
         names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:  # not ours to read (a hardened /proc): torch's own answer has to do
+    except OSError:  # not ours to read (a hardened /proc): torch's own flag has to do
         return False
-    targets = []
     for name in names:
         try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(prefix):
+                return True
         except OSError:  # closed meanwhile
             continue
-    return any(target.startswith("/dev/nvidia") for target in targets)
+    return False
 
 
 # --- progress bars -----------------------------------------------------------------------------------------

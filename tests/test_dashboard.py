@@ -344,6 +344,14 @@ def test_static_summary_escapes_what_the_ranks_print():
     assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
 
 
+def test_static_summary_keeps_the_runs_hint():
+    record = _record()
+    record.outcome = Outcome.SUCCEEDED
+    record.hint = "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
+    assert "ddpnb.preload(&#x27;torchvision&#x27;)" in _dashboard.summary_html(record, [])
+    assert record.hint in _dashboard.summary_text(record)
+
+
 def test_gpu_runs_show_each_ranks_gpu_memory():
     record = _record()
     assert "GPU memory" not in _dashboard.ranks_html(record)  # CPU ranks: no such column

@@ -17,28 +17,40 @@ from ddpnb import _supervisor
 
 MODULES = {
     # a module a rank can tell apart: where it was imported, and a global one run changes
-    "ddpnb_test_preloaded": "import os\nIMPORTED_IN = os.getpid()\nMARK = None\n",
-    # slow to import, like torchvision (2.6 s here): the launch that imports it suggests preloading it
-    "ddpnb_test_slow": "import time\ntime.sleep(0.8)\nVALUE = 42\n",
+    "ddpnb_test_preloaded": "import os\nIMPORTED_IN = os.getpid()\nMARK = None\nVERSION = 1\n",
+    # an installed library slow to import, like torchvision (2.6 s here): the launch that imports it says so
+    "site-packages/ddpnb_test_slow": "import os, time\ntime.sleep(0.8)\nIMPORTED_IN = os.getpid()\n",
     "ddpnb_test_threaded": "import threading, time\n"
                            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
     "ddpnb_test_broken": "raise RuntimeError('this module cannot be imported')\n",
+    # holds a file open, as a library that initialises CUDA holds /dev/nvidia*, which this machine does not have
+    "ddpnb_test_gpu_driver": "import os\nDRIVER = open(os.environ['DDPNB_TEST_FAKE_GPU_FILE'], 'rb')\n",
+    # the same name in two places: the kernel finds one (sys.path), the forkserver the other (PYTHONPATH)
+    "ddpnb_test_twin": "",
+    "kernel-only/ddpnb_test_twin": "",
 }
 
 
 @pytest.fixture
 def modules(tmp_path, monkeypatch):
     for name, source in MODULES.items():
-        (tmp_path / f"{name}.py").write_text(source)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+        path = tmp_path / f"{name}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(source)
+    (tmp_path / "fake-nvidia0").write_bytes(b"")
+    monkeypatch.setenv("DDPNB_TEST_FAKE_GPU_FILE", str(tmp_path / "fake-nvidia0"))
+    monkeypatch.setattr(_supervisor, "GPU_DRIVER_FILES", str(tmp_path / "fake-nvidia"))
+    python_path = [str(tmp_path), str(tmp_path / "site-packages"), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, python_path)))
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    yield
+    yield tmp_path
     with _supervisor._forkserver_lock:
         _supervisor._preloaded.clear()
         _supervisor._stop_forkserver()  # the next run starts the usual one
     _supervisor._hinted.clear()
     for name in MODULES:
-        sys.modules.pop(name, None)
+        sys.modules.pop(name.rpartition("/")[2], None)
 
 
 def _leave_a_mark(rank):
@@ -63,31 +75,64 @@ def test_a_preloaded_module_is_there_when_ranks_start_and_fresh_in_each_run(modu
                                                       "mark": None}
 
 
+def _version(rank):
+    import ddpnb_test_preloaded
+
+    return ddpnb_test_preloaded.VERSION
+
+
+def test_preloading_a_module_again_picks_up_its_edits(modules):
+    ddpnb.preload("ddpnb_test_preloaded")
+    assert ddpnb.run(_version, nprocs=1) == 1
+    source = modules / "ddpnb_test_preloaded.py"
+    source.write_text(source.read_text().replace("VERSION = 1", "VERSION = 2"))
+    assert ddpnb.run(_version, nprocs=1) == 1  # preloaded: as it was imported
+    assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]
+    assert ddpnb.run(_version, nprocs=1) == 2
+
+
 def test_a_slow_import_is_pointed_out_once_and_preload_removes_it(modules, capsys):
     import ddpnb_test_slow
 
-    def uses_the_module(rank):
-        return ddpnb_test_slow.VALUE  # a global of the notebook: unpickling the function imports the module
+    def imported_before_the_fork(rank):
+        import os
 
-    assert ddpnb.run(uses_the_module, nprocs=2, view="text") == 42
+        return ddpnb_test_slow.IMPORTED_IN != os.getpid()  # a notebook global: unpickling imports the module
+
+    assert ddpnb.run(imported_before_the_fork, nprocs=2, view="text") is False
     hint = ddpnb.last_run().hint
-    assert "importing 'ddpnb_test_slow' before the function started" in hint
+    assert "rebuilding the function took rank 0" in hint
+    assert "importing 'ddpnb_test_slow'" in hint
     assert "ddpnb.preload('ddpnb_test_slow')" in hint
     assert hint in capsys.readouterr().out  # the text view says it after the summary
-    ddpnb.run(uses_the_module, nprocs=2)
+    assert ddpnb.run(imported_before_the_fork, nprocs=2) is False
     assert ddpnb.last_run().hint == ""  # said once per kernel
     _supervisor._hinted.clear()
     ddpnb.preload("ddpnb_test_slow")
-    ddpnb.run(uses_the_module, nprocs=2)
+    assert ddpnb.run(imported_before_the_fork, nprocs=2) is True
     assert ddpnb.last_run().hint == ""  # nothing left to import
+
+
+def test_a_module_of_ones_own_is_not_suggested_for_preloading(modules):
+    (modules / "ddpnb_test_mine.py").write_text("import time\ntime.sleep(0.8)\nVALUE = 7\n")
+    import ddpnb_test_mine
+
+    try:
+        assert ddpnb.run(lambda: ddpnb_test_mine.VALUE, nprocs=1) == 7
+        assert ddpnb.last_run().hint == ""  # edited next to the notebook: preloaded, it would go stale
+    finally:
+        sys.modules.pop("ddpnb_test_mine", None)
 
 
 @pytest.mark.parametrize("name, reason", [
     ("ddpnb_test_threaded", "started 1 thread(s) in the forkserver"),
-    ("ddpnb_test_broken", "run `import ddpnb_test_broken` in a cell to see why"),
+    ("ddpnb_test_broken", "run `import ddpnb_test_broken` in a cell to see it"),
+    ("ddpnb_test_gpu_driver", "importing them initialised CUDA (the GPU driver is open)"),
+    ("ddpnb_test_twin", "(a sys.path change in the kernel?): ranks would run the other copy"),
 ])
-def test_a_module_that_is_unsafe_to_preload_is_refused_and_runs_go_on(modules, name, reason):
+def test_a_module_that_is_unsafe_to_preload_is_refused_and_runs_go_on(modules, monkeypatch, name, reason):
     ddpnb.preload("ddpnb_test_preloaded")
+    monkeypatch.syspath_prepend(str(modules / "kernel-only"))  # the kernel's twin is not the forkserver's
     with pytest.raises(ddpnb.PreloadError, match=re.escape(reason)):
         ddpnb.preload(name)
     assert ddpnb.preload() == ["ddpnb_test_preloaded"]  # what was there before stays
@@ -95,13 +140,14 @@ def test_a_module_that_is_unsafe_to_preload_is_refused_and_runs_go_on(modules, n
 
 
 def test_a_name_that_is_no_module_is_refused_before_anything_restarts(modules):
-    with pytest.raises(ddpnb.LaunchError, match="no module named 'ddpnb_no_such_module'"):
-        ddpnb.preload("ddpnb_no_such_module")
-    with pytest.raises(ddpnb.LaunchError, match="takes module names"):
+    with pytest.raises(ddpnb.PreloadError, match="no module named 'ddpnb_no_such_module'"):
+        ddpnb.preload("ddpnb_no_such_module.sub")
+    with pytest.raises(ddpnb.PreloadError, match="takes module names"):
         ddpnb.preload("torch vision")
 
 
-def test_preload_is_refused_while_a_run_is_going(modules):
+def test_preload_is_refused_while_a_run_or_another_forkserver_child_is_going(modules):
+    import multiprocessing
     import time
 
     handle = ddpnb.launch(lambda: time.sleep(30), nprocs=1, view="none")
@@ -110,4 +156,12 @@ def test_preload_is_refused_while_a_run_is_going(modules):
             ddpnb.preload("ddpnb_test_preloaded")
     finally:
         handle.stop()
+    mine = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+    mine.start()
+    try:
+        with pytest.raises(ddpnb.PreloadError, match=f"still running \\(PIDs {mine.pid}"):
+            ddpnb.preload("ddpnb_test_preloaded")
+    finally:
+        mine.kill()
+        mine.join()
     assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]
