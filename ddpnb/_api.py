@@ -128,6 +128,16 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
                  placement=placement)
 
 
+def _check_working_directory() -> None:
+    """Ranks start in the kernel's working directory, as every multiprocessing child does."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError("this kernel's working directory no longer exists (deleted, or moved?), and ranks start in "
+                          "it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the cell "
+                          "again.") from None
+
+
 def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None,
@@ -144,6 +154,8 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         placement = _ray.check_placement(placement)
     elif address is not None or placement is not None:
         raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
+    else:
+        _check_working_directory()
     payload = _pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
     run_dir = _supervisor.new_run_dir()
     # a cluster's nodes keep their own environment: only the variables asked for travel there
@@ -225,6 +237,7 @@ def preload(*modules: str) -> list[str]:
     """
     if _worker.current() is not None:
         raise PreloadError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
+    _check_working_directory()
     origins: dict[str, str | None] = {}
     for name in modules:
         if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):

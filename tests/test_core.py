@@ -65,6 +65,15 @@ def test_ranks_never_run_the_launching_scripts_top_level_code(tmp_path):
     assert done.stdout.count("top-level code ran") == 1, done.stdout
 
 
+def test_a_deleted_working_directory_is_a_clear_error(tmp_path, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ddpnb.LaunchError, match=r"working directory no longer exists .* change to one that exists"):
+        ddpnb.run(_signature_probe_none, nprocs=1)
+
+
 def _signature_probe_none():
     return "none"
 
