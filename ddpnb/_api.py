@@ -238,7 +238,7 @@ def preload(*modules: str) -> list[str]:
     if _worker.current() is not None:
         raise PreloadError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
     _check_working_directory()
-    origins: dict[str, str | None] = {}
+    origins: dict[str, str | None] = {}  # where this kernel finds each module's top-level package
     for name in modules:
         if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
             raise PreloadError(f"ddpnb.preload takes module names such as 'torchvision', not {name!r}.")
@@ -249,7 +249,7 @@ def preload(*modules: str) -> list[str]:
             found = None
         if found is None:
             raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
-        origins[name] = found.origin if name == top and found.has_location else None
+        origins[name] = found.origin if found.has_location else None
     return _supervisor.preload(origins)
 
 

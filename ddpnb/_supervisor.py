@@ -111,6 +111,7 @@ def _keep_main_module_out_of_ranks() -> None:
 
 
 GPU_DRIVER_FILES = "/dev/nvidia"  # a process holding one of these open has initialised CUDA (or NVML)
+IMPORT_WAIT = 600.0  # seconds the new forkserver may take to import torch and the preloaded modules
 CHECK_WAIT = 60.0  # seconds `preload`'s check may take once the forkserver has imported everything
 
 
@@ -126,7 +127,7 @@ def preload(modules: dict[str, str | None]) -> list[str]:
     with _forkserver_lock:
         if not modules:
             return list(_preloaded)
-        if any(run.record.engine == "local" for run in _live_runs):
+        if any(run.record.engine == "local" for run in list(_live_runs)):
             raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
                                "to end (or .stop() it), then call it again.")
         server = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing keeps one per process
@@ -135,19 +136,26 @@ def preload(modules: dict[str, str | None]) -> list[str]:
             raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
                                f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
                                "stop them, then call it again.")
-        baseline = len(_threads(server)) if server else 1  # what ranks start from today is the yardstick
+        baseline = max(1, len(_threads(server))) if server else 1  # what ranks start from today is the yardstick
         before = list(_preloaded)
         _preloaded.extend(name for name in modules if name not in before and name not in PRELOAD)
         _stop_forkserver()
+        context = _forkserver_context()
+        # an import that never ends must not hold the lock (and so every launch) forever
+        deadline = threading.Timer(IMPORT_WAIT, _kill_forkserver)
+        deadline.start()
         try:
-            trouble = _check_forkserver(_forkserver_context(), modules, baseline)
+            trouble = _check_forkserver(context, modules, baseline)
         except (OSError, EOFError):  # the forkserver died: an import raised something other than ImportError
-            trouble = ("the forkserver died while importing them: an import raised an error (run "
+            trouble = (f"the forkserver was still importing them after {IMPORT_WAIT:g} s" if deadline.finished.is_set()
+                       else "the forkserver died while importing them: an import raised an error (run "
                        f"`import {next(iter(modules))}` in a cell to see it)")
         except BaseException:  # interrupted: the next launch starts the forkserver it had before
             _preloaded[:] = before
             _stop_forkserver()
             raise
+        finally:
+            deadline.cancel()
         if trouble:
             _preloaded[:] = before
             _stop_forkserver()
@@ -167,8 +175,12 @@ def _children(pid: int) -> list[int]:
 
 def _threads(pid: int) -> list[str]:
     """The names of a process's threads."""
-    names = []
-    for task in os.listdir(f"/proc/{pid}/task"):
+    names: list[str] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return names
+    for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/comm") as comm:
                 names.append(comm.read().strip())
@@ -183,11 +195,17 @@ def _stop_forkserver() -> None:
     "alive" pipe exits, which includes whatever a past rank left running."""
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:  # started
+        _kill_forkserver()
+        server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
+
+
+def _kill_forkserver() -> None:
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is not None:
         try:
-            os.kill(server._forkserver_pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
 
 
 def _check_forkserver(context: multiprocessing.context.BaseContext, modules: dict[str, str | None],
@@ -195,7 +213,8 @@ def _check_forkserver(context: multiprocessing.context.BaseContext, modules: dic
     """What is wrong with the forkserver after it imported `modules`, as a process forked from it sees it; "" if
     nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
     reader, writer = multiprocessing.Pipe(duplex=False)
-    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, list(modules), GPU_DRIVER_FILES),
+    packages = {name.partition(".")[0] for name in modules}
+    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
                             name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
     probe.start()
     writer.close()
@@ -214,9 +233,10 @@ def _check_forkserver(context: multiprocessing.context.BaseContext, modules: dic
         return (f"{', '.join(missing)} could not be imported there (ImportError): the forkserver is a fresh Python "
                 "started in this kernel's working directory, with its PYTHONPATH, which does not see sys.path "
                 "changes made in the kernel")
-    for name, origin in modules.items():
-        if origin and found[name] and os.path.realpath(origin) != os.path.realpath(found[name]):
-            return (f"the forkserver imported {name} from {found[name]}, but this kernel imports it from {origin} "
+    for name, origin in modules.items():  # origin: where the kernel finds the top-level package
+        there = found.get(name.partition(".")[0])
+        if origin and there and os.path.realpath(origin) != os.path.realpath(there):
+            return (f"the forkserver imported {name} from {there}, but this kernel imports it from {origin} "
                     "(a sys.path change in the kernel?): ranks would run the other copy")
     if len(threads) > baseline:
         return (f"importing them started {len(threads) - baseline} thread(s) in the forkserver ({', '.join(threads)}); "
@@ -389,7 +409,6 @@ class Run:
         # while ranks are being forked from it
         with _forkserver_lock:
             self._start_ranks(_forkserver_context())
-        threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
         return self
 
     def _start_ranks(self, context: multiprocessing.context.BaseContext) -> None:
@@ -415,7 +434,12 @@ class Run:
                 self._start_rank(context, rank, spec_payload, *((store_socket, self._result_fd) if rank == 0 else ()))
                 if rank == 0:
                     store_socket.close()  # rank 0 has its own copy now
+            # the duration and the timeout count from the first rank's start, not from the forkserver's first import
+            self.record.started = self.record.ranks[0].started
+            _live_runs.add(self)
+            threading.Thread(target=self._loop, name="ddpnb-run", daemon=True).start()
         except BaseException:  # a rank could not start: the ones that did must not outlive this call
+            _live_runs.discard(self)
             store_socket.close()
             os.close(self._dir_lock)
             for proc in self._procs:
@@ -425,9 +449,6 @@ class Run:
                 end.close()
             self._close_result_file()
             raise
-        # the duration and the timeout count from the first rank's start, not from the forkserver's first import
-        self.record.started = self.record.ranks[0].started
-        _live_runs.add(self)
 
     def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None = None,
                     result_fd: int | None = None) -> None:

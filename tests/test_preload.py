@@ -85,10 +85,10 @@ def test_preloading_a_module_again_picks_up_its_edits(modules):
     ddpnb.preload("ddpnb_test_preloaded")
     assert ddpnb.run(_version, nprocs=1) == 1
     source = modules / "ddpnb_test_preloaded.py"
-    source.write_text(source.read_text().replace("VERSION = 1", "VERSION = 2"))
+    source.write_text(source.read_text().replace("VERSION = 1", "VERSION = 22"))  # another size: no stale .pyc
     assert ddpnb.run(_version, nprocs=1) == 1  # preloaded: as it was imported
     assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]
-    assert ddpnb.run(_version, nprocs=1) == 2
+    assert ddpnb.run(_version, nprocs=1) == 22
 
 
 def test_a_slow_import_is_pointed_out_once_and_preload_removes_it(modules, capsys):
