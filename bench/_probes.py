@@ -4,8 +4,8 @@ Each probe runs in a fresh interpreter so that nothing (a warm forkserver, threa
 over from another launcher. The process plays the notebook kernel: it has imported torch before the clock
 starts, as a notebook that ran `import torch` has.
 
-Only the standard library at module level: ddpnb's workers (forkserver) and mp.spawn's children re-import this
-file as `__mp_main__`, so whatever it imports at the top every rank pays for on every launch.
+Only the standard library at module level: mp.spawn's children re-import this file as `__mp_main__`, so
+whatever it imports at the top their ranks pay for on every launch (ddpnb's ranks never re-run it).
 """
 
 from __future__ import annotations
