@@ -8,9 +8,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ddpnb import _pickling, _supervisor, _worker
+from ddpnb import _forkserver, _pickling, _supervisor, _worker
+from ddpnb._forkserver import PreloadError
 from ddpnb._record import RunRecord
-from ddpnb._supervisor import PreloadError, Run
+from ddpnb._supervisor import Run
 
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
 VIEW_VAR = "DDPNB_VIEW"
@@ -250,7 +251,7 @@ def preload(*modules: str) -> list[str]:
         if found is None:
             raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
         origins[name] = found.origin if found.has_location else None
-    return _supervisor.preload(origins)
+    return _forkserver.preload(origins, busy=_supervisor.local_run_going)
 
 
 def last_run() -> RunRecord | None:

@@ -1,7 +1,7 @@
 """The supervisor: a `Run` owns its worker processes from start to teardown.
 
-Workers are forked from multiprocessing's forkserver, a fresh process (never a fork of the kernel) that has
-imported torch once but never touches CUDA; each run therefore gets new, clean processes in milliseconds.
+Workers are forked from the pre-warmed forkserver (`_forkserver`); each run gets new, clean processes in
+milliseconds.
 Each rank gets private pipes from the kernel: stdout, stderr (fd level), a message channel to the kernel, and a
 lifeline that tells it when the kernel is gone. One thread per run multiplexes them plus the process sentinels;
 nothing it does waits on a view.
@@ -14,8 +14,6 @@ import fcntl
 import functools
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
-import multiprocessing.spawn
 import os
 import pickle
 import selectors
@@ -33,8 +31,8 @@ from itertools import repeat
 from pathlib import Path
 from typing import Any
 
+from ddpnb import _forkserver, _pickling, _worker
 from ddpnb import _messages as msg
-from ddpnb import _pickling, _worker
 from ddpnb._record import (
     Failure,
     Outcome,
@@ -47,8 +45,6 @@ from ddpnb._record import (
     is_knock_on,
 )
 
-# tqdm is optional (a failed preload import is skipped); preloaded, the worker's progress hook costs nothing
-PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle", "tqdm", "ddpnb._worker"]
 KEEP_RUNS = 50  # run directories kept; older ones are deleted when a new run starts
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when ranks are stopped
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
@@ -61,196 +57,6 @@ COALESCE = 0.2
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
 _live_runs: set[Run] = set()
-_forkserver_lock = threading.Lock()
-_preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
-
-
-class PreloadError(ValueError):
-    """A module `ddpnb.preload` cannot import into the forkserver, or must not: ranks import it as before."""
-
-
-def forkserver_context() -> multiprocessing.context.BaseContext:
-    """The pre-warmed process workers are forked from; starting it costs one `import torch`, once per kernel."""
-    with _forkserver_lock:
-        return _forkserver_context()
-
-
-def _forkserver_context() -> multiprocessing.context.BaseContext:
-    _keep_main_module_out_of_ranks()
-    multiprocessing.forkserver.set_forkserver_preload(PRELOAD + _preloaded)
-    context = multiprocessing.get_context("forkserver")
-    multiprocessing.forkserver.ensure_running()
-    return context
-
-
-def _keep_main_module_out_of_ranks() -> None:
-    """A rank never re-runs the launching script's main module.
-
-    Like any spawn or forkserver child, a rank would first re-run the script that called `ddpnb.run` (as
-    `__mp_main__`), so that objects pickled by reference to `__main__` can be found. ddpnb pickles with
-    cloudpickle, which sends whatever `__main__` defines by value, so the re-run would only cost time (a script
-    importing torchvision at the top: 2.9 s per launch instead of 0.1 s here) and run unguarded top-level code
-    once per rank (without an `if __name__ == "__main__":` guard: a recursive launch). multiprocessing sends the
-    main module's name or path with each new process (`spawn.get_preparation_data`, called with the process's
-    name); the wrapper leaves them out for ddpnb's processes and changes nothing for any other.
-    """
-    original = multiprocessing.spawn.get_preparation_data
-    if hasattr(original, "ddpnb_original"):
-        return
-
-    @functools.wraps(original)
-    def preparation_data(name: str) -> dict[str, Any]:
-        data = original(name)
-        if name.startswith(_worker.PROCESS_PREFIX):
-            data.pop("init_main_from_name", None)
-            data.pop("init_main_from_path", None)
-        return data
-
-    preparation_data.ddpnb_original = original  # type: ignore[attr-defined]
-    multiprocessing.spawn.get_preparation_data = preparation_data
-
-
-GPU_DRIVER_FILES = "/dev/nvidia"  # a process holding one of these open has initialised CUDA (or NVML)
-IMPORT_WAIT = 600.0  # seconds the new forkserver may take to import torch and the preloaded modules
-CHECK_WAIT = 60.0  # seconds `preload`'s check may take once the forkserver has imported everything
-
-
-def preload(modules: dict[str, str | None]) -> list[str]:
-    """Import `modules` (name -> the file this kernel imports it from, if known) once in the forkserver, so that
-    ranks start with them instead of importing them at every launch (torchvision: 2.6 s a launch on the 2-core
-    test machine). Restarts the forkserver (one `import torch` plus every preloaded module, now: calling it again
-    for a module re-imports it, edits included) and checks the new one before any rank is forked from it: each
-    module was imported, from the file the kernel would use; it runs no more threads than the forkserver it
-    replaces (a rank forked from a process with threads can hang on a lock one of them held); the GPU driver is
-    not open (a rank forked after CUDA's initialisation cannot use CUDA). If anything fails, nothing is added,
-    with a PreloadError that says why. Returns every module preloaded so far."""
-    with _forkserver_lock:
-        if not modules:
-            return list(_preloaded)
-        if any(run.record.engine == "local" for run in list(_live_runs)):
-            raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
-                               "to end (or .stop() it), then call it again.")
-        server = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing keeps one per process
-        others = _children(server) if server else []
-        if others:
-            raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
-                               f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
-                               "stop them, then call it again.")
-        baseline = max(1, len(_threads(server))) if server else 1  # what ranks start from today is the yardstick
-        before = list(_preloaded)
-        _preloaded.extend(name for name in modules if name not in before and name not in PRELOAD)
-        _stop_forkserver()
-        context = _forkserver_context()
-        # an import that never ends must not hold the lock (and so every launch) forever
-        deadline = threading.Timer(IMPORT_WAIT, _kill_forkserver)
-        deadline.start()
-        try:
-            trouble = _check_forkserver(context, modules, baseline)
-        except (OSError, EOFError):  # the forkserver died: an import raised something other than ImportError
-            trouble = (f"the forkserver was still importing them after {IMPORT_WAIT:g} s" if deadline.finished.is_set()
-                       else "the forkserver died while importing them: an import raised an error (run "
-                       f"`import {next(iter(modules))}` in a cell to see it)")
-        except BaseException:  # interrupted: the next launch starts the forkserver it had before
-            _preloaded[:] = before
-            _stop_forkserver()
-            raise
-        finally:
-            deadline.cancel()
-        if trouble:
-            _preloaded[:] = before
-            _stop_forkserver()
-            _forkserver_context()  # back to what it was, started now rather than at the next launch
-            raise PreloadError(f"ddpnb.preload({', '.join(map(repr, modules))}): {trouble}. Nothing was added; "
-                               "ranks import these modules themselves, as before.")
-        return list(_preloaded)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            return [int(child) for child in children.read().split()]
-    except OSError:  # no such file in this kernel's /proc: nothing to go by
-        return []
-
-
-def _threads(pid: int) -> list[str]:
-    """The names of a process's threads."""
-    names: list[str] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return names
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        except OSError:  # ended meanwhile
-            continue
-    return names
-
-
-def _stop_forkserver() -> None:
-    """End the forkserver (no run is using it), so that the next `ensure_running` starts one with the current
-    preload list. Killed rather than asked: multiprocessing's own stop waits until every process that holds its
-    "alive" pipe exits, which includes whatever a past rank left running."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:  # started
-        _kill_forkserver()
-        server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
-
-
-def _kill_forkserver() -> None:
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _check_forkserver(context: multiprocessing.context.BaseContext, modules: dict[str, str | None],
-                      baseline: int) -> str:
-    """What is wrong with the forkserver after it imported `modules`, as a process forked from it sees it; "" if
-    nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    packages = {name.partition(".")[0] for name in modules}
-    probe = context.Process(target=_worker.inspect_forkserver, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
-                            name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
-    probe.start()
-    writer.close()
-    try:
-        if not reader.poll(CHECK_WAIT):
-            return f"the check of the new forkserver did not answer within {CHECK_WAIT:g} s"
-        found, threads, cuda = reader.recv()
-    finally:
-        reader.close()
-        probe.join(5)
-        if probe.is_alive():
-            probe.kill()
-            probe.join()
-    missing = [name for name in modules if name not in found]
-    if missing:
-        return (f"{', '.join(missing)} could not be imported there (ImportError): the forkserver is a fresh Python "
-                "started in this kernel's working directory, with its PYTHONPATH, which does not see sys.path "
-                "changes made in the kernel")
-    for name, origin in modules.items():  # origin: where the kernel finds the top-level package
-        there = found.get(name.partition(".")[0])
-        if origin and there and os.path.realpath(origin) != os.path.realpath(there):
-            return (f"the forkserver imported {name} from {there}, but this kernel imports it from {origin} "
-                    "(a sys.path change in the kernel?): ranks would run the other copy")
-    if len(threads) > baseline:
-        return (f"importing them started {len(threads) - baseline} thread(s) in the forkserver ({', '.join(threads)}); "
-                "ranks forked from a process with threads can hang on a lock one of them held")
-    if cuda:
-        return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
-                "after that")
-    return ""
-
-
-def warm_up_in_background() -> None:
-    threading.Thread(target=forkserver_context, name="ddpnb-warm-up", daemon=True).start()
-
-
 def runs_root() -> Path:
     """Where run directories live: $DDPNB_RUNS_DIR, else <tmp>/ddpnb-<uid>; private to this user."""
     root = Path(os.environ.get("DDPNB_RUNS_DIR") or Path(tempfile.gettempdir()) / f"ddpnb-{os.getuid()}")
@@ -407,8 +213,8 @@ class Run:
     def start(self) -> Run:
         # under the forkserver's lock until the run counts as live: `preload` must not restart the forkserver
         # while ranks are being forked from it
-        with _forkserver_lock:
-            self._start_ranks(_forkserver_context())
+        with _forkserver.lock:
+            self._start_ranks(_forkserver.context_held())
         return self
 
     def _start_ranks(self, context: multiprocessing.context.BaseContext) -> None:
@@ -913,6 +719,11 @@ def _preload_hint(imported: msg.Imported) -> str:
     return (f"rebuilding the function took rank 0 {imported.seconds:.1f} s, importing {names}, as every rank does at "
             f"every launch; ddpnb.preload({names}) imports {'it' if len(imported.modules) == 1 else 'them'} once, in "
             "the process ranks are forked from.")
+
+
+def local_run_going() -> bool:
+    """Whether a run's ranks, forked from the forkserver, are still going (Ray runs do not count)."""
+    return any(run.record.engine == "local" for run in list(_live_runs))
 
 
 def stop_all_runs() -> None:

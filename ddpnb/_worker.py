@@ -405,18 +405,18 @@ def _dump_result(value: Any) -> msg.Returned:
 
 
 def inspect_forkserver(report: Connection, modules: list[str], driver_files: str) -> None:
-    """multiprocessing target for `_supervisor.preload`'s check, forked from the new forkserver: the file each of
+    """multiprocessing target for `_forkserver.preload`'s check, forked from the new forkserver: the file each of
     `modules` was imported from (absent: not imported), the forkserver's threads, and whether it initialised
     CUDA: torch's own flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML
     initialised by any library, not just loaded)."""
     import torch
 
-    from ddpnb._supervisor import _threads
+    from ddpnb._forkserver import threads
 
     server = os.getppid()  # the forkserver forks its children itself
     found = {name: getattr(sys.modules[name], "__file__", None) for name in modules if name in sys.modules}
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
-    report.send((found, _threads(server), bad_fork or _holds_open(server, driver_files)))
+    report.send((found, threads(server), bad_fork or _holds_open(server, driver_files)))
 
 
 def _holds_open(pid: int, prefix: str) -> bool:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import ddpnb
-from ddpnb import _supervisor
+from ddpnb import _forkserver, _supervisor
 
 MODULES = {
     # a module a rank can tell apart: where it was imported, and a global one run changes
@@ -39,15 +39,15 @@ def modules(tmp_path, monkeypatch):
         path.write_text(source)
     (tmp_path / "fake-nvidia0").write_bytes(b"")
     monkeypatch.setenv("DDPNB_TEST_FAKE_GPU_FILE", str(tmp_path / "fake-nvidia0"))
-    monkeypatch.setattr(_supervisor, "GPU_DRIVER_FILES", str(tmp_path / "fake-nvidia"))
+    monkeypatch.setattr(_forkserver, "GPU_DRIVER_FILES", str(tmp_path / "fake-nvidia"))
     python_path = [str(tmp_path), str(tmp_path / "site-packages"), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, python_path)))
     monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
-    with _supervisor._forkserver_lock:
-        _supervisor._preloaded.clear()
-        _supervisor._stop_forkserver()  # the next run starts the usual one
+    with _forkserver.lock:
+        _forkserver._preloaded.clear()
+        _forkserver._stop()  # the next run starts the usual one
     _supervisor._hinted.clear()
     for name in MODULES:
         sys.modules.pop(name.rpartition("/")[2], None)
