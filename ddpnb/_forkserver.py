@@ -14,8 +14,10 @@ import multiprocessing.forkserver
 import multiprocessing.spawn
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb import _worker
@@ -136,7 +138,7 @@ def children(pid: int) -> list[int]:
 
 
 def threads(pid: int) -> list[str]:
-    """The names of a process's threads (also read by `_worker.inspect_forkserver`)."""
+    """The names of a process's threads."""
     names: list[str] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -175,7 +177,7 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
     nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
     reader, writer = multiprocessing.Pipe(duplex=False)
     packages = {name.partition(".")[0] for name in modules}
-    probe = started.Process(target=_worker.inspect_forkserver, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
+    probe = started.Process(target=inspect, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
                             name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
     probe.start()
     writer.close()
@@ -210,3 +212,30 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
 
 def warm_up_in_background() -> None:
     threading.Thread(target=context, name="ddpnb-warm-up", daemon=True).start()
+
+
+def inspect(report: Connection, modules: list[str], driver_files: str) -> None:
+    """multiprocessing target for `_check`, forked from the new forkserver: the file each of `modules` was
+    imported from (absent: not imported), the forkserver's threads, and whether it initialised CUDA: torch's own
+    flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML initialised by any
+    library, not just loaded)."""
+    import torch
+
+    server = os.getppid()  # the forkserver forks its children itself
+    found = {name: getattr(sys.modules[name], "__file__", None) for name in modules if name in sys.modules}
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
+    report.send((found, threads(server), bad_fork or _holds_open(server, driver_files)))
+
+
+def _holds_open(pid: int, prefix: str) -> bool:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # not ours to read (a hardened /proc): torch's own flag has to do
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(prefix):
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False

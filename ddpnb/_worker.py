@@ -295,7 +295,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
         raise SystemExit(1) from None
 
 
-SLOW_IMPORTS = 0.5  # seconds of imports while rebuilding the function that make rank 0 suggest ddpnb.preload
+SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
 
 
 def _load_function(rank: int, payload: bytes) -> Any:
@@ -402,35 +402,6 @@ def _dump_result(value: Any) -> msg.Returned:
             "Return plain data (tensors, numbers, lists, dicts, a state_dict()), or save the object to a file and "
             "return its path."
         ) from None
-
-
-def inspect_forkserver(report: Connection, modules: list[str], driver_files: str) -> None:
-    """multiprocessing target for `_forkserver.preload`'s check, forked from the new forkserver: the file each of
-    `modules` was imported from (absent: not imported), the forkserver's threads, and whether it initialised
-    CUDA: torch's own flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML
-    initialised by any library, not just loaded)."""
-    import torch
-
-    from ddpnb._forkserver import threads
-
-    server = os.getppid()  # the forkserver forks its children itself
-    found = {name: getattr(sys.modules[name], "__file__", None) for name in modules if name in sys.modules}
-    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
-    report.send((found, threads(server), bad_fork or _holds_open(server, driver_files)))
-
-
-def _holds_open(pid: int, prefix: str) -> bool:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:  # not ours to read (a hardened /proc): torch's own flag has to do
-        return False
-    for name in names:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(prefix):
-                return True
-        except OSError:  # closed meanwhile
-            continue
-    return False
 
 
 # --- progress bars -----------------------------------------------------------------------------------------
