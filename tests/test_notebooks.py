@@ -29,6 +29,24 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
             assert errors, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
 
 
+ON_ALL_GPUS = [p for p in NOTEBOOKS if "--gpus all" in p.read_text()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ON_ALL_GPUS, ids=[p.stem for p in ON_ALL_GPUS])
+def test_notebook_runs_on_a_machine_with_one_gpu(path, tmp_path, monkeypatch):
+    """`--gpus all` is one rank on a one-GPU machine (the H200 box), two CPU ranks here: the same notebook with
+    `--gpus all` as one rank, so code that assumes a rank 1 fails here rather than there."""
+    monkeypatch.setenv("DDPNB_QUICK", "1")
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.source = cell.source.replace("%%ddp --gpus all", "%%ddp -n 1")
+    nb.cells.append(nbformat.v4.new_code_cell("print('ranks in the last run:', ddpnb.last_run().world_size)"))
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
+    assert nb.cells[-1].outputs[0].text == "ranks in the last run: 1\n"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_committed_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
