@@ -201,12 +201,12 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
         if origin and there and os.path.realpath(origin) != os.path.realpath(there):
             return (f"the forkserver imported {name} from {there}, but this kernel imports it from {origin} "
                     "(a sys.path change in the kernel?): ranks would run the other copy")
+    if cuda:  # first: starting the driver starts threads too, and CUDA is the cause to name
+        return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
+                "after that")
     if len(running) > baseline:
         return (f"importing them started {len(running) - baseline} thread(s) in the forkserver ({', '.join(running)}); "
                 "ranks forked from a process with threads can hang on a lock one of them held")
-    if cuda:
-        return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
-                "after that")
     return ""
 
 
