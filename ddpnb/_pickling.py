@@ -39,8 +39,11 @@ class _Pickler(cloudpickle.CloudPickler):
         if torch is not None and isinstance(obj, torch.Tensor):
             if not self.tensors:
                 raise HoldsTensors
-            if obj.device.type != "cpu":
-                return _identity, (obj.detach().cpu(),)
+            if obj.device.type != "cpu":  # the CPU copy keeps what pickling a CPU tensor keeps: type, requires_grad
+                copy = obj.detach().cpu()
+                if isinstance(obj, torch.nn.Parameter):
+                    return torch.nn.Parameter, (copy, obj.requires_grad)
+                return _identity, (copy.requires_grad_(obj.requires_grad),)
         return super().reducer_override(obj)
 
 
