@@ -103,7 +103,7 @@ GPU_CONFIG = {
     "device": "cuda", "log_every": 20,
     "models": [
         {"name": "resnet18", "batch": 512, "size": 32, "warmup": 30, "steps": 400},
-        {"name": "resnet50", "batch": 256, "size": 224, "warmup": 20, "steps": 120},
+        {"name": "resnet50", "batch": 256, "size": 224, "warmup": 20, "steps": 100},
     ],
 }
 DRY_CONFIG = {
@@ -202,29 +202,46 @@ def through_kernel(config: dict[str, Any], timeout: float) -> dict[str, Any]:
     return parse(text)
 
 
+MODES = ("plain", "run", "kernel")
+
+
 def bench_training(config: dict[str, Any], repeats: int, timeout: float) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, float]]] = {"plain": [], "run": [], "kernel": []}
+    """`repeats` rounds of the three modes, the order rotated each round (3 rounds: each mode once in each
+    place), so that a GPU warming up or clocking down over the rounds does not favour one mode. A mode that
+    fails is reported and not tried again; the others go on."""
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    errors: dict[str, str] = {}
     kernel_cuda = []
     for r in range(repeats):
-        for mode in ("plain", "run", "kernel"):
+        for mode in MODES[r % 3:] + MODES[:r % 3]:
+            if mode in errors:
+                continue
             log(f"training, round {r + 1}/{repeats}: {mode}")
             started = time.monotonic()
-            if mode == "plain":
-                runs[mode].append(plain(config, timeout))
-            elif mode == "run":
-                runs[mode].append(through_run(config, timeout))
-            else:
-                result = through_kernel(config, timeout)
-                runs[mode].append(result["throughput"])
-                kernel_cuda.append(result["kernel_cuda_initialised"])
+            try:
+                if mode == "plain":
+                    runs[mode].append(plain(config, timeout))
+                elif mode == "run":
+                    runs[mode].append(through_run(config, timeout))
+                else:
+                    result = through_kernel(config, timeout)
+                    runs[mode].append(result["throughput"])
+                    kernel_cuda.append(result["kernel_cuda_initialised"])
+            except Exception as exc:  # noqa: BLE001 - reported in the table; the other modes still run
+                errors[mode] = f"{type(exc).__name__}: {str(exc)[-1500:]}"
+                log(f"  {mode} failed: {errors[mode]}")
+                continue
             log(f"  {runs[mode][-1]} ({time.monotonic() - started:.0f} s)")
     summary = {}
     for spec in config["models"]:
         name = spec["name"]
-        medians = {mode: statistics.median(run[name] for run in runs[mode]) for mode in runs}
-        summary[name] = {"img_per_s": medians, "ratio_run": medians["run"] / medians["plain"],
-                         "ratio_kernel": medians["kernel"] / medians["plain"]}
-    return {"raw": runs, "summary": summary, "kernel_cuda_initialised": any(kernel_cuda)}
+        done = [mode for mode in MODES if runs[mode]]
+        medians = {mode: statistics.median(run[name] for run in runs[mode]) for mode in done}
+        spread = {mode: (min(run[name] for run in runs[mode]), max(run[name] for run in runs[mode])) for mode in done}
+        ratios = {f"ratio_{mode}": medians[mode] / medians["plain"] if "plain" in medians and mode in medians
+                  else None for mode in ("run", "kernel")}
+        summary[name] = {"img_per_s": medians, "spread": spread, **ratios}
+    return {"raw": runs, "errors": errors, "summary": summary, "kernel_cuda_initialised": any(kernel_cuda) if kernel_cuda else None}
 
 
 # --- launch latency ---------------------------------------------------------------------------------------------
@@ -254,7 +271,9 @@ def _trivial(rank: int, world_size: int) -> float:
     import torch
     import torch.distributed as dist
 
-    value = torch.ones(1, device="cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    # the backend says where the rank is: asking torch.cuda.is_available() would start the CUDA driver in CPU
+    # ranks too, and time that as part of their launch
+    value = torch.ones(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(value)
     return value.item()
 
@@ -267,6 +286,7 @@ def cmd_latency(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     ddpnb.run(_trivial, nprocs=2)
     cold = time.perf_counter() - started
+    ddpnb.run(_trivial, **gpu)  # untimed: the first GPU launch also imports torch here, to count the GPUs
     timings: dict[str, list[float]] = {"cpu_warm": [], "gpu_warm": []}
     for _ in range(args.warm):
         for key, placement in (("cpu_warm", {"nprocs": 2}), ("gpu_warm", gpu)):
@@ -312,6 +332,21 @@ def _with_torchvision(rank: int, world_size: int) -> float:
     return _trivial(rank, world_size)
 
 
+def _parameters_back(rank: int, world_size: int) -> dict[str, Any]:
+    """A run after preload returns what a GPU rank's model holds: a Parameter and a tensor that requires grad,
+    on the rank's device; in the kernel they must be on the CPU and of the same kinds as a CPU run returns."""
+    import torch
+
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    weight = torch.nn.Parameter(torch.ones(2, device=device))
+    return {"sum": _trivial(rank, world_size), "weight": weight, "doubled": weight * 2}
+
+
+def _describe(value: dict[str, Any]) -> dict[str, Any]:
+    return {"sum": value["sum"], **{name: f"{type(value[name]).__name__} on {value[name].device}, requires_grad="
+                                          f"{value[name].requires_grad}" for name in ("weight", "doubled")}}
+
+
 def cmd_preload(args: argparse.Namespace) -> None:
     """A launch that imports torchvision, before and after ddpnb.preload('torchvision'); then a module that
     initialises CUDA at import, which preload must refuse; then a GPU launch, which must still work."""
@@ -341,7 +376,7 @@ def cmd_preload(args: argparse.Namespace) -> None:
         refused = ""
     except ddpnb.PreloadError as exc:
         refused = str(exc)
-    value = ddpnb.run(_trivial, **gpu)
+    value = _describe(ddpnb.run(_parameters_back, **gpu))
     emit({"before": before, "after": after, "preload_seconds": took, "torchvision_error": error,
           "refused": refused, "run_after": value, "preloaded": ddpnb.preload()})
 
@@ -359,31 +394,51 @@ def device_name(dry_run: bool) -> str:
     return out.strip()
 
 
-def report(training: dict[str, Any], latency: dict[str, Any], preload: dict[str, Any], header: str,
-           dry_run: bool) -> str:
-    columns = ["model", "plain script img/s", "ddpnb.run img/s", "%%ddp (kernel) img/s", "run ÷ plain",
-               "%%ddp ÷ plain", "goal", "reference plain"]
-    lines = [header, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for name, row in training["summary"].items():
-        ips = row["img_per_s"]
-        met = "met" if min(row["ratio_run"], row["ratio_kernel"]) >= 0.99 else "**missed**"
-        lines.append(f"| {name} | {ips['plain']:,.0f} | {ips['run']:,.0f} | {ips['kernel']:,.0f} | "
-                     f"{row['ratio_run']:.3f} | {row['ratio_kernel']:.3f} | ≥ 0.99: {met} | "
-                     f"{REFERENCE[name]:,} |")
-    rows = [
-        ("floor: 2 concurrent `import torch`", latency["floor_2x_import_torch"], "1", ""),
-        ("ddpnb first run, 2 CPU ranks (cold forkserver)", latency["cold_first_run"],
-         f"{latency['ratio_cold_to_floor']:.3f} × floor", "≤ 1.1"),
-        ("ddpnb later runs, 2 CPU ranks gloo", latency["cpu_warm"],
-         f"{latency['ratio_cpu_warm_to_floor']:.3f} × floor", "≤ 0.05"),
-        ("bound: CUDA context + NCCL init + all_reduce, 1 rank", latency["gpu_bound"], "1", ""),
-        ("ddpnb later runs, 1 GPU rank NCCL", latency["gpu_warm"],
-         f"{latency['ratio_gpu_warm_to_bound']:.3f} × bound", "≤ 1.2"),
-    ]
-    lines += ["", f"CUDA initialised in the kernel after %%ddp --gpus 1: {training['kernel_cuda_initialised']}", "",
-              "| launch | median | ratio | goal |", "|---|---|---|---|"]
-    lines += [f"| {label} | {seconds:.3f} s | {ratio} | {goal} |" for label, seconds, ratio, goal in rows]
-    lines += ["", preload_line(preload, dry_run)]
+def report(results: dict[str, Any], dry_run: bool) -> str:
+    """The tables, for whatever sections have finished; a section that failed says so and how."""
+    lines = [results["header"], ""]
+    training = results.get("training")
+    if training is None:
+        lines.append("Training: not run.")
+    elif "error" in training:
+        lines.append(f"Training: **failed**: {training['error']}")
+    else:
+        columns = ["model", "plain script img/s", "ddpnb.run img/s", "%%ddp (kernel) img/s", "run ÷ plain",
+                   "%%ddp ÷ plain", "goal", "reference plain"]
+        lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+        for name, row in training["summary"].items():
+            ips, spread = row["img_per_s"], row["spread"]
+            cells = [f"{ips[mode]:,.0f} ({spread[mode][0]:,.0f}–{spread[mode][1]:,.0f})" if mode in ips else "failed"
+                     for mode in MODES]
+            ratios = [row["ratio_run"], row["ratio_kernel"]]
+            met = "**missed**" if None in ratios or min(ratios) < 0.99 else "met"
+            shown = " | ".join("—" if ratio is None else f"{ratio:.3f}" for ratio in ratios)
+            lines.append(f"| {name} | {' | '.join(cells)} | {shown} | ≥ 0.99: {met} | {REFERENCE[name]:,} |")
+        rounds = max(len(runs) for runs in training["raw"].values())
+        lines += ["", f"img/s: median (min–max) of {rounds} rounds, the modes' order rotated each round.",
+                  "CUDA initialised in the kernel after %%ddp --gpus 1: "
+                  + {None: "not measured", True: "**True**", False: "False"}[training["kernel_cuda_initialised"]]]
+        lines += [f"**{mode} failed**: {error}" for mode, error in training["errors"].items()]
+    latency = results.get("latency")
+    lines.append("")
+    if latency is None:
+        lines.append("Launch latency: not run.")
+    elif "error" in latency:
+        lines.append(f"Launch latency: **failed**: {latency['error']}")
+    else:
+        rows = [
+            ("floor: 2 concurrent `import torch`", latency["floor_2x_import_torch"], "1", ""),
+            ("ddpnb first run, 2 CPU ranks (cold forkserver)", latency["cold_first_run"],
+             f"{latency['ratio_cold_to_floor']:.3f} × floor", "≤ 1.1"),
+            ("ddpnb later runs, 2 CPU ranks gloo", latency["cpu_warm"],
+             f"{latency['ratio_cpu_warm_to_floor']:.3f} × floor", "≤ 0.05"),
+            ("bound: CUDA context + NCCL init + all_reduce, 1 rank", latency["gpu_bound"], "1", ""),
+            ("ddpnb later runs, 1 GPU rank NCCL", latency["gpu_warm"],
+             f"{latency['ratio_gpu_warm_to_bound']:.3f} × bound", "≤ 1.2"),
+        ]
+        lines += ["| launch | median | ratio | goal |", "|---|---|---|---|"]
+        lines += [f"| {label} | {seconds:.3f} s | {ratio} | {goal} |" for label, seconds, ratio, goal in rows]
+    lines += ["", preload_line(results["preload"], dry_run) if "preload" in results else "ddpnb.preload: not run."]
     if dry_run:
         lines += ["", "DRY RUN on CPU: the figures check the plumbing only."]
     return "\n".join(lines)
@@ -391,46 +446,56 @@ def report(training: dict[str, Any], latency: dict[str, Any], preload: dict[str,
 
 def preload_line(preload: dict[str, Any], dry_run: bool) -> str:
     if "error" in preload:
-        return f"ddpnb.preload: the step failed: {preload['error']}"
+        return f"ddpnb.preload: **failed**: {preload['error']}"
     # on CPU the module's torch.cuda.init() raises, so it is refused for failing to import: only the GPU box
     # checks the refusal of a module that does initialise CUDA
     right = "died while importing them" if dry_run else "initialised CUDA"
     refused = "refused" if right in preload["refused"] else "**NOT refused as it should be**"
+    back = preload["run_after"]
+    kinds = ("as a CPU run returns them" if back["weight"] == "Parameter on cpu, requires_grad=True"
+             and back["doubled"] == "Tensor on cpu, requires_grad=True" else "**not as a CPU run returns them**")
     torchvision = (f"**refused**: {preload['torchvision_error']}" if preload["torchvision_error"]
                    else f"took {preload['preload_seconds']:.1f} s")
     return (f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
             f"{statistics.median(preload['before']):.3f} s; ddpnb.preload('torchvision') {torchvision}; then "
             f"{statistics.median(preload['after']):.3f} s. A module that initialises CUDA at import: {refused} "
-            f"({preload['refused'] or 'no PreloadError'}). A run after both returned {preload['run_after']}; "
-            f"preloaded: {preload['preloaded']}.")
+            f"({preload['refused'] or 'no PreloadError'}). A run after both returned {preload['run_after']}: "
+            f"{kinds}; preloaded: {preload['preloaded']}.")
 
 
 def cmd_all(args: argparse.Namespace) -> None:
+    """Each section in turn; one that fails is reported and the next still runs. The report is rewritten to
+    $OUT after every section, so a run cut short (the device's time limit) keeps what it measured."""
     started = time.monotonic()
     os.environ.setdefault("DDPNB_VIEW", "text")  # the kernel has no widget front end here
     os.environ.setdefault("DDPNB_RUNS_DIR", tempfile.mkdtemp(prefix="ddpnb-gpu-check-"))
     config = DRY_CONFIG if args.dry_run else GPU_CONFIG
-    header = (f"ddpnb GPU check{' (dry run)' if args.dry_run else ''}, {time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{device_name(args.dry_run)}, Python {sys.version.split()[0]}")
-    log(header)
-    training = bench_training(config, args.repeats, timeout=600)
-    latency = bench_latency(args.dry_run, warm=args.warm, repeats=args.latency_repeats)
-    out = os.environ.get("OUT")
-    if out:  # what is measured so far survives a failure in the last step
-        Path(out, "gpu_check.json").write_text(json.dumps({"header": header, "training": training,
-                                                           "latency": latency}, indent=2))
-    log("ddpnb.preload")
-    try:
-        preload = parse(sh(me("preload", f"--warm={min(args.warm, 3)}", *(["--dry-run"] if args.dry_run else [])),
-                           300))
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        preload = {"error": str(exc)[-2000:]}
-    text = report(training, latency, preload, header, args.dry_run) + f"\n\ntotal {time.monotonic() - started:.0f} s"
+    flag = ["--dry-run"] if args.dry_run else []
+    results: dict[str, Any] = {
+        "header": (f"ddpnb GPU check{' (dry run)' if args.dry_run else ''}, {time.strftime('%Y-%m-%d %H:%M')}, "
+                   f"{device_name(args.dry_run)}, Python {sys.version.split()[0]}")}
+    log(results["header"])
+    sections = {
+        "training": lambda: bench_training(config, args.repeats, timeout=600),
+        "latency": lambda: bench_latency(args.dry_run, warm=args.warm, repeats=args.latency_repeats),
+        "preload": lambda: parse(sh(me("preload", f"--warm={min(args.warm, 3)}", *flag), 300)),
+    }
+    failed = False
+    for name, measure in sections.items():
+        log(name)
+        try:
+            results[name] = measure()
+        except Exception as exc:  # noqa: BLE001 - a section that fails is a result too; the others still run
+            failed = True
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+            log(f"{name} failed: {results[name]['error']}")
+        text = report(results, args.dry_run) + f"\n\ntotal {time.monotonic() - started:.0f} s"
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_check.md").write_text(text + "\n")
+            Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(results, indent=2))
     print(text, flush=True)
-    if out:
-        Path(out, "gpu_check.md").write_text(text + "\n")
-        Path(out, "gpu_check.json").write_text(json.dumps({"header": header, "training": training,
-                                                           "latency": latency, "preload": preload}, indent=2))
+    if failed or results["training"].get("errors"):
+        sys.exit(1)
 
 
 def main() -> None:
@@ -439,7 +504,7 @@ def main() -> None:
     everything = sub.add_parser("all", help="the whole check (the default)")
     for p in (parser, everything):
         p.add_argument("--dry-run", action="store_true", help="CPU only, tiny models: checks the plumbing")
-        p.add_argument("--repeats", type=int, default=2, help="training rounds (each: plain, run, kernel)")
+        p.add_argument("--repeats", type=int, default=3, help="training rounds (each: plain, run, kernel)")
         p.add_argument("--latency-repeats", type=int, default=3)
         p.add_argument("--warm", type=int, default=5, help="warm ddpnb launches per latency round")
     p = sub.add_parser("plain-train")
