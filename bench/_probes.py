@@ -224,16 +224,20 @@ def probe_train_ddpnb(args: argparse.Namespace) -> None:
 
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2)  # warm
-    value, kernel_cpu = _with_kernel_cpu(lambda: ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, True)))
+    value, kernel_cpu = _with_kernel_cpu(lambda: ddpnb.run(_workloads.train, nprocs=2,
+                                                           args=(args.steps, not args.quiet)), args.quiet)
     record = ddpnb.last_run()
     emit({**value, "kernel_cpu_per_step": kernel_cpu, "lines": sum(r.lines for r in record.ranks),
           "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
 
 
-def _with_kernel_cpu(call: Any, interval: float = 0.5) -> tuple[Any, float]:
+def _with_kernel_cpu(call: Any, quiet: bool = False, interval: float = 0.5) -> tuple[Any, float | None]:
     """`call()` (a foreground ddpnb.run of a training workload), and this process's CPU time per step rank 0
     reported while the steps ran: sampled every `interval` against the count of rank 0's `loss` metrics, so the
-    run's start and end (launch, not training) are left out. These samples' own wake-ups are charged too."""
+    run's start and end (launch, not training) are left out. These samples' own wake-ups are charged too.
+    A `quiet` run reports nothing to count steps by: its kernel CPU is not measured (None)."""
+    if quiet:
+        return call(), None
     import resource
 
     import ddpnb
@@ -474,6 +478,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3)
     p = sub.add_parser("train-ddpnb")
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--quiet", action="store_true", help="no ddpnb.log, no print: what the launcher alone costs")
     p = sub.add_parser("stream")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--lines", type=int, required=True)

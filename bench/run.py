@@ -52,7 +52,7 @@ class Settings:
     hang_timeout: float
 
 
-FULL = Settings(reps=3, warm=8, train_reps=3, train_steps=600, stream_reps=2, stream_lines=250_000,
+FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
                 result_reps=5, result_bytes=1 << 30, hang_timeout=20)
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15)
@@ -325,25 +325,31 @@ def us(seconds: float | None) -> str:
 
 
 def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
-    plain, under = Samples(), Samples()
-    plain_cpu, under_cpu, kernel_cpu = Samples(), Samples(), Samples()
+    plain, quiet, under = Samples(), Samples(), Samples()
+    plain_cpu, quiet_cpu, under_cpu, kernel_cpu = Samples(), Samples(), Samples(), Samples()
     lines = metrics = 0
     pair_ratios = []
+    steps = str(settings.train_steps)
+    throughput = {"plain": plain, "quiet": quiet, "under": under}
+    cpu = {"plain": plain_cpu, "quiet": quiet_cpu, "under": under_cpu}
+    variants = {
+        "plain": lambda: torchrun("train", steps, env=env, timeout=600)[1],
+        "quiet": lambda: probe("train-ddpnb", f"--steps={steps}", "--quiet", env=env, timeout=600),
+        "under": lambda: probe("train-ddpnb", f"--steps={steps}", env=env, timeout=600),
+    }
     for rep in range(settings.train_reps):
         say(f"training overhead: round {rep + 1}/{settings.train_reps}")
-        first = attempt(plain, lambda: torchrun("train", str(settings.train_steps), env=env, timeout=600))
-        second = attempt(under, lambda: probe("train-ddpnb", f"--steps={settings.train_steps}", env=env,
-                                              timeout=600))
-        if first:
-            plain.add(first[1]["steps_per_s"], rep)
-            plain_cpu.add(first[1]["cpu_per_step"], rep)
-        if second:
-            under.add(second["steps_per_s"], rep)
-            under_cpu.add(second["cpu_per_step"], rep)
-            kernel_cpu.add(second["kernel_cpu_per_step"], rep)
-            lines, metrics = second["lines"], second["metrics"]
-        if first and second:
-            pair_ratios.append(second["steps_per_s"] / first[1]["steps_per_s"])
+        order = list(variants) if rep % 2 == 0 else list(variants)[::-1]  # no variant always first or last
+        got = {name: attempt(throughput[name], variants[name]) for name in order}
+        for name in variants:
+            if got[name]:
+                throughput[name].add(got[name]["steps_per_s"], rep)
+                cpu[name].add(got[name]["cpu_per_step"], rep)
+        if got["under"]:
+            kernel_cpu.add(got["under"]["kernel_cpu_per_step"], rep)
+            lines, metrics = got["under"]["lines"], got["under"]["metrics"]
+        if got["plain"] and got["under"]:
+            pair_ratios.append(got["under"]["steps_per_s"] / got["plain"]["steps_per_s"])
     ratio = under.median / plain.median if under.median and plain.median else None
     # The same work in CPU seconds: what each rank spent per step, plus what the kernel spent per step (it comes
     # out of the same 2 cores, counted whole since DDP ranks move in lockstep). Being descheduled costs no CPU
@@ -353,6 +359,10 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
     rows = [
         ["torchrun script (no logging, no print)", fmt(plain.median, "", 1), plain.spread(1), "1.000",
          "—", us(plain_cpu.median), "—", "1.000"],
+        ["ddpnb.run, no logging, no print (the launcher alone)", fmt(quiet.median, "", 1), quiet.spread(1),
+         fmt(quiet.median / plain.median if quiet.median and plain.median else None, ""), "—",
+         us(quiet_cpu.median), "not sampled",
+         fmt(plain_cpu.median / quiet_cpu.median if plain_cpu.median and quiet_cpu.median else None, "", 4)],
         [f"ddpnb.run + ddpnb.log + print every step ({lines} lines, {metrics} metrics seen)",
          fmt(under.median, "", 1), under.spread(1), fmt(ratio, ""),
          fmt(statistics.median(pair_ratios) if pair_ratios else None, ""), us(under_cpu.median),
@@ -369,11 +379,12 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
             f"{settings.train_steps} timed steps\n\n"
             + table(["variant", "steps/s (median)", "min–max", "ratio of medians", "median of paired ratios",
                      "rank CPU per step", "kernel CPU per step", "ratio in CPU time"], rows)
-            + "\n\nRounds alternate the two; each rank's own clocks time the steps (launch excluded). With 2 "
-              "ranks on 2 cores, load from anything else on the machine moves steps/s by more than the 1% the "
-              "goal is about, so the verdict uses the CPU-time ratio when the wall-clock spread exceeds 2%: "
-              "plain CPU per step ÷ (ddpnb rank CPU per step + kernel CPU per step). The kernel's CPU is sampled "
-              "while the steps run (launch and teardown left out, as they are from the steps' clocks).")
+            + "\n\nEach round runs the three, in reverse order every other round; each rank's own clocks time the "
+              "steps (launch excluded). With 2 ranks on 2 cores, load from anything else on the machine moves "
+              "steps/s by more than the 1% the goal is about, so the verdict uses the CPU-time ratio when the "
+              "wall-clock spread exceeds 2%: plain CPU per step ÷ (ddpnb rank CPU per step + kernel CPU per step). "
+              "The kernel's CPU is sampled while the steps run (launch and teardown left out, as they are from "
+              "the steps' clocks). The quiet row tells the launcher's own cost from the cost of reporting.")
 
 
 # --- 3. streaming ---------------------------------------------------------------------------------------------
