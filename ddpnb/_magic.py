@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import functools
+import keyword
+import types
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -54,28 +57,32 @@ class DDPMagics(Magics):
         dashboard (DDPNB_VIEW=text or --view text for plain `[rank N]` lines); --background returns its handle
         at once.
         """
+        __tracebackhide__ = True  # an error in the cell's own code shows the user's lines, not these
         try:
             args = parse_argstring(self.ddp, line)
         except UsageError as exc:
             raise UsageError(f"{exc}. See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.") from None
         env = dict(_parse_env(item) for item in args.env)
-        if args.timeout is not None and args.timeout <= 0:
+        if args.timeout is not None and not args.timeout > 0:  # nan too
             raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout:g}.")
         if args.nprocs is not None and args.nprocs < 1:
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
-        try:
-            _api.plan(args.gpus, args.nprocs, args.backend, args.engine)  # fail before the cell defines anything
+        if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
+            raise UsageError(f"-o/--out takes a variable name, such as -o weights, not {args.out!r}.")
+        try:  # fail before the cell defines anything
+            _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
+            _api.check_options(args.view, args.engine, args.address, args.placement)
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
-        name = args.fn or (_last_function(cell) if cell else None)
-        if name is None:
-            raise UsageError("this %%ddp cell defines no function. Define one, e.g.\n"
-                             "    def train(rank, world_size): ...\nor name an existing one with --fn NAME.")
-        if cell:
-            self._define(cell)
+        if not cell and not args.fn:
+            raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
+        found = self._run_cell(cell, pick=not args.fn) if cell else None
+        name = args.fn or found
         fn = self.shell.user_ns.get(name)
-        if not callable(fn):
+        if fn is None:
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")
+        if not callable(fn):
+            raise UsageError(f"--fn {name}: {name} is not a function (its type is {type(fn).__name__}).")
         try:
             run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
@@ -91,20 +98,53 @@ class DDPMagics(Magics):
             self.shell.user_ns[args.out] = result
         return result
 
-    def _define(self, cell: str) -> None:
-        """Run the cell's code in the notebook namespace, registered with IPython so tracebacks show its lines."""
-        filename = self.shell.compile.cache(cell)
-        code = compile(cell, filename, "exec")
-        exec(code, self.shell.user_ns)  # noqa: S102 - this is the user's own cell, as a normal cell would run
+    def _run_cell(self, cell: str, pick: bool) -> str | None:
+        """Run the cell's code in the notebook, as a cell of its own would run (IPython's `!cmd` and `%magic`
+        lines included, its lines in tracebacks under this cell's In[N]); with `pick`, return its function's name."""
+        __tracebackhide__ = True
+        cell = self.shell.transform_cell(cell)
+        filename = self.shell.compile.cache(cell, self.shell.execution_count)
+        tree = ast.parse(cell, filename)  # a SyntaxError shows its line, as any cell's would
+        if pick and not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign)
+                            for node in tree.body):
+            raise UsageError(NO_FUNCTION)  # before the cell runs: nothing it does happens twice
+        exec(compile(tree, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
+        return _the_function(tree, self.shell.user_ns) if pick else None
 
 
-def _last_function(cell: str) -> str | None:
-    try:
-        tree = ast.parse(cell)
-    except SyntaxError as exc:
-        raise UsageError(f"the cell has a syntax error: {exc}") from None
-    names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
-    return names[-1] if names else None
+NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"
+               "or name an existing one with --fn NAME.")
+
+
+def _the_function(tree: ast.Module, namespace: dict[str, object]) -> str:
+    """The function a %%ddp cell defines for the ranks: among the functions it defines (`def`, or a name it binds
+    to a function or partial), the one no other statement of the cell refers to, e.g. `train` and not the
+    `helper` that `train` calls, nor the `make_train` that `train = make_train(0.1)` calls. More than one such
+    function is ambiguous: `--fn NAME` says which."""
+    defined: dict[str, int] = {}  # name -> the statement that binds it last
+    for index, node in enumerate(tree.body):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            defined[node.name] = index
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and _is_function(namespace.get(target.id)):
+                    defined[target.id] = index
+    if not defined:
+        raise UsageError(NO_FUNCTION)
+    used = {name: {i for i, node in enumerate(tree.body) for sub in ast.walk(node)
+                   if isinstance(sub, ast.Name) and sub.id == name and isinstance(sub.ctx, ast.Load)}
+            for name in defined}
+    unused = [name for name, index in sorted(defined.items(), key=lambda item: item[1]) if not used[name] - {index}]
+    if len(unused) > 1:
+        names = " and ".join(f"`{name}`" for name in unused)
+        raise UsageError(f"this cell defines {names}, and none of them uses the other: which one should every rank "
+                         f"run? Name it, e.g. `%ddp -n 2 --fn {unused[-1]}` (the cell's definitions are in place).")
+    return unused[0] if unused else max(defined, key=defined.__getitem__)
+
+
+def _is_function(value: object) -> bool:
+    return isinstance(value, types.FunctionType | functools.partial)
 
 
 def _parse_env(item: str) -> tuple[str, str]:

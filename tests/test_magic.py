@@ -138,11 +138,60 @@ def fails(rank, world_size):
     ("--gpus 64", "asks for more GPUs than this machine has"),
     ("--timeout -1", "--timeout must be a positive number"),
     ("--env NOEQUALS", "--env takes KEY=VALUE"),
+    ("--timeout nan", "--timeout must be a positive number"),
+    ("-o 1bad", "-o/--out takes a variable name"),
+    ("--address auto", "address and placement are for the ray engine"),
+    ("--fn OFFSET_VALUE", "OFFSET_VALUE is not a function (its type is int)"),
 ])
 def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
-    run = kernel.execute(f"%%ddp {line}\ndef f():\n    return 1\n")
+    kernel.execute("OFFSET_VALUE = 3\nran = False")
+    run = kernel.execute(f"%%ddp {line}\nran = True\ndef f():\n    return 1\n")
     assert run.error is None  # IPython prints a UsageError instead of raising into the cell
     assert "UsageError" in run.stderr and expected in run.stderr
+    # refused before the cell ran; --fn names another function, so the cell's definitions are made first
+    assert kernel.execute("print(ran)").stdout.strip() == str(line.startswith("--fn"))
+
+
+def test_the_function_is_the_one_nothing_else_in_the_cell_uses(kernel):
+    """A helper defined after `train`, or a factory that builds it, is not what the ranks run."""
+    run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return helper(rank + 10)\n"
+                         "def helper(x):\n    return x * 2\n")
+    assert run.error is None and run.results == ["20"]
+    assert "[ddpnb] train on 2 ranks" in run.stdout  # the header names the function it ran
+    run = kernel.execute("%%ddp -n 2\ndef make_train(offset):\n    def train(rank):\n        return rank + offset\n"
+                         "    return train\ntrain_fn = make_train(5)\nmodel = torch.nn.Linear(2, 2)\n")
+    assert run.error is None and run.results == ["5"]
+
+
+def test_two_unrelated_functions_ask_which_one(kernel):
+    run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return 1\ndef evaluate(rank):\n    return 2\n")
+    assert "UsageError" in run.stderr and "defines `train` and `evaluate`" in run.stderr
+    assert "--fn evaluate" in run.stderr
+    assert kernel.execute("%ddp -n 2 --fn evaluate").results == ["2"]  # the cell's definitions are in place
+
+
+@pytest.mark.parametrize("cell, expected", [
+    ("async def train(rank):\n    return rank", "train is an async function"),
+    ("def train(rank):\n    yield rank", "train is a generator function"),
+    ("def train(*, rank, world_size):\n    return rank", "train(*, rank, world_size) cannot be called as each rank"),
+    ("def train(rank, world_size, lr):\n    return rank", "missing a required argument: 'lr'"),
+])
+def test_a_function_the_ranks_cannot_call_is_refused_before_launch(kernel, cell, expected):
+    run = kernel.execute(f"%%ddp -n 2\n{cell}\n")
+    assert "UsageError" in run.stderr and expected in run.stderr, run.text
+    assert "[ddpnb]" not in run.stdout  # nothing started
+
+
+def test_ipython_syntax_in_the_cell_and_errors_in_its_own_code(kernel):
+    run = kernel.execute("%%ddp -n 2\nfiles = !echo hello\ndef train(rank):\n    return files[0]\n")
+    assert run.error is None and run.results == ["'hello'"]
+    count = kernel.execute("print(get_ipython().execution_count)").stdout.strip()
+    run = kernel.execute("%%ddp -n 2\nimport no_such_module_here\ndef train(rank):\n    return 1\n")
+    shown = "\n".join(run.error["traceback"])
+    assert run.error["ename"] == "ModuleNotFoundError" and f"In[{int(count) + 1}], line 1" in shown
+    assert "_magic.py" not in shown
+    run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return rank +\n")
+    assert run.error["ename"] == "SyntaxError" and "return rank +" in "\n".join(run.error["traceback"])
 
 
 def test_cell_without_function_is_a_usage_error(kernel):
