@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +18,8 @@ from ddpnb._supervisor import Run
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
 VIEW_VAR = "DDPNB_VIEW"
 VIEWS = ("auto", "widget", "text", "none")
+MAX_LINES_VAR = "DDPNB_MAX_LINES"
+DEFAULT_MAX_LINES = 1000  # lines of output the text view shows; every line is in the logs
 DEFAULT_CPU_RANKS = 2
 ENGINES = ("local", "ray")
 
@@ -24,6 +28,19 @@ _last_record: RunRecord | None = None  # the record only: a finished run's value
 
 class LaunchError(ValueError):
     """The run cannot start as asked (bad arguments, too many GPUs). Nothing was started."""
+
+
+def _enabled(name: str) -> bool:
+    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a container's cpuset), not every CPU the machine has."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _gpu_count() -> int:
@@ -52,7 +69,7 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None,
     else:
         available = _gpu_count()
         if gpus == "all":
-            if available == 0 and not os.environ.get(CPU_FALLBACK_VAR):
+            if available == 0 and not _enabled(CPU_FALLBACK_VAR):
                 raise LaunchError(_no_gpus_message("all", available))
             wanted = available or nprocs or DEFAULT_CPU_RANKS
         else:
@@ -66,7 +83,7 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None,
             raise LaunchError(f"--gpus {gpus} starts one rank per GPU; leave out --nprocs {nprocs}.")
         if wanted <= available:
             world_size, use_gpus = wanted, True
-        elif os.environ.get(CPU_FALLBACK_VAR):
+        elif _enabled(CPU_FALLBACK_VAR):
             world_size, use_gpus = wanted, False
             note = (f"[ddpnb] {available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
                     f"({CPU_FALLBACK_VAR} is set)")
@@ -83,6 +100,37 @@ def _no_gpus_message(gpus: int | str, available: int) -> str:
     fewer = f"use --gpus {available} or fewer, " if available else ""
     return (f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
             f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")
+
+
+def check_options(view: str | None, engine: str, address: str | None,
+                  placement: str | None) -> tuple[str, str | None]:
+    """(view, placement) as the run will use them; raises LaunchError for options that cannot be used. `%%ddp`
+    calls it, with `plan`, before the cell runs: a bad flag or setting defines nothing and starts nothing."""
+    view = choose_view(view)
+    if view == "text":
+        max_lines()
+    if engine == "ray":
+        from ddpnb import _ray
+
+        return view, _ray.check_placement(placement)
+    if address is not None or placement is not None:
+        raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
+    return view, placement
+
+
+def max_lines() -> int:
+    """How many lines of output the text view shows: $DDPNB_MAX_LINES, else DEFAULT_MAX_LINES."""
+    value = os.environ.get(MAX_LINES_VAR, "").strip()
+    if not value:
+        return DEFAULT_MAX_LINES
+    try:
+        lines = int(value)
+    except ValueError:
+        lines = -1
+    if lines < 0:
+        raise LaunchError(f"{MAX_LINES_VAR} must be a number of lines (0 or more), not {value!r}: set it to one, "
+                          f"or unset it for the default ({DEFAULT_MAX_LINES}).")
+    return lines
 
 
 def choose_view(view: str | None = None) -> str:
@@ -111,8 +159,8 @@ def choose_view(view: str | None = None) -> str:
 
 def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
            backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-           args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None, engine: str = "local",
-           address: str | None = None, placement: str | None = None) -> Run:
+           args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
+           placement: str | None = None) -> Run:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
     The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
@@ -124,9 +172,42 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: see the README), `placement` 'pack'
     (default: few nodes) or 'spread' (across nodes).
     """
-    return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
-                 call_style=call_style, view=view, foreground=False, engine=engine, address=address,
-                 placement=placement)
+    return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args, view=view,
+                 foreground=False, engine=engine, address=address, placement=placement)
+
+
+def function_name(fn: Any) -> str:
+    """`train`, `Trainer.fit`, `partial(train)`; an object with `__call__`: its class."""
+    if isinstance(fn, functools.partial):
+        return f"partial({function_name(fn.func)})"
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _check_callable(fn: Any, args: tuple[Any, ...], call_style: str) -> None:
+    """Refuse, before anything starts, a function the ranks could not call as ddpnb calls it."""
+    name = function_name(fn)
+    if not callable(fn):
+        raise LaunchError(f"{name} is not a function (its type is {type(fn).__name__}): pass the function the ranks "
+                          "should run.")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        kind = "an async function" if inspect.iscoroutinefunction(fn) else "a generator function"
+        raise LaunchError(f"{name} is {kind}: each rank calls it and takes what it returns, so its body would never "
+                          "run. Define it with a plain `def` (inside, asyncio.run(...) runs async code; return a "
+                          "list instead of yielding).")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension callable: the rank will say
+        return
+    call = _worker.call_arguments(fn, "rank", "world_size", tuple(f"args[{i}]" for i in range(len(args))), call_style)
+    try:
+        signature.bind(*call)
+    except TypeError as exc:
+        shown = ", ".join(map(str, call))
+        rule = ("ddpnb.spawn calls fn(rank, *args), as torch.multiprocessing.spawn does" if call_style == "spawn" else
+                "ranks call fn(), fn(rank) or fn(rank, world_size), by the parameters without defaults, then the "
+                "extra args given")
+        raise LaunchError(f"{name}{signature} cannot be called as each rank would call it, {name}({shown}): {exc}; "
+                          f"{rule}.") from None
 
 
 def _check_working_directory() -> None:
@@ -145,17 +226,12 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`)."""
     global _last_record
-    if timeout is not None and timeout <= 0:
+    if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
-    view = choose_view(view)
+    _check_callable(fn, tuple(args), call_style)
     world_size, use_gpus, backend, note = plan(gpus, nprocs, backend, engine)
-    if engine == "ray":
-        from ddpnb import _ray
-
-        placement = _ray.check_placement(placement)
-    elif address is not None or placement is not None:
-        raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
-    else:
+    view, placement = check_options(view, engine, address, placement)
+    if engine == "local":
         _check_working_directory()
     payload = _pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
     run_dir = _supervisor.new_run_dir()
@@ -166,13 +242,16 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         use_gpus=use_gpus, master_port=0, environ={k: str(v) for k, v in environ.items()}, run_dir=str(run_dir),
         sources=_pickling.notebook_sources(),
         torch_threads=None if use_gpus or engine == "ray" or "OMP_NUM_THREADS" in environ
-        else max(1, (os.cpu_count() or 1) // world_size),
+        else max(1, _usable_cpus() // world_size),
     )
     devices = [f"cuda:{r}" if use_gpus else "cpu" for r in range(world_size)]
     if engine == "ray":
+        from ddpnb import _ray
+
         run: Run = _ray.RayRun(spec, devices, timeout=timeout, address=address, placement=placement)
     else:
         run = Run(spec, devices, timeout=timeout)
+    run.record.function = function_name(fn)
     if note:
         print(note, file=sys.stderr)
     run.start()
@@ -184,7 +263,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     elif view == "text":
         from ddpnb._text_view import TextView
 
-        TextView(run)
+        TextView(run, max_lines())
         if not foreground:
             print("[ddpnb] running in the background: its output shows here when you call .wait() or .result()")
     return run
@@ -266,7 +345,22 @@ def log(step: int | None = None, **scalars: float) -> None:
     """
     context = _worker.current()
     if context is not None:
-        context.send_metric(step, {name: float(value) for name, value in scalars.items()})
+        try:
+            values = {name: float(value) for name, value in scalars.items()}
+        except (TypeError, ValueError):
+            raise _not_a_number(scalars) from None
+        context.send_metric(step, values)
+
+
+def _not_a_number(scalars: dict[str, Any]) -> TypeError:
+    for name, value in scalars.items():
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+            return TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
+                             f"{type(value).__name__}{shape}: {value!r:.80}")
+    return TypeError("ddpnb.log takes numbers")
 
 
 def device() -> str:

@@ -27,6 +27,7 @@ from ddpnb._supervisor import TICK, Run
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
 MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
+PLOT_SIZE = (400, 160)  # one metric's plot, in pixels
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
 MANY_RANKS = 8  # above this, plots show rank 0 and the min-max band of all ranks
 SUMMARY_LOG_LINES = 30
@@ -144,8 +145,8 @@ def _duration(seconds: float) -> str:
 
 
 def header_html(record: RunRecord) -> str:
-    meta = " · ".join([record.engine, record.backend, f"{record.world_size} ranks", _devices(record),
-                       _duration(record.duration)])
+    meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
+                       _devices(record), _duration(record.duration)])
     return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record))}'
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
@@ -221,7 +222,7 @@ def metrics_signature(record: RunRecord) -> tuple[int, ...]:
     return tuple(len(series) for rank in record.ranks for series in list(rank.metrics.values()))
 
 
-def plots_html(record: RunRecord, width: int = 400, height: int = 160) -> str:
+def plots_html(record: RunRecord) -> str:
     names = metric_names(record)
     if not names:
         return ('<div class="ddpnb-muted">No metrics yet: send them from the ranks with '
@@ -232,11 +233,12 @@ def plots_html(record: RunRecord, width: int = 400, height: int = 160) -> str:
                      for r in shown)
     if many:
         legend += '<span><span class="ddpnb-swatch" style="background:#1f77b4;opacity:.25"></span>min–max of all ranks</span>'
-    plots = [_plot(record, name, shown, many, width, height) for name in names]
+    plots = [_plot(record, name, shown, many) for name in names]
     return f'<div class="ddpnb-legend">{legend}</div><div class="ddpnb-plots">{"".join(plots)}</div>'
 
 
-def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, width: int, height: int) -> str:
+def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str:
+    width, height = PLOT_SIZE
     # the record's own lists, which the supervisor appends to: measured and sampled, never copied whole, so a
     # redraw costs the same after a million points as after a hundred
     logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
@@ -415,7 +417,7 @@ class Dashboard:
     button is then disabled and says to interrupt the kernel instead.
     """
 
-    def __init__(self, run: Run, *, foreground: bool, log_lines: int = LOG_LINES) -> None:
+    def __init__(self, run: Run, *, foreground: bool) -> None:
         import ipywidgets as widgets
         from IPython import get_ipython
         from IPython.display import display
@@ -425,8 +427,8 @@ class Dashboard:
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
         self._seen = 0  # sequence number of the last line taken from the record
-        self._all: deque[tuple[int, str, str, str]] = deque(maxlen=log_lines)  # rank, stream, text, its HTML
-        self._per_rank = [deque(maxlen=log_lines) for _ in range(self.record.world_size)]
+        self._all: deque[tuple[int, str, str, str]] = deque(maxlen=LOG_LINES)  # rank, stream, text, its HTML
+        self._per_rank = [deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
         self._lines_changed = True

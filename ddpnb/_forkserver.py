@@ -177,7 +177,7 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
     nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
     reader, writer = multiprocessing.Pipe(duplex=False)
     packages = {name.partition(".")[0] for name in modules}
-    probe = started.Process(target=inspect, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
+    probe = started.Process(target=report_state, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
                             name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
     probe.start()
     writer.close()
@@ -214,7 +214,7 @@ def warm_up_in_background() -> None:
     threading.Thread(target=context, name="ddpnb-warm-up", daemon=True).start()
 
 
-def inspect(report: Connection, modules: list[str], driver_files: str) -> None:
+def report_state(report: Connection, modules: list[str], driver_files: str) -> None:
     """multiprocessing target for `_check`, forked from the new forkserver: the file each of `modules` was
     imported from (absent: not imported), the forkserver's threads, and whether it initialised CUDA: torch's own
     flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML initialised by any

@@ -18,7 +18,6 @@ from typing import Any
 @dataclass(frozen=True)
 class Started:
     rank: int
-    pid: int
     device: str
 
 

@@ -139,7 +139,10 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
                  for name, cell in zip(code.co_freevars, obj.__closure__ or ()) if _cell_filled(cell)]
         items += [(f"global {name!r}", obj.__globals__[name]) for name in _global_names(code)
                   if name in obj.__globals__]
-        items += [(f"default {i}", value) for i, value in enumerate(obj.__defaults__ or ())]
+        defaults, positional = obj.__defaults__ or (), code.co_varnames[:code.co_argcount]
+        items += [(f"default of {name!r}", value)
+                  for name, value in zip(positional[len(positional) - len(defaults):], defaults)]
+        items += [(f"default of {name!r}", value) for name, value in (obj.__kwdefaults__ or {}).items()]
         return items
     if isinstance(obj, dict):
         return [(f"[{key!r}]", value) for key, value in obj.items()]

@@ -117,6 +117,7 @@ class RunRecord:
     world_size: int
     backend: str
     engine: str = "local"
+    function: str = ""  # the name of the function the ranks run
     ranks: list[RankRecord] = field(default_factory=list)
     outcome: Outcome = Outcome.RUNNING
     failures: list[Failure] = field(default_factory=list)
@@ -124,7 +125,8 @@ class RunRecord:
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
     hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
-    recent: deque[tuple[int, str, str]] = field(default_factory=lambda: deque(maxlen=2000))
+    # the latest lines of every rank, for the views: (sequence number, rank, stream, line)
+    recent: deque[tuple[int, int, str, str]] = field(default_factory=lambda: deque(maxlen=2000))
 
     @property
     def first_failure(self) -> Failure | None:
@@ -210,11 +212,16 @@ class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or Jupyter's interrupt stopped a run. Still a KeyboardInterrupt (loops and scripts stop as they
     would); in IPython it shows what happened instead of ddpnb's waiting stack."""
 
-    def __init__(self, record: RunRecord) -> None:
+    def __init__(self, record: RunRecord, starting: bool = False) -> None:
         self.record = record
-        super().__init__(f"ddpnb: run interrupted after {record.duration:.1f} s; every rank was stopped")
+        self.starting = starting  # before every rank had started: nothing ran, nothing is kept
+        super().__init__("ddpnb: interrupted while the ranks were starting; none is running" if starting else
+                         f"ddpnb: run interrupted after {record.duration:.1f} s; every rank was stopped")
 
     def report(self) -> str:
+        if self.starting:
+            return (f"KeyboardInterrupt: {self.args[0]}.\nRun the cell again when ready (a kernel's first run waits "
+                    "while ddpnb's worker process imports torch); the kernel and its variables are unchanged.")
         return "\n".join([
             f"KeyboardInterrupt: {self.args[0]}.", "", self.record.summary_table(), "",
             f"full per-rank logs: {self.record.run_dir}",

@@ -115,6 +115,12 @@ def _bind_store_socket() -> socket.socket:
     return sock
 
 
+def _remove_if_empty(run_dir: Path) -> None:
+    """A run that never got going leaves nothing behind, unless a rank wrote something already."""
+    if run_dir.is_dir() and all(not path.stat().st_size for path in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _enlarge_pipe(fd: int) -> int:
     """Let a rank write a burst of output without waiting for the kernel (best effort: Linux only); returns
     how many bytes the pipe holds."""
@@ -213,8 +219,13 @@ class Run:
     def start(self) -> Run:
         # under the forkserver's lock until the run counts as live: `preload` must not restart the forkserver
         # while ranks are being forked from it
-        with _forkserver.lock:
-            self._start_ranks(_forkserver.context_held())
+        try:
+            with _forkserver.lock:
+                self._start_ranks(_forkserver.context_held())
+        except KeyboardInterrupt:  # the ranks that had started are gone (`_start_ranks`): say so, not where
+            self.record.outcome, self.record.ended = Outcome.INTERRUPTED, time.time()
+            _remove_if_empty(Path(self.spec.run_dir))
+            raise RunInterrupted(self.record, starting=True) from None
         return self
 
     def _start_ranks(self, context: multiprocessing.context.BaseContext) -> None:

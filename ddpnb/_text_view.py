@@ -7,32 +7,26 @@ shows at most `max_lines` lines, saying how many it skipped (every line is in th
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import TextIO
 
 from ddpnb._record import Outcome
 from ddpnb._supervisor import Run
 
-DEFAULT_MAX_LINES = 1000
-
 
 class TextView:
-    def __init__(self, run: Run, out: TextIO | None = None, err: TextIO | None = None,
-                 max_lines: int | None = None) -> None:
+    def __init__(self, run: Run, max_lines: int) -> None:
         self.run = run
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
-        self.max_lines = max_lines if max_lines is not None else int(
-            os.environ.get("DDPNB_MAX_LINES", DEFAULT_MAX_LINES))
+        self.out = sys.stdout
+        self.err = sys.stderr
+        self.max_lines = max_lines
         self.seen = 0  # sequence number of the last line looked at
         self.shown = 0
         self.skipped = 0
         self.summarised = False
         record = run.record
         devices = ", ".join(sorted({r.device for r in record.ranks}))
-        self.out.write(f"[ddpnb] {record.world_size} ranks, backend {record.backend}, devices {devices}; "
-                       f"logs in {record.run_dir}\n")
+        self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
+                       f"devices {devices}; logs in {record.run_dir}\n")
         run.subscribe(self.update)
 
     def update(self) -> None:

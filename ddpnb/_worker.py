@@ -277,7 +277,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
             if spec.use_gpus:
                 torch.cuda.set_device(rank)
                 _device = f"cuda:{rank}"
-        _context.send(msg.Started(rank=rank, pid=os.getpid(), device=_device))
+        _context.send(msg.Started(rank=rank, device=_device))
         linecache.cache.update({name: (len("".join(lines)), None, lines, name) for name, lines in spec.sources.items()})
         _patch_init_process_group()
         _install_progress_hook()
@@ -285,7 +285,7 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
             threading.Thread(target=_report_gpu_memory, name="ddpnb-gpu-memory", daemon=True).start()
         (join_group or _init_process_group)(rank, spec)
         fn = _load_function(rank, spec.fn_payload)
-        value = _call(fn, rank, spec)
+        value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))
         _context.send(_dump_result(value) if rank == 0 else msg.Returned(rank=rank))
     except SystemExit as exc:  # reported (where it was called), then honoured by `entry`
         _report(rank, exc, message=repr(exc.code) if exc.code is not None else "")
@@ -353,16 +353,18 @@ def _reseed() -> None:
         sys.modules["numpy.random"].seed()
 
 
-def _call(fn: Any, rank: int, spec: WorkerSpec) -> Any:
-    if spec.call_style == "spawn":
-        return fn(rank, *spec.args)
+def call_arguments(fn: Any, rank: Any, world_size: Any, args: tuple[Any, ...], call_style: str) -> tuple[Any, ...]:
+    """What the rank calls `fn` with: `fn(rank, *args)` for `spawn`; otherwise fn(), fn(rank) or
+    fn(rank, world_size) by its parameters, then `args`. The kernel checks the call with stand-ins first."""
+    if call_style == "spawn":
+        return (rank, *args)
     positional = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if spec.args:  # rank and world_size fill the positional slots the args leave, defaulted ones included
-        leading = len(positional) - len(spec.args)
+    if args:  # rank and world_size fill the positional slots the args leave, defaulted ones included
+        leading = len(positional) - len(args)
     else:  # fn(), fn(rank), fn(rank, world_size): defaulted parameters keep their defaults
         leading = sum(p.default is p.empty for p in positional)
-    return fn(*(rank, spec.world_size)[: max(0, min(leading, 2))], *spec.args)
+    return (*(rank, world_size)[: max(0, min(leading, 2))], *args)
 
 
 def _user_traceback(exc: BaseException) -> str:

@@ -256,6 +256,46 @@ def test_impossible_requests_fail_before_starting():
         ddpnb.run(_returns_pid, nprocs=2, backend="nccl")
 
 
+def test_settings_that_cannot_work_fail_before_starting(monkeypatch):
+    before = ddpnb.last_run()
+    monkeypatch.setenv("DDPNB_CPU_FALLBACK", "0")  # off, as 0 reads
+    with pytest.raises(ddpnb.LaunchError, match="more GPUs than this machine has"):
+        ddpnb.run(_returns_pid, gpus="all")
+    monkeypatch.setenv("DDPNB_MAX_LINES", "lots")
+    with pytest.raises(ddpnb.LaunchError, match="DDPNB_MAX_LINES must be a number of lines"):
+        ddpnb.run(_returns_pid, nprocs=2, view="text")
+    with pytest.raises(ddpnb.LaunchError, match="positive number of seconds"):
+        ddpnb.run(_returns_pid, nprocs=2, timeout=float("nan"))
+    assert ddpnb.last_run() is before  # nothing started
+
+
+async def _coroutine(rank):
+    return rank
+
+
+def test_functions_the_ranks_cannot_call_are_refused_before_starting():
+    with pytest.raises(ddpnb.LaunchError, match="_coroutine is an async function"):
+        ddpnb.run(_coroutine, nprocs=2)
+    with pytest.raises(ddpnb.LaunchError, match="missing a required argument: 'verbose'"):
+        ddpnb.run(lambda rank, world_size, verbose: rank, nprocs=2)
+    with pytest.raises(ddpnb.LaunchError, match=r"too many positional arguments; ddpnb.spawn calls fn\(rank, \*args\)"):
+        ddpnb.spawn(lambda: 0, nprocs=2)  # mp.spawn's convention: fn(rank, *args)
+    with pytest.raises(ddpnb.LaunchError, match="not a function"):
+        ddpnb.run(42, nprocs=2)
+
+
+def _logs_a_vector(rank):
+    import torch
+
+    ddpnb.log(step=0, loss=torch.tensor([1.0, 2.0]))
+
+
+def test_logging_something_that_is_not_a_number_names_it():
+    with pytest.raises(ddpnb.WorkerError) as failure:
+        ddpnb.run(_logs_a_vector, nprocs=2)
+    assert "ddpnb.log: loss must be a number or a one-element tensor, not Tensor of shape (2,)" in str(failure.value)
+
+
 def _defaulted(rank, world_size, lines, rate=0.0, verbose=False):
     return (rank, world_size, lines, rate, verbose)
 

@@ -368,6 +368,42 @@ def test_kernel_interrupt_stops_every_rank_and_the_kernel_lives_on(kernel):
     assert "3.0" in "".join(following.results)
 
 
+SLOW_FORKSERVER = textwrap.dedent('''\
+    import sys, time
+    if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", [])):
+        time.sleep(8)  # the worker process ranks start from takes a while: time to interrupt the first run
+''')
+
+
+@pytest.mark.slow
+def test_interrupt_while_the_first_run_starts_says_nothing_is_running(tmp_path):
+    """The first run of a kernel waits for ddpnb's worker process to import torch: the likeliest moment to press
+    stop. The cell says what happened, not where ddpnb was waiting, and the next run works."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_FORKSERVER)
+    runs = tmp_path / "runs"
+    slow = Kernel(env={"DDPNB_VIEW": "text", "DDPNB_RUNS_DIR": str(runs),
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"),
+                                                                   os.environ.get("PYTHONPATH")]))})
+    try:
+        cell = Cell(slow, "import ddpnb\nddpnb.run(lambda: 1, nprocs=2)")
+        cell.read_until(lambda out: any(runs.glob("*/rank0.log")))  # the run has begun starting its ranks
+        slow.manager.interrupt_kernel()
+        result = cell.finish()
+        assert result.error is not None and result.error["ename"] == "RunInterrupted"
+        shown = "\n".join(result.error["traceback"])
+        assert shown.startswith("KeyboardInterrupt: ddpnb: interrupted while the ranks were starting; none is running")
+        assert "_supervisor.py" not in shown and "forkserver.py" not in shown
+        assert [path for path in runs.iterdir() if path.is_dir()] == []  # nothing ran: nothing left behind
+        again = slow.execute("print(ddpnb.run(lambda rank: rank + 40, nprocs=2, view='none'))", timeout=180)
+        assert again.stdout.strip() == "40", again.text
+        # every process the kernel's children started (the forkserver's: ranks) is gone, the interrupted run's too
+        ranks = [p.pid for p in psutil.Process(slow.pid).children(recursive=True) if p.ppid() != slow.pid]
+        assert wait_gone(ranks) == []
+    finally:
+        slow.shutdown()
+
+
 # --- 5. the kernel itself dies ------------------------------------------------------------------------------
 
 SILENT_CELL = LONG_CELL.replace('print(f"step {step}", flush=True)', "pass")  # no output: no broken pipe either
