@@ -411,6 +411,9 @@ class Run:
     def _notify(self, ending: bool = False) -> None:
         for callback in [*self._listeners, *(self._enders if ending else ())]:
             callback()
+        if ending and self._done.is_set():  # the views have drawn the end: let go of them, so that the run and
+            self._listeners.clear()        # its value go with the caller's last reference, not at the next gc
+            self._enders.clear()
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:

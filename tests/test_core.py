@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 
@@ -294,6 +296,27 @@ def test_logging_something_that_is_not_a_number_names_it():
     with pytest.raises(ddpnb.WorkerError) as failure:
         ddpnb.run(_logs_a_vector, nprocs=2)
     assert "ddpnb.log: loss must be a number or a one-element tensor, not Tensor of shape (2,)" in str(failure.value)
+
+
+def _returns_tensors(rank):
+    import torch
+
+    return {"weight": torch.ones(4)}
+
+
+def test_a_finished_run_goes_with_its_last_reference():
+    """Its value (here mapped memory) is freed when the caller lets go, not at the next garbage collection:
+    the text view and the run no longer hold each other once the run has ended."""
+    ddpnb.run(_returns_tensors, nprocs=2, view="none")  # the first run in this process imports torch here
+    gc.disable()
+    try:
+        run = ddpnb.launch(_returns_tensors, nprocs=2, view="text")
+        assert run.result()["weight"].sum().item() == 4
+        gone = weakref.ref(run)
+        del run
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def _defaulted(rank, world_size, lines, rate=0.0, verbose=False):
