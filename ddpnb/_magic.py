@@ -44,14 +44,14 @@ class DDPMagics(Magics):
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable in every rank (repeatable).")
     @argument("--fn", metavar="NAME",
-              help="the function to run (default: the last function the cell defines).")
+              help="the function to run (default: the function the cell defines that nothing else in it uses).")
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> object:
         """Run the cell's function on every rank in fresh worker processes; show their output; return rank 0's
         result.
 
         The cell runs in the notebook first, like any cell, so what it defines stays available; its function
-        (the last one it defines, or --fn NAME) is then called on every rank as fn(), fn(rank) or
+        (the one nothing else in the cell uses, or --fn NAME) is then called on every rank as fn(), fn(rank) or
         fn(rank, world_size), with the process group already initialised. Set DDPNB_CPU_FALLBACK=1 to run
         --gpus notebooks on CPU ranks where there are not enough GPUs. In Jupyter the run shows as a live
         dashboard (DDPNB_VIEW=text or --view text for plain `[rank N]` lines); --background returns its handle
