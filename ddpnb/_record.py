@@ -182,10 +182,15 @@ class WorkerError(RuntimeError):
             parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
             if first.traceback:
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{first.traceback.rstrip()}")
-            others = [f for f in sorted(record.failures, key=lambda f: (f.knock_on, f.time)) if f is not first]
-            if others:
+            others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
+            own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort
+            if own:
+                parts.append("\nalso failed:")
+                parts.extend(f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary
+                                                     else _shorten(f.summary)) for f in own)
+            if len(own) < len(others):
                 parts.append("\nthen, as a consequence:")
-                parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others)
+                parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others if f.knock_on)
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
         stacks = [r for r in record.ranks if r.stack]

@@ -215,6 +215,21 @@ def dies_by_signal(rank, how):
     dist.all_reduce(torch.ones(1))
 
 
+def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
+    """Ranks that raise before ddpnb can stop them (the same bug on every rank) each failed on their own; only
+    collective aborts and ranks ddpnb stopped are knock-on failures. Which happens in a real run is a race, so
+    the report is built from the record such a run leaves."""
+    from ddpnb._record import Failure, RankRecord, RunRecord
+
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
+    record.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
+                       Failure(2, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
+    report = str(ddpnb.WorkerError(record))
+    assert report.startswith("ddpnb: rank 1 of 3 failed first: KeyError: 'no such column'")
+    assert "also failed:\n  rank 0: the same error\n" in report
+    assert "then, as a consequence:\n  rank 2: RuntimeError: Connection closed by peer" in report
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSEGV"])
 def test_rank_killed_by_signal_is_named_first_and_knock_on_failures_are_folded(how):
     error = run_failing(dies_by_signal, nprocs=3, args=(how,))
