@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import re
 import signal
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -159,6 +161,21 @@ def _shorten(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
+def _cell_names(traceback: str) -> str:
+    """`File "/tmp/ipykernel_7/2718.py", line 5` as IPython names its own cells: `Cell In[7], line 5`."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if name_of is None:
+        return traceback
+
+    def cell(match: re.Match[str]) -> str:
+        named = name_of(match.group(1))
+        return f"{' '.join(named)}, line {match.group(2)}" if named else match.group(0)
+
+    return re.sub(r'File "([^"]+)", line (\d+)', cell, traceback)
+
+
 class WorkerError(RuntimeError):
     """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack."""
 
@@ -181,7 +198,8 @@ class WorkerError(RuntimeError):
         if first is not None:
             parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
             if first.traceback:
-                parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{first.traceback.rstrip()}")
+                shown = _cell_names(first.traceback).rstrip()
+                parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
             others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
             own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort
             if own:

@@ -114,8 +114,10 @@ def test_cell_definitions_stay_and_are_not_run_in_the_kernel(kernel):
 
 
 def test_failing_rank_raises_worker_error_with_user_traceback(kernel):
+    count = int(kernel.execute("print(get_ipython().execution_count)").stdout) + 1
     run = kernel.execute('''%%ddp -n 2
 def fails(rank, world_size):
+    import torch.distributed as dist
     if rank == 1:
         raise ValueError("bad batch on purpose")
     dist.barrier()
@@ -124,6 +126,7 @@ def fails(rank, world_size):
     shown = "\n".join(run.error["traceback"])
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
     assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
+    assert f"Cell In[{count}], line 4, in fails" in shown  # named as IPython names its cells
     assert "_supervisor.py" not in shown and "_worker.py" not in shown
     pids = [int(p) for p in kernel.execute(
         "print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
