@@ -138,8 +138,9 @@ def _the_function(tree: ast.Module, namespace: dict[str, object]) -> str:
     unused = [name for name, index in sorted(defined.items(), key=lambda item: item[1]) if not used[name] - {index}]
     if len(unused) > 1:
         names = " and ".join(f"`{name}`" for name in unused)
-        raise UsageError(f"this cell defines {names}, and none of them uses the other: which one should every rank "
-                         f"run? Name it, e.g. `%ddp -n 2 --fn {unused[-1]}` (the cell's definitions are in place).")
+        raise UsageError(f"this cell defines {names}, and none of them uses another: which one should every rank "
+                         f"run? Add it to the %%ddp line, e.g. --fn {unused[-1]}. The cell's definitions are in "
+                         "place, so `%ddp --fn NAME` with the same flags runs one now.")
     return unused[0] if unused else max(defined, key=defined.__getitem__)
 
 
