@@ -103,13 +103,20 @@ class DDPMagics(Magics):
         lines included, its lines in tracebacks under this cell's In[N]); with `pick`, return its function's name."""
         __tracebackhide__ = True
         cell = self.shell.transform_cell(cell)
-        filename = self.shell.compile.cache(cell, self.shell.execution_count)
+        filename = self.shell.compile.cache(cell, self._cell_number())
         tree = ast.parse(cell, filename)  # a SyntaxError shows its line, as any cell's would
         if pick and not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign)
                             for node in tree.body):
             raise UsageError(NO_FUNCTION)  # before the cell runs: nothing it does happens twice
         exec(compile(tree, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
         return _the_function(tree, self.shell.user_ns) if pick else None
+
+    def _cell_number(self) -> int:
+        """This cell's N in In[N]. IPython 8 counts a cell after running it, IPython 9 before: the result IPython
+        is building for the cell knows which."""
+        building = getattr(self.shell.displayhook, "exec_result", None)
+        count = getattr(building, "execution_count", None)
+        return count if isinstance(count, int) else self.shell.execution_count
 
 
 NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"

@@ -19,6 +19,7 @@ class Execution:
     results: list[str] = field(default_factory=list)
     error: dict | None = None
     outputs: list[dict] = field(default_factory=list)
+    count: int | None = None  # the cell's N in In[N]
 
     @property
     def text(self) -> str:
@@ -56,6 +57,8 @@ class Kernel:
                 result.results.append(content["data"].get("text/plain", ""))
             elif kind == "error":
                 result.error = content
+            elif kind == "execute_input":
+                result.count = content["execution_count"]
             elif kind == "status" and content["execution_state"] == "idle":
                 break
             result.outputs.append(msg)
