@@ -345,22 +345,15 @@ def log(step: int | None = None, **scalars: float) -> None:
     """
     context = _worker.current()
     if context is not None:
-        try:
-            values = {name: float(value) for name, value in scalars.items()}
-        except (TypeError, ValueError):
-            raise _not_a_number(scalars) from None
+        values = {}
+        for name, value in scalars.items():
+            try:
+                values[name] = float(value)
+            except (TypeError, ValueError):
+                shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
+                raise TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
+                                f"{type(value).__name__}{shape}: {value!r:.80}") from None
         context.send_metric(step, values)
-
-
-def _not_a_number(scalars: dict[str, Any]) -> TypeError:
-    for name, value in scalars.items():
-        try:
-            float(value)
-        except (TypeError, ValueError):
-            shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-            return TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
-                             f"{type(value).__name__}{shape}: {value!r:.80}")
-    return TypeError("ddpnb.log takes numbers")
 
 
 def device() -> str:
