@@ -444,7 +444,7 @@ def probe_result_steps(args: argparse.Namespace) -> None:
     steps["kernel: unpickle the value"] = clock() - started
     del unpacked
 
-    from ddpnb import _pickling
+    from ddpnb.core import pickling as _pickling
 
     fd = os.memfd_create("ddpnb-bench-result")
     started = clock()

@@ -402,7 +402,7 @@ def bench_stream(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
         ("paced-widget", f"paced at {PACED_RATE:,} lines/s per rank, dashboard", "widget", paced, PACED_RATE),
         ("paced-slow", f"paced at {PACED_RATE:,} lines/s per rank, slow view", "slow", paced, PACED_RATE),
     ]
-    has_dashboard = importlib.util.find_spec("ddpnb._dashboard") is not None
+    has_dashboard = importlib.util.find_spec("ddpnb.views.dashboard") is not None
     results: dict[str, list[dict[str, Any]]] = {key: [] for key, *_ in variants}
     notes: dict[str, Samples] = {key: Samples() for key, *_ in variants}
     if not has_dashboard:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from ddpnb._api import LaunchError, device, last_run, launch, log, preload, run, spawn
-from ddpnb._forkserver import PreloadError
-from ddpnb._pickling import NotPicklableError
-from ddpnb._record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
+from ddpnb.core.pickling import NotPicklableError
+from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
+from ddpnb.engines.local.forkserver import PreloadError
 
 __all__ = [
     "LaunchError", "NotPicklableError", "Outcome", "PreloadError", "RankState", "RunInterrupted", "RunRecord",
@@ -33,10 +33,11 @@ def load_ipython_extension(ipython: Any) -> None:
     import atexit
     import sys
 
-    from ddpnb import _forkserver, _supervisor
     from ddpnb._magic import DDPMagics
+    from ddpnb.core.run import stop_all_runs
+    from ddpnb.engines.local import forkserver
 
     ipython.register_magics(DDPMagics)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
-    atexit.register(_supervisor.stop_all_runs)
-    _forkserver.warm_up_in_background()
+    atexit.register(stop_all_runs)
+    forkserver.warm_up_in_background()

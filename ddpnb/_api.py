@@ -1,4 +1,5 @@
-"""`run`, `launch` and `spawn`: build a worker spec from the caller's arguments and start a `Run`."""
+"""`run`, `launch` and `spawn`: check the caller's arguments, plan the run with its engine, start a `Run` and its
+view. The public functions in `ddpnb` are these."""
 
 from __future__ import annotations
 
@@ -10,112 +11,54 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ddpnb import _forkserver, _pickling, _supervisor, _worker
-from ddpnb._forkserver import PreloadError
-from ddpnb._record import RunRecord
-from ddpnb._supervisor import Run
+from ddpnb import engines
+from ddpnb.core import pickling, rundir
+from ddpnb.core.record import RunRecord
+from ddpnb.core.run import Run, live_runs
+from ddpnb.core.spec import (
+    DEFAULT_CPU_RANKS,
+    CallStyle,
+    EngineKind,
+    LaunchError,
+    Plan,
+    ViewKind,
+    WorkerSpec,
+    local_gpu_count,
+)
+from ddpnb.engines.local import forkserver
+from ddpnb.engines.local.forkserver import PreloadError
+from ddpnb.rank import context as rank_context
+from ddpnb.rank.main import call_arguments
 
-CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
+__all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "check_options", "device", "last_run", "launch", "log", "plan",
+           "preload", "run", "spawn", "start"]
+
 VIEW_VAR = "DDPNB_VIEW"
-VIEWS = ("auto", "widget", "text", "none")
 MAX_LINES_VAR = "DDPNB_MAX_LINES"
 DEFAULT_MAX_LINES = 1000  # lines of output the text view shows; every line is in the logs
-DEFAULT_CPU_RANKS = 2
-ENGINES = ("local", "ray")
 
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
 
-class LaunchError(ValueError):
-    """The run cannot start as asked (bad arguments, too many GPUs). Nothing was started."""
-
-
-def _enabled(name: str) -> bool:
-    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (taskset, a container's cpuset), not every CPU the machine has."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _gpu_count() -> int:
-    """GPUs this process may use, counted through NVML: CUDA is not initialised in the kernel."""
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def plan(gpus: int | str | None, nprocs: int | None, backend: str | None,
-         engine: str = "local") -> tuple[int, bool, str, str]:
-    """(world size, use GPUs, backend, note) for the flags given; raises LaunchError for impossible ones."""
-    if engine not in ENGINES:
-        raise LaunchError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}.")
-    if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
-        raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
-    if backend is not None and backend not in ("nccl", "gloo"):
-        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}.")
-    if engine == "ray":  # the GPUs are the cluster's, not this machine's
-        from ddpnb import _ray
+         engine: str | EngineKind = EngineKind.LOCAL) -> Plan:
+    """The world size, devices and backend for the flags given, counted by the engine; raises LaunchError for
+    impossible ones. `%%ddp` calls it, with `check_options`, before the cell runs."""
+    from ddpnb.core import spec
 
-        return _ray.plan(gpus, nprocs, backend)
-    note = ""
-    if gpus is None:
-        world_size, use_gpus = nprocs or DEFAULT_CPU_RANKS, False
-    else:
-        available = _gpu_count()
-        if gpus == "all":
-            if available == 0 and not _enabled(CPU_FALLBACK_VAR):
-                raise LaunchError(_no_gpus_message("all", available))
-            wanted = available or nprocs or DEFAULT_CPU_RANKS
-        else:
-            try:
-                wanted = int(gpus)
-            except ValueError:
-                raise LaunchError(f"--gpus takes a number or 'all', not {gpus!r}.") from None
-            if wanted < 1:
-                raise LaunchError(f"--gpus must be at least 1, not {wanted}.")
-        if nprocs is not None and nprocs != wanted:
-            raise LaunchError(f"--gpus {gpus} starts one rank per GPU; leave out --nprocs {nprocs}.")
-        if wanted <= available:
-            world_size, use_gpus = wanted, True
-        elif _enabled(CPU_FALLBACK_VAR):
-            world_size, use_gpus = wanted, False
-            note = (f"[ddpnb] {available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
-                    f"({CPU_FALLBACK_VAR} is set)")
-        else:
-            raise LaunchError(_no_gpus_message(gpus, available))
-    if backend == "nccl" and not use_gpus:
-        raise LaunchError("the nccl backend needs GPUs; use --gpus N, or gloo for CPU ranks.")
-    return world_size, use_gpus, backend or ("nccl" if use_gpus else "gloo"), note
+    engine_type = engines.engine_type(engines.kind_of(engine))  # raises if the engine cannot be used here
+    available = None if gpus is None else engine_type.gpus_available()
+    return spec.plan(gpus, nprocs, backend, available)
 
 
-def _no_gpus_message(gpus: int | str, available: int) -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    have = f"{available} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-    fewer = f"use --gpus {available} or fewer, " if available else ""
-    return (f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
-            f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")
-
-
-def check_options(view: str | None, engine: str, address: str | None,
-                  placement: str | None) -> tuple[str, str | None]:
-    """(view, placement) as the run will use them; raises LaunchError for options that cannot be used. `%%ddp`
-    calls it, with `plan`, before the cell runs: a bad flag or setting defines nothing and starts nothing."""
-    view = choose_view(view)
-    if view == "text":
+def check_options(view: str | None, engine: str | EngineKind, address: str | None,
+                  placement: str | None) -> tuple[ViewKind, dict[str, Any]]:
+    """(view, the engine's options) as the run will use them; raises LaunchError for options that cannot be used.
+    `%%ddp` calls it, with `plan`, before the cell runs: a bad flag or setting defines nothing and starts nothing."""
+    chosen = choose_view(view)
+    if chosen is ViewKind.TEXT:
         max_lines()
-    if engine == "ray":
-        from ddpnb import _ray
-
-        return view, _ray.check_placement(placement)
-    if address is not None or placement is not None:
-        raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
-    return view, placement
+    return chosen, engines.engine_type(engines.kind_of(engine)).check(address, placement)
 
 
 def max_lines() -> int:
@@ -133,7 +76,7 @@ def max_lines() -> int:
     return lines
 
 
-def choose_view(view: str | None = None) -> str:
+def choose_view(view: str | None = None) -> ViewKind:
     """'widget', 'text' or 'none': `view`, else $DDPNB_VIEW, else 'auto'.
 
     'auto' is the dashboard inside a Jupyter kernel (ZMQInteractiveShell) where ipywidgets imports, plain text
@@ -142,19 +85,22 @@ def choose_view(view: str | None = None) -> str:
     to get `[rank N]` lines as stream output; the dashboard's own fallback is the final summary.
     """
     choice = (view or os.environ.get(VIEW_VAR) or "auto").strip().lower()
-    if choice not in VIEWS:
-        raise LaunchError(f"view must be one of {', '.join(VIEWS)}, not {choice!r} (from {VIEW_VAR} or view=).")
-    if choice != "auto":
-        return choice
+    try:
+        chosen = ViewKind(choice)
+    except ValueError:
+        names = ", ".join(kind.value for kind in ViewKind)
+        raise LaunchError(f"view must be one of {names}, not {choice!r} (from {VIEW_VAR} or view=).") from None
+    if chosen is not ViewKind.AUTO:
+        return chosen
     shell_module = sys.modules.get("IPython")
     shell = shell_module.get_ipython() if shell_module is not None else None
     if shell is None or not any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__):
-        return "text"
+        return ViewKind.TEXT
     try:
         import ipywidgets  # noqa: F401
     except ImportError:
-        return "text"
-    return "widget"
+        return ViewKind.TEXT
+    return ViewKind.WIDGET
 
 
 def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
@@ -183,7 +129,7 @@ def function_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-def _check_callable(fn: Any, args: tuple[Any, ...], call_style: str) -> None:
+def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> None:
     """Refuse, before anything starts, a function the ranks could not call as ddpnb calls it."""
     name = function_name(fn)
     if not callable(fn):
@@ -198,70 +144,52 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: str) -> None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or extension callable: the rank will say
         return
-    call = _worker.call_arguments(fn, "rank", "world_size", tuple(f"args[{i}]" for i in range(len(args))), call_style)
+    call = call_arguments(fn, "rank", "world_size", tuple(f"args[{i}]" for i in range(len(args))), call_style)
     try:
         signature.bind(*call)
     except TypeError as exc:
         shown = ", ".join(map(str, call))
-        rule = ("ddpnb.spawn calls fn(rank, *args), as torch.multiprocessing.spawn does" if call_style == "spawn" else
+        rule = ("ddpnb.spawn calls fn(rank, *args), as torch.multiprocessing.spawn does" if call_style is CallStyle.SPAWN else
                 "ranks call fn(), fn(rank) or fn(rank, world_size), by the parameters without defaults, then the "
                 "extra args given")
         raise LaunchError(f"{name}{signature} cannot be called as each rank would call it, {name}({shown}): {exc}; "
                           f"{rule}.") from None
 
 
-def _check_working_directory() -> None:
-    """Ranks start in the kernel's working directory, as every multiprocessing child does."""
-    try:
-        os.getcwd()
-    except FileNotFoundError:
-        raise LaunchError("this kernel's working directory no longer exists (deleted, or moved?), and ranks start in "
-                          "it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the cell "
-                          "again.") from None
-
-
 def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-          args: Sequence[Any] = (), call_style: str = "auto", view: str | None = None,
+          args: Sequence[Any] = (), call_style: CallStyle = CallStyle.AUTO, view: str | None = None,
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`)."""
     global _last_record
     if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
+    call_style = CallStyle(call_style)
     _check_callable(fn, tuple(args), call_style)
-    world_size, use_gpus, backend, note = plan(gpus, nprocs, backend, engine)
-    view, placement = check_options(view, engine, address, placement)
-    if engine == "local":
-        _check_working_directory()
-    payload = _pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
-    run_dir = _supervisor.new_run_dir()
-    # a cluster's nodes keep their own environment: only the variables asked for travel there
-    environ = {**os.environ, **(env or {})} if engine == "local" else dict(env or {})
-    spec = _worker.WorkerSpec(
-        fn_payload=payload, args=tuple(args), call_style=call_style, world_size=world_size, backend=backend,
-        use_gpus=use_gpus, master_port=0, environ={k: str(v) for k, v in environ.items()}, run_dir=str(run_dir),
-        sources=_pickling.notebook_sources(),
-        torch_threads=None if use_gpus or engine == "ray" or "OMP_NUM_THREADS" in environ
-        else max(1, _usable_cpus() // world_size),
+    kind = engines.kind_of(engine)
+    planned = plan(gpus, nprocs, backend, kind)
+    chosen_view, options = check_options(view, kind, address, placement)
+    engine_type = engines.engine_type(kind)
+    payload = pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
+    run_dir = rundir.new_run_dir()
+    environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
+    spec = WorkerSpec(
+        fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
+        backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
+        sources=pickling.notebook_sources(), torch_threads=engine_type.torch_threads(planned, environ),
     )
-    devices = [f"cuda:{r}" if use_gpus else "cpu" for r in range(world_size)]
-    if engine == "ray":
-        from ddpnb import _ray
-
-        run: Run = _ray.RayRun(spec, devices, timeout=timeout, address=address, placement=placement)
-    else:
-        run = Run(spec, devices, timeout=timeout)
-    run.record.function = function_name(fn)
-    if note:
-        print(note, file=sys.stderr)
+    devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
+    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn))
+    if planned.note:
+        print(f"[ddpnb] {planned.note}", file=sys.stderr)
     run.start()
     _last_record = run.record
-    if view == "widget":
-        from ddpnb._dashboard import Dashboard
+    if chosen_view is ViewKind.WIDGET:
+        from ddpnb.views.dashboard import Dashboard
 
         Dashboard(run, foreground=foreground)
-    elif view == "text":
-        from ddpnb._text_view import TextView
+    elif chosen_view is ViewKind.TEXT:
+        from ddpnb.views.text import TextView
 
         TextView(run, max_lines())
         if not foreground:
@@ -295,8 +223,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
     compatibility and ignored: ranks are always fresh processes that ddpnb stops.
     """
     del daemon, start_method
-    gpus = nprocs if nprocs <= _gpu_count() else None
-    handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style="spawn", foreground=join)
+    gpus = nprocs if nprocs <= local_gpu_count() else None
+    handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style=CallStyle.SPAWN,
+                   foreground=join)
     if not join:
         return handle
     handle.result()
@@ -315,9 +244,9 @@ def preload(*modules: str) -> list[str]:
     Do not preload a library that reads RANK or LOCAL_RANK when it is imported: it would read the kernel's.
     For the local engine only: Ray's workers import for themselves.
     """
-    if _worker.current() is not None:
+    if rank_context.current() is not None:
         raise PreloadError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
-    _check_working_directory()
+    engines.engine_type(EngineKind.LOCAL).check(None, None)  # ranks start in the kernel's working directory
     origins: dict[str, str | None] = {}  # where this kernel finds each module's top-level package
     for name in modules:
         if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
@@ -330,7 +259,7 @@ def preload(*modules: str) -> list[str]:
         if found is None:
             raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
         origins[name] = found.origin if found.has_location else None
-    return _forkserver.preload(origins, busy=_supervisor.local_run_going)
+    return forkserver.preload(origins, busy=lambda: bool(live_runs(EngineKind.LOCAL)))
 
 
 def last_run() -> RunRecord | None:
@@ -343,7 +272,7 @@ def log(step: int | None = None, **scalars: float) -> None:
 
     Outside a ddpnb worker it does nothing, so the same function also runs as a plain script.
     """
-    context = _worker.current()
+    context = rank_context.current()
     if context is not None:
         values = {}
         for name, value in scalars.items():
@@ -358,4 +287,4 @@ def log(step: int | None = None, **scalars: float) -> None:
 
 def device() -> str:
     """This rank's device: 'cuda:LOCAL_RANK' on GPU runs, 'cpu' on CPU ranks (and outside a worker)."""
-    return _worker.device()
+    return rank_context.device()

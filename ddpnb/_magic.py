@@ -11,7 +11,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ddpnb import _api, _pickling
+from ddpnb import _api
+from ddpnb.core.pickling import NotPicklableError
+from ddpnb.core.spec import EngineKind, ViewKind
 
 
 @magics_class
@@ -29,10 +31,10 @@ class DDPMagics(Magics):
     @argument("--background", action="store_true",
               help="return the run handle at once and keep the dashboard live while other cells run; "
                    "the handle has wait(), result(), stop() and status.")
-    @argument("--view", choices=list(_api.VIEWS),
+    @argument("--view", choices=[kind.value for kind in ViewKind],
               help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
                    "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).")
-    @argument("--engine", choices=list(_api.ENGINES), default="local",
+    @argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
               help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
                    "Train (pip install 'ddpnb[ray]').")
     @argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
@@ -87,7 +89,7 @@ class DDPMagics(Magics):
             run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
                              engine=args.engine, address=args.address, placement=args.placement)
-        except (_api.LaunchError, _pickling.NotPicklableError) as exc:
+        except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         if args.background:
             if args.out:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs the test extras (and Debian's Chromium for the browser
-# test), then runs pytest. Usage: bash scripts/test.sh [pytest args]
+# test), checks the architecture's import contracts (pyproject.toml), then runs pytest.
+# Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,ray]"
@@ -8,4 +9,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "scripts/test.sh: could not install chromium; the browser test will say so" >&2
 fi
+lint-imports --no-cache
 exec python -m pytest -q -ra "$@"

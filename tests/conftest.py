@@ -11,6 +11,11 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
+import ddpnb
+
+# ddpnb's own source files: a traceback or stack shown to users must not name any of them
+PACKAGE_DIR = os.path.dirname(os.path.abspath(ddpnb.__file__))
+
 
 @dataclass
 class Execution:

@@ -214,7 +214,7 @@ def test_ranks_garbage_collector_skips_what_the_forkserver_imported():
 
 
 def test_a_metric_is_written_as_its_message_would_be():
-    from ddpnb import _messages as msg
+    from ddpnb.core import messages as msg
 
     metric = msg.Metric(rank=1, step=3, time=12.5, values={"loss": 0.25})
     assert msg.encode_metric(1, 3, 12.5, {"loss": 0.25}) == msg.encode(metric)

@@ -19,8 +19,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from ddpnb import _dashboard
-from ddpnb._record import Outcome, RankRecord, RankState, RunRecord
+from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
+from ddpnb.core.spec import Stream
+from ddpnb.views import dashboard as _dashboard
 from tests.conftest import Kernel, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -204,7 +205,7 @@ def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_boun
     assert counts == [200_000, 200_000]  # every line is in the rank's log file
     assert _value(widget_kernel, "[r.lines for r in flood.record.ranks]") == [200_000, 200_000]
     sizes = _value(widget_kernel, """{
-        "recent": len(flood.record.recent),
+        "recent": len(flood.lines_since(0)[0]),
         "widget_chars": max(len(w.value) for w in __import__('ipywidgets').Widget.widgets.values()
                             if hasattr(w, 'value') and isinstance(w.value, str)),
     }""")
@@ -234,7 +235,7 @@ def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
     children: list[int] = []
     while len(children) < 2 and time.monotonic() < deadline:
         time.sleep(0.3)
-        children = _value(widget_kernel, "[int(t.split()[1]) for _, _, _, t in list(job.record.recent) "
+        children = _value(widget_kernel, "[int(t.split()[1]) for _, _, _, t in job.lines_since(0)[0] "
                                          "if t.startswith('child ')]")
     ranks = _value(widget_kernel, "[r.pid for r in job.record.ranks]")
     assert len(children) == 2, "the ranks did not start their children"
@@ -340,7 +341,7 @@ def test_static_summary_escapes_what_the_ranks_print():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
     record.ranks[0].last_line = "<script>alert(1)</script>"
-    html = _dashboard.summary_html(record, [(0, "stdout", "<b>not bold</b>")])
+    html = _dashboard.summary_html(record, [OutputLine(1, 0, Stream.STDOUT, "<b>not bold</b>")])
     assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
 
 

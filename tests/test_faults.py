@@ -33,8 +33,8 @@ import psutil
 import pytest
 
 import ddpnb
-from ddpnb import _supervisor
-from tests.conftest import Execution, Kernel, wait_gone
+from ddpnb.core import rundir
+from tests.conftest import PACKAGE_DIR, Execution, Kernel, wait_gone
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -219,7 +219,7 @@ def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
     """Ranks that raise before ddpnb can stop them (the same bug on every rank) each failed on their own; only
     collective aborts and ranks ddpnb stopped are knock-on failures. Which happens in a real run is a race, so
     the report is built from the record such a run leaves."""
-    from ddpnb._record import Failure, RankRecord, RunRecord
+    from ddpnb.core.record import Failure, RankRecord, RunRecord
 
     record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
     record.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
@@ -279,7 +279,7 @@ def test_hang_is_stopped_after_timeout_with_every_ranks_stack():
         assert stack.startswith(f"(running, last line: 'rank {rank} at step 1') ---")  # state and last line
         assert "in hangs_on_rank_1" in stack  # the stack names the user's function
     assert "in all_reduce" in stacks["0"] and "in all_reduce" not in stacks["1"]  # who waits, who is elsewhere
-    assert "_watch_kernel" not in report and "_worker.py" not in report  # ddpnb's own threads and frames: on disk
+    assert "_watch_kernel" not in report and PACKAGE_DIR not in report  # ddpnb's own threads and frames: on disk
     assert "stopped" in record.summary_table()
     assert "a rank that never reaches a collective hangs the others" in report  # ... and what that means
     for rank in (0, 1):
@@ -375,7 +375,7 @@ def test_kernel_interrupt_stops_every_rank_and_the_kernel_lives_on(kernel):
     assert result.error is not None
     shown = "\n".join(result.error["traceback"])  # what the cell shows instead of ddpnb's waiting stack
     assert shown.startswith("KeyboardInterrupt: ddpnb: run interrupted after") and "every rank was stopped" in shown
-    assert "Run the cell again when ready" in shown and "_supervisor.py" not in shown
+    assert "Run the cell again when ready" in shown and PACKAGE_DIR not in shown
     assert "[ddpnb] run interrupted" in result.text
     assert kernel.execute("print(6 * 7)").stdout.strip() == "42"  # the kernel is alive ...
     following = kernel.execute(NEXT_CELL)  # ... and runs the next cell normally
@@ -408,7 +408,7 @@ def test_interrupt_while_the_first_run_starts_says_nothing_is_running(tmp_path):
         assert result.error is not None and result.error["ename"] == "RunInterrupted"
         shown = "\n".join(result.error["traceback"])
         assert shown.startswith("KeyboardInterrupt: ddpnb: interrupted while the ranks were starting; none is running")
-        assert "_supervisor.py" not in shown and "forkserver.py" not in shown
+        assert PACKAGE_DIR not in shown and "forkserver.py" not in shown
         assert [path for path in runs.iterdir() if path.is_dir()] == []  # nothing ran: nothing left behind
         again = slow.execute("print(ddpnb.run(lambda rank: rank + 40, nprocs=2, view='none'))", timeout=180)
         assert again.stdout.strip() == "40", again.text
@@ -707,7 +707,7 @@ def sleeps(rank, seconds):
 
 
 def test_retention_keeps_the_newest_runs_and_never_a_live_one(runs_dir, monkeypatch):
-    monkeypatch.setattr(_supervisor, "KEEP_RUNS", 3)  # the policy under test, with a smaller number
+    monkeypatch.setattr(rundir, "KEEP_RUNS", 3)  # the policy under test, with a smaller number
     for _ in range(3):
         assert_next_run_works()
     long_run = ddpnb.launch(sleeps, nprocs=2, args=(600,), view="none")  # the oldest, and still going
@@ -984,4 +984,4 @@ def test_a_hundred_runs_leak_nothing(runs_dir):
         time.sleep(0.1)  # the last run's thread is finishing
         gc.collect()
     assert after == before
-    assert _count_runs(runs_dir) <= _supervisor.KEEP_RUNS
+    assert _count_runs(runs_dir) <= rundir.KEEP_RUNS

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.conftest import wait_gone
+from tests.conftest import PACKAGE_DIR, wait_gone
 
 TRAIN_CELL = '''%%ddp -n 2 -o trained
 def train(rank, world_size):
@@ -127,7 +127,7 @@ def fails(rank, world_size):
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
     assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
     assert f"Cell In[{run.count}], line 4, in fails" in shown  # named as IPython names its cells
-    assert "_supervisor.py" not in shown and "_worker.py" not in shown
+    assert PACKAGE_DIR not in shown
     pids = [int(p) for p in kernel.execute(
         "print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
     assert wait_gone(pids) == []

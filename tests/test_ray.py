@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import Execution, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, Execution, Kernel, wait_gone
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install 'ddpnb[ray]')")
@@ -63,7 +63,7 @@ def train(rank, world_size):
 '''
 
 NODE_LINE = re.compile(r"\[rank (\d+)\] \[ddpnb\] on Ray node ([0-9a-f]+) ")
-RUN_ACTORS = ("_RunActor", "TrainController", "RayTrainWorker", "PlacementGroupCleaner")  # Ray process titles
+RUN_ACTORS = ("RunActor", "TrainController", "RayTrainWorker", "PlacementGroupCleaner")  # Ray process titles
 
 
 def run_actors_left(root_pids: list[int], within: float = 30) -> list[str]:
@@ -289,7 +289,7 @@ def fails(rank, world_size):
     shown = "\n".join(run.error["traceback"])
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
     assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
-    assert "_ray.py" not in shown and "_worker.py" not in shown
+    assert PACKAGE_DIR not in shown
     assert "[rank 1] rank 1 starts" in run.stdout
     pids = [int(p) for p in ray_kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
     assert len(pids) == 2 and wait_gone(pids, within=30) == []
@@ -390,4 +390,36 @@ def hangs(rank):
     assert outcome == "interrupted"
     assert wait_gone([int(pid) for pid in pids], within=30) == []
     assert cpus_released(ray_kernel)
+    assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_running_ray_run_keeps_its_run_directory_while_newer_local_runs_start(ray_kernel, tmp_path):
+    """Retention deletes the directories of ended runs only; a Ray run holds its directory's lock like a local one
+    (it did not: 49 newer runs deleted a running Ray run's logs)."""
+    release = tmp_path / "release"
+    run = ray_kernel.execute(f'''
+def waits(rank):
+    print(f"rank {{rank}} waits", flush=True)
+    while not os.path.exists({str(release)!r}):
+        time.sleep(0.2)
+    return rank
+
+handle = ddpnb.launch(waits, engine="ray", nprocs=2, view="none")
+deadline = time.monotonic() + 500
+while not all(r.state.value == "running" for r in handle.record.ranks) and time.monotonic() < deadline:
+    time.sleep(0.2)
+for _ in range(50):
+    ddpnb.run(lambda: 0, nprocs=1, view="none")
+print(handle.done, handle.record.run_dir.is_dir(), sorted(p.name for p in handle.record.run_dir.iterdir()))
+''', timeout=CELL_TIMEOUT)
+    assert run.error is None, run.stdout + run.stderr
+    done, exists, files = run.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (done, exists) == ("False", "True"), run.stdout
+    assert "rank0.log" in files and "rank1.log" in files
+    release.touch()
+    ended = ray_kernel.execute("print(handle.result(), handle.record.run_dir.is_dir())", timeout=CELL_TIMEOUT)
+    assert ended.stdout.split() == ["0", "True"], ended.stdout + ended.stderr
     assert run_actors_left([ray_kernel.pid]) == []

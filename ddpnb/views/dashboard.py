@@ -21,8 +21,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ddpnb._record import Outcome, RankRecord, RankState, RunRecord, describe_exit
-from ddpnb._supervisor import TICK, Run
+from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit
+from ddpnb.core.run import TICK, Run
+from ddpnb.core.spec import Stream
 
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
@@ -35,13 +36,13 @@ SUMMARY_LOG_LINES = 30
 RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
                 "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
-_STATE_COLOURS = {
-    "starting": "var(--jp-ui-font-color2, #757575)",
-    "running": "var(--jp-brand-color1, #1976d2)",
-    "finished": "var(--jp-success-color1, #388e3c)",
-    "failed": "var(--jp-error-color1, #d32f2f)",
-    "stopped": "var(--jp-warn-color1, #f57c00)",
-}
+_GREY, _BLUE = "var(--jp-ui-font-color2, #757575)", "var(--jp-brand-color1, #1976d2)"
+_GREEN, _RED = "var(--jp-success-color1, #388e3c)", "var(--jp-error-color1, #d32f2f)"
+_ORANGE = "var(--jp-warn-color1, #f57c00)"
+_RANK_COLOURS = {RankState.STARTING: _GREY, RankState.RUNNING: _BLUE, RankState.FINISHED: _GREEN,
+                 RankState.FAILED: _RED, RankState.STOPPED: _ORANGE}
+_RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILED: _RED,
+                Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
 
 STYLE = """<style>
 .ddpnb{font-family:var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);
@@ -119,8 +120,7 @@ def rank_state(rank: RankRecord) -> str:
     return state
 
 
-def _pill(state: str) -> str:
-    colour = _STATE_COLOURS.get(state, _STATE_COLOURS["stopped"])
+def _pill(state: str, colour: str) -> str:
     return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="color:{colour}">'
             f'<span class="ddpnb-dot"></span>{html.escape(state)}</span>')
 
@@ -147,7 +147,7 @@ def _duration(seconds: float) -> str:
 def header_html(record: RunRecord) -> str:
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
                        _devices(record), _duration(record.duration)])
-    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record))}'
+    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), _RUN_COLOURS[record.outcome])}'
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
 
@@ -191,7 +191,7 @@ def ranks_html(record: RunRecord) -> str:
              '<th>progress</th><th>time</th><th>latest output</th></tr></thead><tbody>')]
     for rank in record.ranks:
         state = rank_state(rank)
-        colour = _STATE_COLOURS.get(rank.state.value, _STATE_COLOURS["stopped"])
+        colour = _RANK_COLOURS[rank.state]
         last = rank.last_line[:MAX_LINE_CHARS]
         rows.append(
             f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}">'
@@ -358,7 +358,7 @@ def _tick_label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def line_html(rank: int, stream: str, text: str) -> str:
+def line_html(rank: int, stream: Stream, text: str) -> str:
     return (f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" style="color:{_rank_colour(rank)}">'
             f'[rank {rank}]</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
@@ -390,14 +390,14 @@ def _log_location(record: RunRecord) -> str:
     return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}.log</code>"
 
 
-def summary_html(record: RunRecord, lines: Sequence[tuple[int, str, str]]) -> str:
+def summary_html(record: RunRecord, lines: Sequence[OutputLine]) -> str:
     """The static record of a finished run: what the cell keeps once the live dashboard is gone."""
     tail = lines[-SUMMARY_LOG_LINES:]
     total = sum(r.lines for r in record.ranks)
     note = (f"last {len(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
             else f"no output · logs in {_log_location(record)}")
     logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
-            f'</summary>{log_html((line_html(*line) for line in tail), note)}</details>')
+            f'</summary>{log_html((line_html(line.rank, line.stream, line.text) for line in tail), note)}</details>')
     hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
             f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}{hint}</div>')
@@ -427,7 +427,7 @@ class Dashboard:
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
         self._seen = 0  # sequence number of the last line taken from the record
-        self._all: deque[tuple[int, str, str, str]] = deque(maxlen=LOG_LINES)  # rank, stream, text, its HTML
+        self._all: deque[tuple[OutputLine, str]] = deque(maxlen=LOG_LINES)  # a line cut for the panel, its HTML
         self._per_rank = [deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
@@ -491,7 +491,7 @@ class Dashboard:
             self.stop_button.disabled = True
             self.stop_button.layout.display = "none"
             if self._display is not None:
-                self._display.update({"text/html": summary_html(self.record, [entry[:3] for entry in self._all]),
+                self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all]),
                                       "text/plain": summary_text(self.record)}, raw=True)
             self.run = None
 
@@ -518,19 +518,12 @@ class Dashboard:
         run = self.run
         if run is None:
             return
-        new = []
-        with run.lock:  # newest first, stopping at what was seen: the supervisor waits on this lock
-            for entry in reversed(run.record.recent):
-                if entry[0] <= self._seen:
-                    break
-                new.append(entry)
-            self._seen = run.line_seq
-        new.reverse()
-        for _, rank, stream, text in new:
-            text = text[:MAX_LINE_CHARS]
-            entry = (rank, stream, text, line_html(rank, stream, text))
+        new, _, self._seen = run.lines_since(self._seen)
+        for line in new:
+            line = line._replace(text=line.text[:MAX_LINE_CHARS])
+            entry = (line, line_html(line.rank, line.stream, line.text))
             self._all.append(entry)
-            self._per_rank[rank].append(entry)
+            self._per_rank[line.rank].append(entry)
         if new:
             self._lines_changed = True
 
@@ -546,7 +539,7 @@ class Dashboard:
         shown = len(lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
                 else f"{total:,} lines · also in {where}")
-        return log_html((entry[3] for entry in lines), note)
+        return log_html((html_line for _, html_line in lines), note)
 
     # --- controls ----------------------------------------------------------------------------------------------------
     def _on_pick(self, change: dict[str, Any]) -> None:

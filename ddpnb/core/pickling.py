@@ -12,6 +12,8 @@ from typing import Any
 
 import cloudpickle
 
+from ddpnb import _compat
+
 MAX_DEPTH = 6
 
 
@@ -33,7 +35,7 @@ class _Pickler(cloudpickle.CloudPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType):
-            rebuild, args = cloudpickle.cloudpickle._code_reduce(obj)
+            rebuild, args = _compat.code_reduce(obj)
             return rebuild, tuple(obj.co_filename if arg == "<dynamic-code>" else arg for arg in args)
         torch = sys.modules.get("torch")  # never imported here just to look: a kernel without torch stays so
         if torch is not None and isinstance(obj, torch.Tensor):
@@ -65,7 +67,7 @@ def dumps(obj: Any, tensors: bool = True) -> bytes:
 def save(obj: Any, fd: int) -> None:
     """torch.save with this module's pickler into the empty file `fd`: tensor bytes go to the file raw
     (mappable), everything else is cloudpickled. No CRC-32 of the tensor bytes: the file lives in this machine's
-    memory for a moment, and checksumming halved the speed (1 GB: 0.45 s without, 1.0 s with, on 2 cores)."""
+    memory for a moment, and checksumming halved the speed (bench/RESULTS.md)."""
     import torch
 
     options = torch.serialization

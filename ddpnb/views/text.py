@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from ddpnb._record import Outcome
-from ddpnb._supervisor import Run
+from ddpnb.core.record import Outcome
+from ddpnb.core.run import Run
+from ddpnb.core.spec import Stream
 
 
 class TextView:
@@ -31,10 +32,7 @@ class TextView:
 
     def update(self) -> None:
         run = self.run
-        with run.lock:
-            new = [entry for entry in run.record.recent if entry[0] > self.seen]
-            skipped_by_window = run.line_seq - self.seen - len(new)
-            self.seen = run.line_seq
+        new, skipped_by_window, self.seen = run.lines_since(self.seen)
         self.skipped += skipped_by_window
         shown = new[: max(0, self.max_lines - self.shown)]
         self.shown += len(shown)
@@ -42,9 +40,9 @@ class TextView:
         # one write per run of same-stream lines: a busy run redraws in a few writes, in the ranks' order
         start = 0
         for end in range(1, len(shown) + 1):
-            if end == len(shown) or shown[end][2] != shown[start][2]:
-                stream = self.err if shown[start][2] == "stderr" else self.out
-                stream.write("".join(f"[rank {rank}] {line}\n" for _, rank, _, line in shown[start:end]))
+            if end == len(shown) or shown[end].stream is not shown[start].stream:
+                stream = self.err if shown[start].stream is Stream.STDERR else self.out
+                stream.write("".join(f"[rank {line.rank}] {line.text}\n" for line in shown[start:end]))
                 start = end
         self.out.flush()
         self.err.flush()

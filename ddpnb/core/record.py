@@ -7,13 +7,23 @@ import re
 import signal
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from ddpnb._messages import Progress
+from ddpnb.core.messages import Progress
+from ddpnb.core.spec import EngineKind, Stream
 
 KEEP_CLOSED_BARS = 4
+
+
+class OutputLine(NamedTuple):
+    """One line a rank printed, as the views get it (`Run.lines_since`)."""
+
+    seq: int  # the run's count of lines so far, this one included
+    rank: int
+    stream: Stream
+    text: str
 
 
 class RankState(enum.Enum):
@@ -87,6 +97,7 @@ class RankRecord:
     lines: int = 0
     last_line: str = ""
     log_path: Path | None = None
+    node: str = ""  # Ray: the ID of the node the rank runs on
     stack: str = ""  # Python stacks dumped at a stall (timeout)
     stalled_state: RankState | None = None  # the rank's state when its stack was dumped
     metrics: dict[str, list[tuple[int | None, float, float]]] = field(default_factory=dict)
@@ -118,7 +129,7 @@ class RunRecord:
     run_dir: Path
     world_size: int
     backend: str
-    engine: str = "local"
+    engine: EngineKind = EngineKind.LOCAL
     function: str = ""  # the name of the function the ranks run
     ranks: list[RankRecord] = field(default_factory=list)
     outcome: Outcome = Outcome.RUNNING
@@ -127,8 +138,6 @@ class RunRecord:
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
     hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
-    # the latest lines of every rank, for the views: (sequence number, rank, stream, line)
-    recent: deque[tuple[int, int, str, str]] = field(default_factory=lambda: deque(maxlen=2000))
 
     @property
     def first_failure(self) -> Failure | None:

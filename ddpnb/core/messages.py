@@ -1,10 +1,10 @@
-"""Typed messages a worker sends to the kernel over its private channel, a pipe.
+"""Typed messages a rank sends to the kernel, one set and one codec for every engine.
 
-Raw stdout/stderr bytes travel on separate pipes; these carry structure only. On the wire a message is the
-pickle of a plain tuple, its class name then its fields (`encode`/`decode`): pickling a dataclass instance
-looks its class up by name every time, which made `ddpnb.log` cost a training step ~60 µs instead of ~3 µs.
-Each one travels in a frame (`header`, `Frames`): its length, big-endian, then its bytes, the layout of
-`multiprocessing.connection`; the rank writes a small one with a single `os.write`, the kernel reads in bulk.
+On the wire a message is the pickle of a plain tuple, its class name then its fields (`encode`/`decode`):
+pickling a dataclass instance looks its class up by name every time, which is slow inside a training step.
+Locally each one travels in a frame on the rank's channel pipe (`header`, `Frames`: its length, big-endian, then
+its bytes, the layout of `multiprocessing.connection`) and raw output on pipes of its own; on Ray, encoded
+messages travel in batches through the run actor, output included (`Output`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class GpuMemory:
 @dataclass(frozen=True)
 class Returned:
     """The function returned. Only rank 0 carries its value: cloudpickled in `payload`, or, when it holds tensors,
-    `saved` with torch.save in the run's result file (see `_worker._dump_result`)."""
+    `saved` with torch.save in the run's result file (see `rank.main._dump_result`)."""
 
     rank: int
     payload: bytes | None = None
@@ -82,10 +82,38 @@ class Imported:
     modules: tuple[str, ...]
 
 
-Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported
+@dataclass(frozen=True)
+class Stacks:
+    """Where the rank's threads are, from the user's function down (sent when the kernel asks)."""
 
-KINDS: dict[str, Any] = {kind.__name__: kind
-                         for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed, Imported)}
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """A chunk of a rank's stdout or stderr, as written to the fd (Ray: local ranks write to pipes instead)."""
+
+    rank: int
+    stream: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where the cluster put the rank (Ray); local ranks are placed by the kernel itself."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+    placement_group: Any = None  # the cluster's reservation for the run: released by the kernel if it must kill
+
+
+Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported | Stacks | Output | Placed
+
+KINDS: dict[str, Any] = {kind.__name__: kind for kind in
+                         (Started, Metric, Progress, GpuMemory, Returned, Failed, Imported, Stacks, Output, Placed)}
 
 
 def encode(message: Message) -> bytes:

@@ -3,7 +3,7 @@
 It is a fresh process (never a fork of the kernel), started once per kernel (in the background on `%load_ext
 ddpnb`), that imports torch but never touches CUDA; each run forks new, clean ranks from it in milliseconds.
 `preload` restarts it with more modules and checks it before any rank is forked from it. `lock` orders all of
-it: a run holds it while its ranks are forked (`Run.start`), so the forkserver never changes under them.
+it: a run holds it while its ranks are forked (`LocalEngine.start`), so the forkserver never changes under them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ddpnb import _worker
+from ddpnb import _compat
+from ddpnb.engines.local.rank import PROCESS_PREFIX
 
-# tqdm is optional (a failed preload import is skipped); preloaded, the worker's progress hook costs nothing
-PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle", "tqdm", "ddpnb._worker"]
+# tqdm is optional (a failed preload import is skipped); preloaded, the rank's progress hook costs nothing
+PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle", "tqdm",
+           "ddpnb.engines.local.rank"]
 lock = threading.Lock()  # held while the forkserver starts, restarts, or has ranks forked from it
 _preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
 
@@ -58,20 +60,18 @@ def _keep_main_module_out_of_ranks() -> None:
     main module's name or path with each new process (`spawn.get_preparation_data`, called with the process's
     name); the wrapper leaves them out for ddpnb's processes and changes nothing for any other.
     """
-    original = multiprocessing.spawn.get_preparation_data
-    if hasattr(original, "ddpnb_original"):
-        return
+    def wrap(original: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+        @functools.wraps(original)
+        def preparation_data(name: str) -> dict[str, Any]:
+            data = original(name)
+            if name.startswith(PROCESS_PREFIX):
+                data.pop("init_main_from_name", None)
+                data.pop("init_main_from_path", None)
+            return data
 
-    @functools.wraps(original)
-    def preparation_data(name: str) -> dict[str, Any]:
-        data = original(name)
-        if name.startswith(_worker.PROCESS_PREFIX):
-            data.pop("init_main_from_name", None)
-            data.pop("init_main_from_path", None)
-        return data
+        return preparation_data
 
-    preparation_data.ddpnb_original = original  # type: ignore[attr-defined]
-    multiprocessing.spawn.get_preparation_data = preparation_data
+    _compat.wrap_preparation_data(wrap)
 
 
 GPU_DRIVER_FILES = "/dev/nvidia"  # a process holding one of these open has initialised CUDA (or NVML)
@@ -81,9 +81,9 @@ CHECK_WAIT = 60.0  # seconds `preload`'s check may take once the forkserver has 
 
 def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[str]:
     """Import `modules` (name -> the file this kernel imports it from, if known) once in the forkserver, so that
-    ranks start with them instead of importing them at every launch (torchvision: 2.6 s a launch on the 2-core
-    test machine). Restarts the forkserver (one `import torch` plus every preloaded module, now: calling it again
-    for a module re-imports it, edits included) and checks the new one before any rank is forked from it: each
+    ranks start with them instead of importing them at every launch (figures: bench/RESULTS.md). Restarts the
+    forkserver (one `import torch` plus every preloaded module, now: calling it again for a module re-imports
+    it, edits included) and checks the new one before any rank is forked from it: each
     module was imported, from the file the kernel would use; it runs no more threads than the forkserver it
     replaces (a rank forked from a process with threads can hang on a lock one of them held); the GPU driver is
     not open (a rank forked after CUDA's initialisation cannot use CUDA). If anything fails, nothing is added,
@@ -94,7 +94,7 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
         if busy():  # a run's ranks were forked from the forkserver: killing it would lose their exit codes
             raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
                                "to end (or .stop() it), then call it again.")
-        server = multiprocessing.forkserver._forkserver._forkserver_pid  # multiprocessing keeps one per process
+        server = _compat.forkserver_pid()
         others = children(server) if server else []
         if others:
             raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
@@ -157,14 +157,13 @@ def _stop() -> None:
     """End the forkserver (no run is using it), so that the next `ensure_running` starts one with the current
     preload list. Killed rather than asked: multiprocessing's own stop waits until every process that holds its
     "alive" pipe exits, which includes whatever a past rank left running."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:  # started
+    if _compat.forkserver_pid() is not None:  # started
         _kill()
-        server._stop()  # reaps it and forgets its address; restarting a dead forkserver is multiprocessing's own path
+        _compat.forget_forkserver()  # restarting a dead forkserver is multiprocessing's own path
 
 
 def _kill() -> None:
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    pid = _compat.forkserver_pid()
     if pid is not None:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -178,7 +177,7 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
     reader, writer = multiprocessing.Pipe(duplex=False)
     packages = {name.partition(".")[0] for name in modules}
     probe = started.Process(target=report_state, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
-                            name=f"{_worker.PROCESS_PREFIX}preload-check", daemon=True)
+                            name=f"{PROCESS_PREFIX}preload-check", daemon=True)
     probe.start()
     writer.close()
     try:
@@ -219,12 +218,9 @@ def report_state(report: Connection, modules: list[str], driver_files: str) -> N
     imported from (absent: not imported), the forkserver's threads, and whether it initialised CUDA: torch's own
     flag (it makes this fork a "bad fork"), or a GPU driver file it holds open (CUDA or NVML initialised by any
     library, not just loaded)."""
-    import torch
-
     server = os.getppid()  # the forkserver forks its children itself
     found = {name: getattr(sys.modules[name], "__file__", None) for name in modules if name in sys.modules}
-    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()
-    report.send((found, threads(server), bad_fork or _holds_open(server, driver_files)))
+    report.send((found, threads(server), _compat.in_bad_fork() or _holds_open(server, driver_files)))
 
 
 def _holds_open(pid: int, prefix: str) -> bool:

@@ -1,0 +1,89 @@
+"""Every use of another library's private API, in one place, so an upgrade that breaks one breaks here, loudly.
+
+`tests/test_compat.py` calls each of these against the installed versions; a failure there names the helper and
+the library to look at. Nothing else in ddpnb reaches into multiprocessing's, cloudpickle's, c10d's, torch.cuda's
+or Ray's internals.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import multiprocessing.spawn
+from collections.abc import Callable
+from typing import Any
+
+
+class IncompatibleVersion(RuntimeError):
+    """An installed library no longer has the private API ddpnb relies on."""
+
+
+# --- multiprocessing: the forkserver every local rank is forked from ----------------------------------------------
+def forkserver_pid() -> int | None:
+    """The PID of this process's forkserver, None if it is not running (multiprocessing keeps one per process)."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def forget_forkserver() -> None:
+    """Reap a killed forkserver and forget its address, so that `ensure_running` starts a new one."""
+    multiprocessing.forkserver._forkserver._stop()
+
+
+Preparation = Callable[[str], dict[str, Any]]
+
+
+def wrap_preparation_data(wrapper: Callable[[Preparation], Preparation]) -> None:
+    """Replace `multiprocessing.spawn.get_preparation_data` (what a new process is told about the parent's main
+    module) by `wrapper(original)`, once per process."""
+    original = multiprocessing.spawn.get_preparation_data
+    if getattr(original, "ddpnb_original", None) is not None:
+        return
+    wrapped = wrapper(original)
+    wrapped.ddpnb_original = original  # type: ignore[attr-defined]
+    multiprocessing.spawn.get_preparation_data = wrapped
+
+
+# --- cloudpickle -------------------------------------------------------------------------------------------------
+def code_reduce(code: Any) -> tuple[Any, tuple[Any, ...]]:
+    """cloudpickle's reduction of a code object (rebuild function, its arguments), to keep the real filename."""
+    import cloudpickle.cloudpickle as internals
+
+    return internals._code_reduce(code)
+
+
+# --- torch ---------------------------------------------------------------------------------------------------------
+def default_store() -> Any:
+    """The store the default process group rendezvoused on (Ray Train made the group: ddpnb reuses its store)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def in_bad_fork() -> bool:
+    """torch's own flag: this process was forked after CUDA was initialised in its parent."""
+    import torch
+
+    return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
+
+
+# --- Ray -------------------------------------------------------------------------------------------------------------
+def canonical_ray_address(address: str | None) -> str | None:
+    """The cluster address `ray.init(address)` would use; with None, the latest `ray start` on this machine."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    return canonicalize_bootstrap_address(address)
+
+
+def ray_train_v2() -> bool:
+    """Whether `TorchTrainer` is Ray Train v2 (the default in recent Ray; RAY_TRAIN_V2_ENABLED=1 in 2.43 and on)."""
+    try:
+        from ray.train.v2._internal.constants import is_v2_enabled
+    except ImportError:
+        return False
+    return is_v2_enabled()
+
+
+def ray_controller_callback() -> type:
+    """Ray Train v2's controller callback base class: how ddpnb learns the controller it can ask to abort."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    return ControllerCallback

@@ -1,0 +1,87 @@
+"""The interface between a `Run` and the engine that runs its ranks (in the spirit of torch elastic's `PContext`).
+
+An engine moves bytes and processes: it starts the ranks, reads what they send, signals them, and says when each
+has ended. Everything a run *means* (the record, failures and their root cause, the stop deadline, the result,
+the views) is the `Run`'s, written once for every engine. All engine calls but `start` come from the run's reader
+thread, inside `serve`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ddpnb.core.messages import Message
+from ddpnb.core.spec import EngineKind, Plan, Stream, WorkerSpec
+
+
+class RunEvents(Protocol):
+    """What an engine tells its run, from inside `Engine.serve`."""
+
+    def placed(self, rank: int, pid: int | None, node: str = "") -> None:
+        """The rank's process exists (locally: forked; on Ray: placed on a node)."""
+
+    def message(self, rank: int, message: Message) -> None:
+        """A typed message the rank sent."""
+
+    def output(self, rank: int, stream: Stream, data: bytes) -> None:
+        """Raw bytes the rank wrote to its stdout or stderr."""
+
+    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
+               traceback: str = "") -> None:
+        """The rank has ended. `stopped`: by the engine's stop, not by itself; `cause`: why it failed, where the
+        engine knows better than its exit code (Ray Train's own account)."""
+
+    def tick(self) -> None:
+        """Called after every wake-up of the engine's loop: the run checks its stops, timeout and announcements."""
+
+    def quiet(self) -> bool:
+        """Whether nothing is ending: no rank has returned or failed, no stop began. An engine may then wait
+        longer between two reads (local: COALESCE) without delaying anything that matters."""
+
+
+class Engine(Protocol):
+    """One run's ranks on one engine."""
+
+    kind: EngineKind
+    stop_wait: float  # seconds `Run.stop()` waits for the ranks to be gone
+    maps_results: bool  # rank 0 can write a result holding tensors into the kernel's memory file
+    announce_every: float  # seconds between two announcements of output to the views (a rank's turn: at once)
+
+    def start(self, events: RunEvents, result_fd: int | None) -> None:
+        """Start every rank, or raise with nothing left running."""
+
+    def serve(self) -> None:
+        """Read what the ranks send, delivering it to `events`, until every rank has ended."""
+
+    def stop(self, ranks: list[int], failed: bool) -> float | None:
+        """Begin stopping `ranks` (`failed`: because a rank failed). Returns seconds until `escalate`, or None."""
+
+    def escalate(self) -> float | None:
+        """Stop harder (SIGKILL; kill the run's actor). Returns seconds until the next escalation, or None."""
+
+    def collect_stacks(self, ranks: list[int]) -> None:
+        """Have `ranks` send `Stacks` messages (delivered before this returns, or never)."""
+
+    def close(self) -> None:
+        """Release everything, the `events` given to `start` included; nothing of the run may outlive this."""
+
+
+class EngineType(Protocol):
+    """What the API asks of an engine before a run exists: its own checks, GPU count and environment."""
+
+    kind: EngineKind
+
+    def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
+        """The engine's options from the user's, or LaunchError."""
+
+    def gpus_available(self) -> int | None:
+        """GPUs `--gpus` can use here; None where the cluster places the ranks."""
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The ranks' environment: what they inherit, plus `env`."""
+
+    def torch_threads(self, plan: Plan, environ: dict[str, str]) -> int | None:
+        """CPU threads per rank, or None to leave torch's choice."""
+
+    def create(self, spec: WorkerSpec, timeout: float | None, options: dict[str, Any]) -> Engine:
+        """The engine for one run."""

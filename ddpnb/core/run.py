@@ -1,0 +1,450 @@
+"""`Run`: one run's handle and bookkeeping, the same for every engine.
+
+The run keeps the record, turns what its engine reports into state (`RunEvents`), picks the root cause of a
+failure, stops every rank against one deadline, holds the run directory's lock and rank 0's result, and feeds
+its views. The engine (`core.engine.Engine`) only starts, reads and signals the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddpnb.core import messages as msg
+from ddpnb.core import pickling, rundir
+from ddpnb.core.engine import Engine
+from ddpnb.core.output import LineBuffer, LineDecoder
+from ddpnb.core.record import (
+    Failure,
+    Outcome,
+    OutputLine,
+    RankRecord,
+    RankState,
+    RunInterrupted,
+    RunRecord,
+    WorkerError,
+    describe_exit,
+    is_knock_on,
+)
+from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
+
+STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
+TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
+
+_live_runs: set[Run] = set()
+
+
+class Run:
+    """A set of ranks, one process each, and what they report. Use `wait()`, `result()`, `stop()`."""
+
+    def __init__(self, spec: WorkerSpec, devices: list[str], engine: Engine, timeout: float | None = None,
+                 function: str = "") -> None:
+        self.spec = spec
+        self.engine = engine
+        self.timeout = timeout
+        run_dir = Path(spec.run_dir)
+        self.record = RunRecord(run_dir=run_dir, world_size=spec.world_size, backend=spec.backend,
+                                engine=engine.kind, function=function)
+        self.record.ranks = [RankRecord(rank=r, device=devices[r], log_path=run_dir / f"rank{r}.log")
+                             for r in range(spec.world_size)]
+        self._lines = LineBuffer()
+        self._decoders: dict[tuple[int, Stream], LineDecoder] = {}
+        self._logs: list[Any] = []
+        self._dir_lock: int | None = None
+        self._payload: bytes | None = None  # rank 0's value, pickled; or, `_saved`, in the result file
+        self._saved = False
+        self._result_fd: int | None = None
+        self._result_closer: Any = None
+        self._value: Any = None
+        self._returned: set[int] = set()
+        self._stopping: dict[int, float] = {}  # rank -> when the engine was first asked to stop it (time.time())
+        self._stop_reason: Outcome | None = None
+        self._stop_note = ""
+        self._stop_requested: tuple[Outcome, str] | None = None
+        self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
+        self._serving = False
+        self._done = threading.Event()
+        self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
+        self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
+        self._changes = threading.Condition()  # views wait on it for the reader's news (`watch`)
+        self._generation = 0  # how many times the reader announced news
+        self._news = False  # something was read or changed since the last announcement
+        self._turn = False  # ... and it is a rank starting, returning, failing or exiting, or the run stopping
+        self._last_news = 0.0
+
+    # --- public lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> Run:
+        """Start every rank through the engine; on any failure nothing is left running and the empty run
+        directory is removed."""
+        run_dir = Path(self.spec.run_dir)
+        # the directory's lock says "live" to retention in every kernel, for every engine, until the run ends
+        self._dir_lock = rundir.lock(run_dir)
+        try:
+            for record in self.record.ranks:
+                log = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
+                self._logs.append(log)
+                for stream in Stream:
+                    self._decoders[(record.rank, stream)] = LineDecoder(log)
+            if self.engine.maps_results:
+                self._create_result_file()
+            self.record.started = time.time()
+            for record in self.record.ranks:
+                record.started = self.record.started
+            self.engine.start(self, self._result_fd)
+            # the duration and the timeout count from the first rank's start, not from the forkserver's first import
+            self.record.started = self.record.ranks[0].started
+            _live_runs.add(self)
+            self._serving = True
+            threading.Thread(target=self._serve, name=f"ddpnb-{self.engine.kind}-run", daemon=True).start()
+        except BaseException as exc:
+            self._release()
+            self._close_result_file()
+            rundir.remove_if_empty(run_dir)
+            if isinstance(exc, KeyboardInterrupt):  # the ranks that had started are gone: say so, not where
+                self.record.outcome, self.record.ended = Outcome.INTERRUPTED, time.time()
+                raise RunInterrupted(self.record, starting=True) from None
+            raise
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.record.outcome
+
+    @property
+    def status(self) -> str:
+        """One line: the outcome so far, the time, and each rank's state."""
+        record = self.record
+        ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
+        return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks})"
+
+    @property
+    def nodes(self) -> dict[int, str]:
+        """Ray: each rank's node ID, once it started."""
+        return {r.rank: r.node for r in self.record.ranks if r.node}
+
+    def __repr__(self) -> str:
+        return (f"<ddpnb run of {self.record.world_size} ranks ({self.record.backend}): {self.status}; "
+                f".wait() .result() .stop()>")
+
+    def wait(self, timeout: float | None = None) -> RunRecord:
+        """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = 0
+        try:
+            while not self._done.is_set():
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._listeners:  # no view to feed: sleep until the end (Ctrl-C still wakes this wait)
+                    self._done.wait(left)
+                else:  # feed the views whenever the reader has news
+                    seen = self.watch(seen, TICK if left is None else min(TICK, left))
+                    self._notify()
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+        except KeyboardInterrupt:
+            self.stop(Outcome.INTERRUPTED, "interrupted by the user (Ctrl-C / kernel interrupt)")
+            raise RunInterrupted(self.record) from None
+        finally:
+            self._notify(ending=True)
+        return self.record
+
+    def watch(self, seen: int, timeout: float) -> int:
+        """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the
+        latest announcement's number. Output is announced at most once an engine's `announce_every`, a rank starting,
+        returning, failing or exiting at once, and the run's end: how views redraw without timers of their own."""
+        with self._changes:
+            self._changes.wait_for(lambda: self._generation != seen or self._done.is_set(), timeout)
+            return self._generation
+
+    def lines_since(self, seen: int) -> tuple[list[OutputLine], int, int]:
+        """The output lines after line number `seen` (the latest 2,000 are kept), how many after it are no longer
+        kept, and the number of the latest line: how views read the run's output."""
+        return self._lines.since(seen)
+
+    def result(self) -> Any:
+        """Rank 0's return value; raises `WorkerError` if the run did not succeed."""
+        self.wait()
+        if self.record.outcome is not Outcome.SUCCEEDED:
+            raise WorkerError(self.record, hint=hint(self.record))
+        if self._payload is not None:  # unpickled once; the bytes are dropped so a big result is not held twice
+            self._value, self._payload = pickle.loads(self._payload), None
+        elif self._saved:  # mapped, not read: the tensors are the file's pages
+            assert self._result_fd is not None
+            self._value, self._saved = pickling.load(self._result_fd), False
+            self._close_result_file()
+        return self._value
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Like mp.spawn's `ProcessContext.join`: True once every rank has ended, raises `WorkerError` on
+        failure, False if `timeout` passed first."""
+        self.wait(timeout)
+        if not self.done:
+            return False
+        if self.record.outcome is not Outcome.SUCCEEDED:
+            raise WorkerError(self.record, hint=hint(self.record))
+        return True
+
+    def stop(self, outcome: Outcome = Outcome.STOPPED, note: str = "stopped by the user") -> None:
+        """Stop every rank (gently, then by force after the engine's grace period) and wait until all are gone."""
+        if self._done.is_set():
+            return
+        self._stop_requested = (outcome, note)
+        deadline = time.monotonic() + self.engine.stop_wait
+        while not self._done.is_set() and time.monotonic() < deadline:
+            try:
+                self._done.wait(0.1)
+            except KeyboardInterrupt:  # a second interrupt while stopping: keep stopping, we are nearly done
+                continue
+
+    def subscribe(self, callback: Callable[[], None], *, news: bool = True) -> None:
+        """Call `callback()` from the thread in `wait()` when the record changed and once a TICK anyway (views
+        redraw from the record), and when `wait()` returns; with `news=False`, only when `wait()` returns (a view
+        with a thread of its own, which must still be complete before a foreground cell ends)."""
+        (self._listeners if news else self._enders).append(callback)
+
+    def _notify(self, ending: bool = False) -> None:
+        for callback in [*self._listeners, *(self._enders if ending else ())]:
+            callback()
+        if ending and self._done.is_set():  # the views have drawn the end: let go of them, so that the run and
+            self._listeners.clear()        # its value go with the caller's last reference, not at the next gc
+            self._enders.clear()
+
+    # --- RunEvents: what the engine reports, from the reader thread -------------------------------------------
+    def placed(self, rank: int, pid: int | None, node: str = "") -> None:
+        record = self.record.ranks[rank]
+        record.pid, record.started = pid, time.time()
+        record.node = node or record.node
+        self._news = True
+
+    def output(self, rank: int, stream: Stream, data: bytes) -> None:
+        lines = self._decoders[(rank, stream)].feed(data, final=not data)
+        if lines:
+            self._add_lines(rank, stream, lines)
+
+    def _add_lines(self, rank: int, stream: Stream, lines: list[str]) -> None:
+        record = self.record.ranks[rank]
+        self._news = True
+        self._lines.add(rank, stream, lines)
+        record.lines += len(lines)
+        record.last_line = lines[-1]
+
+    def message(self, rank: int, message: msg.Message) -> None:
+        record = self.record.ranks[rank]
+        self._news = True
+        self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
+        if isinstance(message, msg.Metric):
+            for name, value in message.values.items():
+                record.metrics.setdefault(name, []).append((message.step, message.time, value))
+        elif isinstance(message, msg.Output):
+            self.output(rank, Stream(message.stream), message.data)
+        elif isinstance(message, msg.Progress):
+            record.update_progress(message)
+        elif isinstance(message, msg.GpuMemory):
+            record.gpu_memory = (message.reserved, message.peak)
+        elif isinstance(message, msg.Stacks):
+            record.stack, record.stalled_state = message.text, record.state
+        elif isinstance(message, msg.Placed):
+            self.placed(rank, message.pid, message.node_id)
+            line = f"[ddpnb] on Ray node {message.node_id[:12]} ({message.node_ip}), pid {message.pid}\n"
+            self.output(rank, Stream.STDOUT, line.encode())
+        elif isinstance(message, msg.Imported):
+            self.record.hint = _preload_hint(message)
+        elif isinstance(message, msg.Started):
+            record.state, record.device = RankState.RUNNING, message.device
+        elif isinstance(message, msg.Returned):
+            self._returned.add(rank)
+            if rank == 0:
+                self._payload, self._saved = message.payload, message.saved
+        elif isinstance(message, msg.Failed):
+            record.state = RankState.FAILED
+            if message.exc_type == "SystemExit":
+                summary = f"called sys.exit({message.message}) before its function returned"
+            else:
+                summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
+            # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence;
+            # one raised before, but read after, is the rank's own
+            knock_on = is_knock_on(message.exc_type, message.message) \
+                or message.time >= self._stopping.get(rank, float("inf"))
+            self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on))
+            self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
+
+    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
+               traceback: str = "") -> None:
+        record = self.record.ranks[rank]
+        self._news = self._turn = True
+        record.exitcode, record.ended = exitcode, record.ended or time.time()
+        if record.state is RankState.FAILED:
+            return
+        if exitcode == 0 and rank in self._returned:
+            record.state = RankState.FINISHED
+        elif stopped:  # ended by ddpnb's stop, not by itself
+            record.state = RankState.STOPPED
+        else:
+            record.state = RankState.FAILED
+            if not cause:
+                cause = describe_exit(exitcode)
+                if exitcode is not None and exitcode >= 0:
+                    cause += " before its function returned (os._exit, or exit() in C code?)"
+            self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
+
+    def quiet(self) -> bool:
+        return not self._returned and self._stop_reason is None and self._stop_requested is None
+
+    def tick(self) -> None:
+        if self._stop_requested and self._stop_reason is None:
+            self._begin_stop(*self._stop_requested)
+        elif self.timeout and self._stop_reason is None and self.record.duration > self.timeout:
+            self._collect_stacks()
+            self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.timeout:g} s timeout (--timeout)")
+        if self._escalate_at is not None and time.monotonic() > self._escalate_at:
+            after = self.engine.escalate()
+            self._escalate_at = None if after is None else time.monotonic() + after
+        if self._turn or (self._news and time.monotonic() - self._last_news >= self.engine.announce_every):
+            self._announce()  # output at most once an `announce_every`, however it floods in; a turn at once
+            self._last_news = time.monotonic()
+
+    # --- stopping and ending -----------------------------------------------------------------------------------
+    def _begin_stop(self, outcome: Outcome, note: str) -> None:
+        if self._stop_reason is not None:
+            return
+        self._stop_reason, self._stop_note = outcome, note
+        self._news = self._turn = True
+        if not self._serving:  # the engine has ended already (its own account of the ranks): nothing to stop
+            return
+        going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
+                 and r.state is not RankState.FAILED]  # a failed rank exits by itself
+        now = time.time()
+        for rank in going:
+            self._stopping.setdefault(rank, now)
+        after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
+        self._escalate_at = None if after is None else time.monotonic() + after
+
+    def _collect_stacks(self) -> None:
+        running = [r.rank for r in self.record.ranks if r.state in (RankState.STARTING, RankState.RUNNING)]
+        self.engine.collect_stacks(running)
+
+    def _serve(self) -> None:
+        try:
+            self.engine.serve()
+        finally:
+            self._serving = False
+            try:
+                self.engine.close()
+                for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
+                    if decoder.partial or decoder.partial_cut:
+                        self._add_lines(rank, stream, decoder.feed(b"", final=True))
+                self._write_endings()
+            finally:  # whatever failed above (a full disk), release everything and let `wait()` return
+                self._release()
+                self._conclude()
+
+    def _release(self) -> None:
+        for log in self._logs:
+            log.close()
+        self._logs = []
+        if self._dir_lock is not None:
+            os.close(self._dir_lock)
+            self._dir_lock = None
+        _live_runs.discard(self)
+
+    def _conclude(self) -> None:
+        """The run's outcome from its ranks' states; then `wait()` returns."""
+        record = self.record
+        record.ended = time.time()
+        if self._stop_reason is not None:
+            record.outcome, record.note = self._stop_reason, self._stop_note
+        elif all(r.state is RankState.FINISHED for r in record.ranks):
+            record.outcome = Outcome.SUCCEEDED
+        else:
+            record.outcome, record.note = Outcome.FAILED, "not every rank finished"
+        if record.outcome is not Outcome.SUCCEEDED:  # `result()` raises: what rank 0 sent is not needed
+            self._payload, self._saved = None, False
+        if not self._saved:
+            self._close_result_file()
+        self._done.set()
+        self._announce()
+
+    def _announce(self) -> None:
+        with self._changes:
+            self._generation += 1
+            self._news = self._turn = False
+            self._changes.notify_all()
+
+    def _write_endings(self) -> None:
+        """End each rank's log with how the rank ended, so the file alone tells the story."""
+        failures = {failure.rank: failure for failure in self.record.failures}
+        for rank, log in zip(self.record.ranks, self._logs):
+            if rank.state is RankState.FINISHED:
+                continue
+            failure = failures.get(rank.rank)
+            if failure is not None:
+                ending = f"rank {rank.rank} failed: {failure.summary}\n{failure.traceback}".rstrip()
+            elif rank.state is RankState.STOPPED:
+                ending = f"rank {rank.rank} stopped by ddpnb ({describe_exit(rank.exitcode)}): {self._stop_note}"
+            else:
+                ending = f"rank {rank.rank} {describe_exit(rank.exitcode)}"
+            log.write(f"\n[ddpnb] {ending}\n".encode())
+
+    # --- rank 0's result file ------------------------------------------------------------------------------------
+    def _create_result_file(self) -> None:
+        """Where rank 0 writes a value holding tensors (`rank.main.dump_result`); without one (no memfd_create
+        here, or refused) every value travels in rank 0's last message."""
+        try:
+            self._result_fd = os.memfd_create("ddpnb-result", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return
+        self._result_closer = weakref.finalize(self, os.close, self._result_fd)  # a result nobody took
+
+    def _close_result_file(self) -> None:
+        """The file's memory goes with the last reference to it: this fd, or a tensor mapped from it."""
+        if self._result_fd is not None:
+            self._result_closer()
+            self._result_fd = None
+
+
+def hint(record: RunRecord) -> str:
+    """What to do next, under a failed run's report."""
+    if record.outcome is Outcome.TIMED_OUT:
+        return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
+    if record.outcome is Outcome.INTERRUPTED:
+        return "Every rank was stopped; run the cell again when ready."
+    first = record.first_failure
+    if first and first.summary.startswith("killed by"):
+        return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
+                "output and, after a crash, where Python was.")
+    return "Fix the error above and run the cell again; the kernel and its variables are unchanged."
+
+
+_hinted: set[tuple[str, ...]] = set()  # modules `_preload_hint` already named in this kernel
+
+
+def _preload_hint(imported: msg.Imported) -> str:
+    """Once per kernel and set of modules: what rank 0 spent importing at this launch, and how to stop paying."""
+    if imported.modules in _hinted:
+        return ""
+    _hinted.add(imported.modules)
+    names = ", ".join(map(repr, imported.modules))
+    return (f"rebuilding the function took rank 0 {imported.seconds:.1f} s, importing {names}, as every rank does at "
+            f"every launch; ddpnb.preload({names}) imports {'it' if len(imported.modules) == 1 else 'them'} once, in "
+            "the process ranks are forked from.")
+
+
+def live_runs(kind: EngineKind | None = None) -> list[Run]:
+    """The runs of this kernel still going (of one engine)."""
+    return [run for run in list(_live_runs) if kind is None or run.engine.kind is kind]
+
+
+def stop_all_runs() -> None:
+    """atexit: a kernel that shuts down takes its runs with it."""
+    for run in live_runs():
+        run.stop(Outcome.STOPPED, "the kernel shut down")

@@ -1,0 +1,130 @@
+"""What a run is asked to be: the names users pass as strings, as enums; the spec every rank receives; planning."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Named(str, enum.Enum):
+    """An enum users may also write as its string value (`engine="ray"`); it prints as that value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EngineKind(Named):
+    LOCAL = "local"  # ranks are processes on this machine, forked from the forkserver
+    RAY = "ray"  # ranks are Ray Train workers on a Ray cluster
+
+
+class ViewKind(Named):
+    AUTO = "auto"
+    WIDGET = "widget"
+    TEXT = "text"
+    NONE = "none"
+
+
+class Stream(Named):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+class CallStyle(Named):
+    AUTO = "auto"  # fn(), fn(rank) or fn(rank, world_size) by its parameters, then the extra args
+    SPAWN = "spawn"  # fn(rank, *args), as torch.multiprocessing.spawn calls it
+
+
+class LaunchError(ValueError):
+    """The run cannot start as asked (bad arguments, too many GPUs). Nothing was started."""
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank needs; sent to the ranks pickled, never in argv or the environment."""
+
+    fn_payload: bytes  # cloudpickled function
+    args: tuple[Any, ...]
+    call_style: CallStyle
+    world_size: int
+    backend: str
+    use_gpus: bool
+    master_port: int
+    environ: dict[str, str]
+    run_dir: str
+    sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
+    torch_threads: int | None = None
+
+
+CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
+DEFAULT_CPU_RANKS = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int
+    use_gpus: bool
+    backend: str
+    note: str = ""  # said in the run's header: how the request was read (a CPU fallback)
+
+
+def enabled(name: str) -> bool:
+    """An on/off environment variable: unset, empty, 0, false, no and off are off."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None) -> Plan:
+    """The world size, devices and backend for the flags given; raises LaunchError for impossible ones.
+    `available` is the GPUs the engine can count here, None where the cluster places the ranks (Ray)."""
+    if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
+        raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}.")
+    note = ""
+    if gpus is None:
+        world_size, use_gpus = nprocs or DEFAULT_CPU_RANKS, False
+    else:
+        if gpus == "all":
+            if available is None:
+                raise LaunchError("--engine ray takes a number of GPUs (--gpus N), not 'all': the ranks go where the "
+                                  "cluster has GPUs, so 'all' has no meaning there.")
+            if available == 0 and not enabled(CPU_FALLBACK_VAR):
+                raise LaunchError(no_gpus_message("all", available))
+            wanted = available or nprocs or DEFAULT_CPU_RANKS
+        else:
+            try:
+                wanted = int(gpus)
+            except ValueError:
+                raise LaunchError(f"--gpus takes a number or 'all', not {gpus!r}.") from None
+            if wanted < 1:
+                raise LaunchError(f"--gpus must be at least 1, not {wanted}.")
+        if nprocs is not None and nprocs != wanted:
+            raise LaunchError(f"--gpus {gpus} starts one rank per GPU; leave out --nprocs {nprocs}.")
+        if available is None or wanted <= available:
+            world_size, use_gpus = wanted, True
+        elif enabled(CPU_FALLBACK_VAR):
+            world_size, use_gpus = wanted, False
+            note = (f"{available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
+                    f"({CPU_FALLBACK_VAR} is set)")
+        else:
+            raise LaunchError(no_gpus_message(gpus, available))
+    if backend == "nccl" and not use_gpus:
+        raise LaunchError("the nccl backend needs GPUs; use --gpus N, or gloo for CPU ranks.")
+    return Plan(world_size, use_gpus, backend or ("nccl" if use_gpus else "gloo"), note)
+
+
+def local_gpu_count() -> int:
+    """GPUs this process may use, counted through NVML: CUDA is not initialised in the kernel."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def no_gpus_message(gpus: int | str, available: int) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    have = f"{available} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+    fewer = f"use --gpus {available} or fewer, " if available else ""
+    return (f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
+            f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")

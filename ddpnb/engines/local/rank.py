@@ -1,0 +1,244 @@
+"""A local rank: a process forked from the CUDA-free forkserver, its fds, environment, store and exit.
+
+Nothing here runs in the kernel except `FdForChild` and the names below; `entry` is the multiprocessing target.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import io
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ddpnb.core import messages as msg
+from ddpnb.core import rundir
+from ddpnb.core.spec import WorkerSpec
+from ddpnb.rank import context as ctx
+from ddpnb.rank import group
+from ddpnb.rank.main import run_function
+
+PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes: `ddpnb-rank0`, `ddpnb-preload-check`
+LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
+# init_process_group returns once this rank's group is up, not every rank's: a rank whose function is quick can
+# take its group down (or exit) while a peer is still connecting gloo's full mesh, which then fails ("Gloo
+# connectFullMesh failed ... Connection closed by peer"). torch's own store barrier closes that gap.
+INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}
+
+
+class FdForChild:
+    """A file descriptor passed to a rank as a `Process` argument: duplicated into the child over the
+    forkserver's socket, as multiprocessing does for pipes and sockets; the child receives the int."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicated: Any) -> int:
+    return duplicated.detach()
+
+
+class PipeLink:
+    """The rank's channel to the kernel: the write end of a pipe, each message one frame (`messages.header`,
+    then its bytes), written with as few `os.write` calls as possible, because this runs inside the user's
+    training step."""
+
+    def __init__(self, rank: int, channel: Connection) -> None:
+        self.rank = rank
+        self.channel = channel  # keeps the fd open
+        self.fd = channel.fileno()
+        self.lock = threading.Lock()
+
+    def send(self, message: msg.Message) -> None:
+        self._write(msg.encode(message))
+
+    def send_metric(self, step: int | None, values: dict[str, float]) -> None:
+        self._write(msg.encode_metric(self.rank, step, time.time(), values))  # no dataclass built first
+
+    def _write(self, data: bytes) -> None:
+        header = msg.header(len(data))
+        with self.lock:
+            if len(data) <= 4000:  # one write up to PIPE_BUF (4 KiB) is never split nor interleaved
+                os.write(self.fd, header + data)
+                return
+            os.write(self.fd, header)
+            view = memoryview(data)  # a big value: written in place, not copied into a frame first
+            while view:
+                view = view[os.write(self.fd, view):]
+
+
+_store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
+
+
+def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
+          spec_payload: bytes, store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
+    """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
+    the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
+    `WorkerSpec`, unpickled after the output is redirected, so that a failure to rebuild it is reported like any
+    other. Rank 0 also gets the socket for its TCPStore and the file for its result."""
+    global _store_fd
+    # what the forkserver imported (torch: ~200,000 objects) is never garbage: keep the garbage collector from
+    # walking it at every full collection, which also copied every page it touched out of the shared memory
+    gc.freeze()
+    os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
+    _redirect_output(out, err)
+    context = ctx.RankContext(rank=rank, link=PipeLink(rank, channel))
+    threading.Thread(target=_watch_kernel, args=(lifeline,), name="ddpnb-watchdog", daemon=True).start()
+    if store_socket is not None:
+        _store_fd = store_socket.detach()  # the TCPStore takes it over
+
+    code = 0
+    try:
+        run_function(context, spec_payload, _setup, _join_group, result_fd)
+        _leave_store(context)
+    except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
+        code = _exit_code(exc)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: user threads or CUDA state must not hang the exit
+
+
+def _setup(rank: int, spec: WorkerSpec) -> str:
+    """The environment torchrun would give the rank, its CPU threads and its device."""
+    import torch
+
+    _install_stack_dump(spec.run_dir, rank)
+    os.environ.clear()
+    os.environ.update(INIT_BARRIER)  # unless the kernel's environment or --env says otherwise
+    os.environ.update(spec.environ)
+    os.environ.update(_torchrun_env(rank, spec))
+    loopback = _loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # ranks of a local run talk over loopback: gloo would otherwise listen on the address the hostname
+        # resolves to, which on many machines is reachable from the network
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    threads = spec.torch_threads or _omp_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    if spec.use_gpus:
+        torch.cuda.set_device(rank)
+        return f"cuda:{rank}"
+    return "cpu"
+
+
+def _join_group(context: ctx.RankContext, spec: WorkerSpec) -> None:
+    import torch.distributed as dist
+
+    # rank 0 listens on the socket the kernel bound to 127.0.0.1 (never on every interface, never a raced port)
+    context.store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=context.rank == 0,
+                                  master_listen_fd=_store_fd if context.rank == 0 else None)
+    group.new_group(spec.backend)
+
+
+def _leave_store(context: ctx.RankContext) -> None:
+    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
+    running needs the store. The others say they are done and exit, their process group with them (exiting
+    closes its sockets; `destroy_process_group` would cost each rank time on the launch path).
+
+    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
+    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
+    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned,
+    so nothing here is the user's failure.
+    """
+    store, rank = context.store, context.rank
+    if store is None:
+        return
+    try:
+        if rank:
+            store.set(f"ddpnb/done/{rank}", b"")
+            return
+        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+        deadline = time.monotonic() + LEAVE_WAIT
+        # `check`, not `wait` with a timeout: a wait that times out prints c10d warnings into the rank's output
+        while not store.check(others):
+            if time.monotonic() > deadline:
+                group.destroy_process_group()
+                store.wait(others, datetime.timedelta(days=365))
+                return
+            time.sleep(0.005)
+    except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
+        return
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with: sys.exit() is 0, sys.exit("message") prints it and is 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _omp_num_threads() -> int | None:
+    """The user's OMP_NUM_THREADS (`--env`, or set in the kernel after the forkserver started): torch read the
+    variable when the forkserver imported it, so a rank must apply the value it was given itself."""
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        return None
+    return threads if threads > 0 else None
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def _redirect_output(out: Connection, err: Connection) -> None:
+    """Point fds 1 and 2 at the kernel's pipes, so C/C++ writes and crash messages are captured too."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  line_buffering=True)
+
+
+def _watch_kernel(lifeline: Connection) -> None:
+    """Parent-death watchdog: the kernel holds the write end of `lifeline`; EOF means it is gone."""
+    try:
+        while True:
+            lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)  # this rank and whatever it started (DataLoader workers, ...)
+
+
+_stack_file: io.TextIOBase | None = None
+
+
+def _install_stack_dump(run_dir: str, rank: int) -> None:
+    """SIGUSR1 writes every thread's Python stack to a file: how the kernel learns where a stalled rank is."""
+    global _stack_file
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    _stack_file = open(os.path.join(run_dir, f"rank{rank}.stack"), "w", opener=rundir.private)  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def _torchrun_env(rank: int, spec: WorkerSpec) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(spec.master_port),
+        "DDPNB_WORKER": "1",
+    }

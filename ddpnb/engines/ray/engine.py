@@ -1,0 +1,265 @@
+"""The ray engine, kernel side: a run actor on the cluster hosts Ray Train's fit; the kernel drains its channel.
+
+A run is stopped (Ctrl-C, --timeout, a failed rank) the way Ray Train's own Ctrl-C does it: its controller
+aborts, stopping the workers and releasing their placement group. Where that is not possible or too slow, the
+run actor is killed: Ray then kills the controller it owns and the workers the controller owns, and ddpnb
+releases the placement group.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpnb.core import messages as msg
+from ddpnb.core import pickling
+from ddpnb.core.engine import RunEvents
+from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
+from ddpnb.engines.ray import RAY_REQUIREMENT, versions
+from ddpnb.engines.ray.actor import FitOutcome, FitRequest
+
+INSTALL_HINT = (f"--engine ray needs Ray Train: pip install 'ddpnb[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
+                "every node of the cluster.")
+POLL = 0.1  # seconds between two drains of the channel
+FAILURE_GRACE = 20.0  # seconds Ray Train gets to stop the other ranks itself after one failed
+ABORT_WAIT = 15.0  # seconds Ray Train's own abort gets to end a stopped run before ddpnb kills the run actor
+STACK_WAIT = 3.0  # seconds ranks get to send their stacks at a timeout
+
+
+class Placement(enum.Enum):
+    """How Ray places the ranks: Ray Train's placement-group strategies."""
+
+    PACK = "pack"  # as few nodes as possible (Ray Train's default)
+    SPREAD = "spread"  # across as many nodes as possible
+
+
+class RayType:
+    """The ray engine before a run: Ray Train installed, a placement; the GPUs are the cluster's."""
+
+    kind = EngineKind.RAY
+
+    def __init__(self) -> None:
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+            raise LaunchError(INSTALL_HINT)
+
+    def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
+        try:
+            chosen = Placement(placement or Placement.PACK.value)
+        except ValueError:
+            choices = ", ".join(p.value for p in Placement)
+            raise LaunchError(f"placement must be one of {choices}, not {placement!r}.") from None
+        return {"address": address, "placement": chosen}
+
+    def gpus_available(self) -> int | None:
+        return None
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        return dict(env)  # a cluster's nodes keep their own environment: only the variables asked for travel
+
+    def torch_threads(self, plan: Plan, environ: dict[str, str]) -> int | None:
+        return None  # Ray Train sets the workers' threads from their CPUs
+
+    def create(self, spec: WorkerSpec, timeout: float | None, options: dict[str, Any]) -> RayEngine:
+        return RayEngine(spec, timeout, options["address"], options["placement"])
+
+
+class RayEngine:
+    """One run's ranks as Ray Train workers."""
+
+    kind = EngineKind.RAY
+    stop_wait = STACK_WAIT + 2 * ABORT_WAIT + 5  # Ray Train's abort, then (if need be) killing the run actor
+    maps_results = False  # rank 0 may be on another node: its value travels in its last message
+    announce_every = POLL
+
+    def __init__(self, spec: WorkerSpec, timeout: float | None, address: str | None, placement: Placement) -> None:
+        self.spec = spec
+        self.timeout = timeout
+        self.address = address
+        self.placement = placement
+        self._events: RunEvents | None = None
+        self._actor: Any = None
+        self._fit_ref: Any = None
+        self._fit: FitOutcome | None = None
+        self._aborted = False  # asked Ray Train to abort
+        self._killed = False  # the run actor was killed
+        self._stopped = False  # stopped by the user or the timeout: Ray Train's account is not a failure
+        self._served = False
+        self._placement_groups: dict[str, Any] = {}
+        self._returned: set[int] = set()
+        self._failed: set[int] = set()
+        self._stacks: set[int] = set()
+
+    def start(self, events: RunEvents, result_fd: int | None) -> None:
+        import ray
+
+        from ddpnb.engines.ray import cluster
+        from ddpnb.engines.ray.actor import RunActor
+
+        self._events = events
+        spec = self.spec
+        spec_payload = pickling.dump_spec(spec)  # before anything starts: args that cannot be sent
+        print(cluster.connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
+        self._warn_if_too_small()
+        request = FitRequest(
+            name=f"ddpnb-{Path(spec.run_dir).name}", spec_payload=spec_payload, world_size=spec.world_size,
+            use_gpus=spec.use_gpus, backend=spec.backend, placement=self.placement.name,
+            group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
+        )
+        self._actor = ray.remote(RunActor).options(
+            num_cpus=0, max_concurrency=2 * spec.world_size + 8, scheduling_strategy=_near_this_kernel(),
+        ).remote()
+        self._fit_ref = self._actor.fit.remote(request)
+
+    def _warn_if_too_small(self) -> None:
+        import ray
+
+        total = ray.cluster_resources()
+        cpus, gpus = self.spec.world_size, self.spec.world_size if self.spec.use_gpus else 0
+        if total.get("CPU", 0) < cpus or total.get("GPU", 0) < gpus:
+            print(f"[ddpnb] the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all; "
+                  f"this run needs {cpus} CPUs and {gpus} GPUs. It waits until the cluster has room (an autoscaler "
+                  "may add nodes); --timeout bounds the wait.", file=sys.stderr)
+
+    # --- the reader ------------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        import ray
+
+        assert self._events is not None
+        try:
+            while True:
+                ready, _ = ray.wait([self._fit_ref], timeout=POLL)
+                if not self._killed:
+                    self._drain()  # after fit() returned too: the ranks flushed everything before they returned
+                if ready:
+                    break
+                self._events.tick()
+            self._fit = ray.get(self._fit_ref) if not self._killed else None
+        except Exception as exc:  # noqa: BLE001 - Ray failed under us (the cluster went away): end the run, saying why
+            if not self._killed:
+                self._fit = FitOutcome(error=f"lost the Ray run: {type(exc).__name__}: {exc}")
+        finally:
+            self._served = True
+            self._settle_ranks()
+
+    def _drain(self) -> None:
+        import ray
+
+        assert self._events is not None
+        for data in ray.get(self._actor.drain.remote()):
+            message = msg.decode(data)
+            if isinstance(message, msg.Placed) and message.placement_group is not None:
+                self._placement_groups[message.placement_group.id.hex()] = message.placement_group
+            elif isinstance(message, msg.Returned):
+                self._returned.add(message.rank)
+            elif isinstance(message, msg.Failed):
+                self._failed.add(message.rank)
+            elif isinstance(message, msg.Stacks):
+                self._stacks.add(message.rank)
+            self._events.message(message.rank, message)
+
+    def _settle_ranks(self) -> None:
+        """Each rank's end: Ray reports no exit codes, so they are inferred as a local run's would be."""
+        assert self._events is not None
+        fit = FitOutcome() if self._fit is None or self._stopped else self._fit
+        unexplained = []
+        for rank in range(self.spec.world_size):
+            if rank in self._failed:
+                self._events.exited(rank, 1)
+            elif rank in self._returned:
+                self._events.exited(rank, 0)
+            elif rank in fit.rank_errors:
+                self._events.exited(rank, 1, cause=fit.rank_errors[rank])
+            else:
+                unexplained.append(rank)
+        if fit.error and not (self._failed or fit.rank_errors) and unexplained and not self._stopped:
+            first = unexplained.pop(0)  # Ray Train failed before any rank could say why (e.g. ddpnb is missing there)
+            self._events.exited(first, 1, cause=fit.error.splitlines()[0], traceback=fit.error + _missing_hint(fit))
+        for rank in unexplained:  # ray.kill: by Ray Train after another rank failed, or by ddpnb
+            self._events.exited(rank, -signal.SIGKILL, stopped=True)
+
+    # --- stopping ---------------------------------------------------------------------------------------------------
+    def stop(self, ranks: list[int], failed: bool) -> float | None:
+        if self._served:
+            return None
+        if failed:  # Ray Train stops the others itself (their last output still arrives); abort if it does not
+            return FAILURE_GRACE
+        self._stopped = True
+        return self.escalate()
+
+    def escalate(self) -> float | None:
+        """First Ray Train's own abort; where it cannot (Ray Train v1), or takes too long, kill the run actor."""
+        import ray
+
+        if self._served or self._killed:
+            return None
+        if not self._aborted:
+            self._aborted = True
+            try:
+                graceful = ray.get(self._actor.abort.remote(), timeout=ABORT_WAIT)
+            except (ray.exceptions.RayError, TimeoutError):  # the run actor is gone or stuck
+                graceful = False
+            if graceful:
+                return ABORT_WAIT
+        self._kill()
+        return None
+
+    def _kill(self) -> None:
+        """Kill the run actor: Ray kills the Train controller it owns, and the controller's workers with it. The
+        workers' placement group outlives its creator (it belongs to the kernel's job), so it is removed here."""
+        from ray.util import remove_placement_group
+
+        self._killed = True
+        self._kill_quietly()
+        for group in self._placement_groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # noqa: BLE001 - say so: its CPUs/GPUs stay reserved until the kernel exits
+                print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
+                      "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
+
+    def collect_stacks(self, ranks: list[int]) -> None:
+        import ray
+
+        self._actor.request.remote("stacks")
+        deadline = time.monotonic() + STACK_WAIT
+        while time.monotonic() < deadline and not set(ranks) <= self._stacks:
+            ready, _ = ray.wait([self._fit_ref], timeout=POLL)
+            self._drain()
+            if ready:
+                return
+
+    def close(self) -> None:
+        if self._actor is not None and not self._killed:
+            self._kill_quietly()
+        self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+    def _kill_quietly(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self._actor)
+        except Exception:  # noqa: BLE001 - Ray already shut down (the kernel is exiting): the actor went with it
+            return
+
+
+def _missing_hint(fit: FitOutcome) -> str:
+    if "No module named" in fit.error:
+        return (f"\n\nThe Ray cluster's nodes need the same packages as this kernel: {RAY_REQUIREMENT}, and ddpnb, "
+                f"torch and cloudpickle at the kernel's versions ({versions()}).")
+    return ""
+
+
+def _near_this_kernel() -> Any:
+    """Put the run actor on the kernel's own node when the kernel is on one (the channel stays local)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    except Exception:  # noqa: BLE001 - a Ray Client connection has no node of its own: anywhere will do
+        return "DEFAULT"

@@ -1,0 +1,50 @@
+"""The running rank's link to the kernel and what it knows of itself; `ddpnb.log` and `ddpnb.device` read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ddpnb.core.messages import Message
+
+
+class Link(Protocol):
+    """How a rank's messages reach the kernel: a pipe (local) or the run actor (Ray)."""
+
+    def send(self, message: Message) -> None: ...
+
+    def send_metric(self, step: int | None, values: dict[str, float]) -> None:
+        """`ddpnb.log`'s path, inside the training step: what `send(Metric(...))` sends, as cheaply as possible."""
+
+
+@dataclass
+class RankContext:
+    rank: int
+    link: Link
+    device: str = "cpu"
+    store: Any = None  # the store every process group of this run rendezvouses on
+    store_uses: int = 0  # process groups made on it so far (each gets its own key prefix)
+    suggests_preload: bool = True  # rank 0 reports slow imports (`ddpnb.preload` applies to this engine)
+
+    def send(self, message: Message) -> None:
+        self.link.send(message)
+
+    def send_metric(self, step: int | None, values: dict[str, float]) -> None:
+        self.link.send_metric(step, values)
+
+
+_current: RankContext | None = None
+
+
+def current() -> RankContext | None:
+    """This rank's context; None outside a rank (in the notebook, in a plain script)."""
+    return _current
+
+
+def enter(context: RankContext | None) -> None:
+    global _current
+    _current = context
+
+
+def device() -> str:
+    return _current.device if _current is not None else "cpu"

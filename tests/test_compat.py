@@ -1,0 +1,82 @@
+"""Every private API ddpnb uses (`ddpnb/_compat.py`), called against the installed libraries. A failure here
+means an upgrade moved one: the message names the helper and the library version to look at."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import multiprocessing.spawn
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import ddpnb
+from ddpnb import _compat
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
+
+
+def call(helper: Callable[..., Any], library: str, *args: Any) -> Any:
+    try:
+        return helper(*args)
+    except (AttributeError, ImportError, TypeError) as exc:
+        pytest.fail(f"_compat.{helper.__name__} no longer works with {library} "
+                    f"{importlib.metadata.version(library) if library != 'python' else ''}: "
+                    f"{type(exc).__name__}: {exc}")
+
+
+def test_forkserver_internals_still_name_and_restart_the_forkserver():
+    from ddpnb.engines.local import forkserver
+
+    forkserver.context()
+    first = call(_compat.forkserver_pid, "python")
+    assert isinstance(first, int) and os.path.exists(f"/proc/{first}"), "the forkserver PID is not a live process"
+    with forkserver.lock:
+        forkserver._stop()  # kills it, then `forget_forkserver`
+    assert call(_compat.forkserver_pid, "python") is None
+    forkserver.context()
+    assert call(_compat.forkserver_pid, "python") not in (None, first)
+    assert ddpnb.run(lambda: 7, nprocs=1, view="none") == 7  # ranks fork from the new one
+
+
+def test_preparation_data_wrapper_keeps_the_main_module_out_of_ranks_only():
+    from ddpnb.engines.local import forkserver
+
+    forkserver.context()
+    wrapped = multiprocessing.spawn.get_preparation_data
+    assert getattr(wrapped, "ddpnb_original", None) is not None, "spawn.get_preparation_data was not wrapped"
+    assert "sys_path" in call(wrapped, "python", "ddpnb-rank0"), "get_preparation_data(name) changed its result"
+
+
+def test_cloudpickle_code_reduce_rebuilds_a_code_object():
+    def sample(x):
+        return x + 1
+
+    rebuild, args = call(_compat.code_reduce, "cloudpickle", sample.__code__)
+    # ddpnb's pickler swaps cloudpickle's '<dynamic-code>' for the real filename in these arguments
+    assert {"<dynamic-code>", sample.__code__.co_filename} & set(args), "the code's filename is no longer an argument"
+    assert rebuild(*args).co_code == sample.__code__.co_code
+
+
+def _store_kind():
+    from ddpnb import _compat
+
+    return type(_compat.default_store()).__name__
+
+
+def test_c10d_default_store_is_reachable_in_a_rank():
+    assert ddpnb.run(_store_kind, nprocs=1, view="none").endswith("Store")
+
+
+def test_torch_bad_fork_flag_is_readable():
+    assert call(_compat.in_bad_fork, "torch") is False  # the test process never initialised CUDA
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed")
+def test_ray_private_helpers_still_exist():
+    assert call(_compat.canonical_ray_address, "ray", "127.0.0.1:6379").endswith(":6379")
+    assert isinstance(call(_compat.ray_train_v2, "ray"), bool)
+    callback = call(_compat.ray_controller_callback, "ray")
+    assert hasattr(callback, "after_controller_start"), "Ray Train's ControllerCallback lost after_controller_start"
