@@ -197,6 +197,16 @@ def _prepare(rank: int, spec: WorkerSpec) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
+def _omp_num_threads() -> int | None:
+    """The user's OMP_NUM_THREADS (`--env`, or set in the kernel after the forkserver started): torch read the
+    variable when the forkserver imported it, so a rank must apply the value it was given itself."""
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        return None
+    return threads if threads > 0 else None
+
+
 def _loopback_interface() -> str | None:
     names = [name for _, name in socket.if_nameindex()]
     return next((name for name in names if name in ("lo", "lo0")), None)
@@ -272,8 +282,9 @@ def _run_function(rank: int, spec_payload: bytes, setup: Callable[[int, WorkerSp
             _device = setup(rank, spec)
         else:
             _prepare(rank, spec)
-            if spec.torch_threads:
-                torch.set_num_threads(spec.torch_threads)
+            threads = spec.torch_threads or _omp_num_threads()
+            if threads:
+                torch.set_num_threads(threads)
             if spec.use_gpus:
                 torch.cuda.set_device(rank)
                 _device = f"cuda:{rank}"
