@@ -205,6 +205,7 @@ class Run:
         self._stop_requested: tuple[Outcome, str] | None = None
         self._kill_at: float | None = None
         self._signalled: dict[int, set[int]] = {}  # rank -> the stop signals ddpnb sent it
+        self._signalled_at: dict[int, float] = {}  # rank -> when ddpnb first signalled it (time.time())
         self._done = threading.Event()
         self._procs: list[Any] = []
         self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
@@ -542,8 +543,10 @@ class Run:
                 summary = f"called sys.exit({message.message}) before its function returned"
             else:
                 summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
-            # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence
-            knock_on = is_knock_on(message.exc_type, message.message) or rank in self._signalled
+            # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence;
+            # one raised before, but read after, is the rank's own
+            knock_on = is_knock_on(message.exc_type, message.message) \
+                or message.time >= self._signalled_at.get(rank, float("inf"))
             self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on))
             self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
 
@@ -605,6 +608,7 @@ class Run:
 
     def _signal(self, rank: int, sig: signal.Signals) -> None:
         self._signalled.setdefault(rank, set()).add(sig)
+        self._signalled_at.setdefault(rank, time.time())
         _kill_group(self._procs[rank].pid, sig)
 
     def _dump_stacks(self) -> None:
