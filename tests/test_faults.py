@@ -338,14 +338,16 @@ OWN_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("exc_type, message", KNOCK_ON_ERRORS)
+@pytest.mark.parametrize("exc_type, message", KNOCK_ON_ERRORS, ids=[
+    "gloo-closed", "gloo-reset", "gloo-recv-timeout", "nccl-aborted", "nccl-remote-error", "nccl-watchdog",
+    "store-recv"])
 def test_collective_errors_of_gloo_and_nccl_are_knock_on_failures(exc_type, message):
     from ddpnb._record import is_knock_on
 
     assert is_knock_on(exc_type, message)
 
 
-@pytest.mark.parametrize("exc_type, message", OWN_ERRORS)
+@pytest.mark.parametrize("exc_type, message", OWN_ERRORS, ids=["value-error", "key-error", "oom", "shapes"])
 def test_a_ranks_own_errors_are_not_knock_on_failures(exc_type, message):
     from ddpnb._record import is_knock_on
 
@@ -434,7 +436,7 @@ def starts_a_child_then(rank, how, children):
 @pytest.mark.parametrize("how, outcome", [
     ("succeeds", ddpnb.Outcome.SUCCEEDED), ("raises", ddpnb.Outcome.FAILED),
     ("times out", ddpnb.Outcome.TIMED_OUT), ("stopped", ddpnb.Outcome.STOPPED),
-])
+], ids=["succeeds", "raises", "times-out", "stopped"])
 def test_what_a_rank_started_is_gone_after_the_run_however_it_ended(tmp_path, how, outcome):
     # the timeout outlasts the ranks' start, so each has started its child when the stop begins
     run = ddpnb.launch(starts_a_child_then, nprocs=2, args=(how, str(tmp_path)),
