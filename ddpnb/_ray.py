@@ -307,10 +307,13 @@ class RayRun(Run):
         import ray
 
         spec = self.spec
+        # retention in any kernel keeps a locked run directory: lock it before connecting, which can take minutes
+        self._dir_lock = _supervisor._lock_run_dir(Path(spec.run_dir))
         try:
             spec_payload = _pickling.dump_spec(spec)  # before anything starts: args that cannot be sent
             print(connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
         except BaseException:
+            os.close(self._dir_lock)
             Path(spec.run_dir).rmdir()  # still empty: a run that never started leaves nothing
             raise
         self._warn_if_too_small()
@@ -465,6 +468,7 @@ class RayRun(Run):
                 self._kill_quietly()
             for log in self._logs:
                 log.close()
+            os.close(self._dir_lock)
             self._conclude()
 
     def _kill_quietly(self) -> None:
