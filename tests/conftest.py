@@ -70,8 +70,16 @@ class Kernel:
         return result
 
     def shutdown(self) -> None:
+        """Stop the kernel and wait until what it started (its forkserver, their resource trackers) is gone too, so
+        that no later test finds them (a subreaper test process inherits them when the kernel dies first)."""
+        try:
+            tree = [child.pid for child in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
+        left = wait_gone(tree, within=10)
+        assert not left, f"still running 10 s after the kernel stopped: {[_describe(pid) for pid in left]}"
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +105,10 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        return f"{pid} {' '.join(psutil.Process(pid).cmdline())}"
+    except psutil.NoSuchProcess:
+        return str(pid)

@@ -31,13 +31,15 @@ IDLE = ".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='i
 
 TRAIN_CELL = '''%%ddp -n 2
 def train(rank, world_size):
-    import time, torch, ddpnb
+    import os, time, torch, ddpnb
     from tqdm.auto import tqdm
     torch.manual_seed(rank)
     x, w = torch.randn(512, 16), torch.linspace(-1, 1, 16)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
     for step in tqdm(range(80), desc="train"):
+        while step == 40 and not os.path.exists("dashboard-go"):  # mid-run until the test has looked
+            time.sleep(0.1)
         started = time.perf_counter()
         batch = x[torch.randint(0, 512, (64,))]
         loss = (model(batch).squeeze(1) - batch @ w).pow(2).mean()
@@ -50,11 +52,13 @@ def train(rank, world_size):
 
 BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
 def slow(rank):
-    import time
+    import os, time
     import ddpnb
-    for step in range(30):
+    step = 0
+    while not os.path.exists("background-go"):  # until the test has seen it run beside another cell
         ddpnb.log(step=step, value=step * (rank + 1))
         print(f"tick {step}")
+        step += 1
         time.sleep(0.1)
     return "background done"
 '''
@@ -211,9 +215,10 @@ def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summar
     output.locator(".ddpnb-plot[data-metric='loss'] svg polyline[data-rank='1']").wait_for()
     output.locator(".ddpnb-line", has_text="step").first.wait_for()
     output.locator(".ddpnb-progress[data-total='80'] .ddpnb-bar").first.wait_for()
-    assert live.is_visible(), "the run ended before the mid-run checks; the test workload is too short"
+    assert live.is_visible()  # the ranks wait at step 40 for dashboard-go
     page.wait_for_timeout(1500)
     cells.nth(1).screenshot(path=str(_screenshot(lab, "dashboard-live.png")))
+    (lab[2] / "dashboard-go").touch()
 
     # the end: the widget is replaced by the static summary, which says finished
     summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
@@ -238,8 +243,9 @@ def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
 
     _run_cell(page, cells.nth(2))
     cells.nth(2).locator(".jp-OutputArea-output", has_text="42").wait_for()
-    assert background.locator(".ddpnb .ddpnb-pill[data-state='running']").is_visible()
+    assert background.locator(".ddpnb .ddpnb-pill[data-state='running']").is_visible()  # until background-go
     background.locator(".ddpnb-line", has_text="tick").first.wait_for()
+    (lab[2] / "background-go").touch()
 
     _run_cell(page, cells.nth(3), finished=False)
     cells.nth(3).locator(".jp-OutputArea-output", has_text="background done").wait_for(timeout=120_000)

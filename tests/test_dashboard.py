@@ -51,7 +51,8 @@ def broken(rank):
     import time
     if rank == 1:
         raise ValueError("bad batch on rank 1")
-    time.sleep(30)
+    while True:  # until rank 1's failure stops the run
+        time.sleep(0.1)
 '''
 
 
@@ -90,15 +91,11 @@ def _summary(cell: nbformat.NotebookNode) -> dict:
 def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
     """One notebook run through a real kernel with widget state stored, as a front end would save it."""
     path = tmp_path_factory.mktemp("dashboard")
-    saved = os.environ.pop("DDPNB_VIEW", None)  # auto: a Jupyter kernel gets the dashboard
-    os.environ["DDPNB_RUNS_DIR"] = str(path / "runs")
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("DDPNB_VIEW", raising=False)  # auto: a Jupyter kernel gets the dashboard
+        env.setenv("DDPNB_RUNS_DIR", str(path / "runs"))
         nb = _execute(["%load_ext ddpnb", TRAIN_CELL, TQDM_CELL, "import ddpnb\nrecord = ddpnb.last_run()",
                        FAILING_CELL], path)
-    finally:
-        os.environ.pop("DDPNB_RUNS_DIR")
-        if saved is not None:
-            os.environ["DDPNB_VIEW"] = saved
     nbformat.write(nb, path / "executed.ipynb")
     return nb
 
@@ -171,45 +168,51 @@ def _value(kernel: Kernel, expression: str, timeout: float = 120) -> object:
     return json.loads(re.search(r"<<(.*)>>", done.stdout, re.DOTALL).group(1))
 
 
-def _timed(kernel: Kernel, code: str, timeout: float = 60) -> float:
-    started = time.monotonic()
+def _ran(kernel: Kernel, code: str, timeout: float = 120) -> None:
+    """Run a cell that must succeed. `timeout` is only how long a stuck cell may take to fail the test: how fast
+    cells run is measured in bench/, never asserted."""
     done = kernel.execute(code, timeout=timeout)
     assert done.error is None, done.error
-    return time.monotonic() - started
 
 
 FLOOD_CELL = '''%%ddp -n 2 --background -o flood
 def flood(rank):
-    import sys, time
+    import os, sys, time
     write = sys.stdout.write
-    for burst in range(200):  # 200k lines a rank in about three seconds
+    burst = 0
+    while burst < 200 or not os.path.exists(STOP_FILE):  # 200k lines a rank at least, then until the test says
         for i in range(burst * 1000, burst * 1000 + 1000):
-            write(f"rank {rank} line {i:06d} of a flood that the dashboard must survive\\n")
+            write(f"rank {rank} line {i:07d} of a flood that the dashboard must survive\\n")
+        burst += 1
         time.sleep(0.015)
-    sys.stdout.flush()
+    print(f"flooded {burst * 1000} lines")
 '''
 
 
-def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_bounded(widget_kernel):
-    started = _timed(widget_kernel, FLOOD_CELL)
-    assert started < 30
-    latencies = []
-    while not _value(widget_kernel, "flood.done"):
-        latencies.append(_timed(widget_kernel, "1 + 1"))
-        time.sleep(0.2)
-    print(f"flood: {len(latencies)} cells ran meanwhile, the slowest in {max(latencies, default=0):.2f} s")
-    assert len(latencies) >= 3, "the flood ended before the kernel could be measured"
-    assert max(latencies) < 3.0, f"an unrelated cell waited {max(latencies):.1f} s during the flood"
-    assert _value(widget_kernel, "flood.outcome.value") == "succeeded"
+def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_bounded(widget_kernel, tmp_path):
+    stop_file = tmp_path / "flood-stop"
+    _ran(widget_kernel, FLOOD_CELL.replace("STOP_FILE", repr(str(stop_file))))
+    try:
+        for _ in range(3):  # unrelated cells run to the end while the ranks flood the kernel with output
+            _ran(widget_kernel, "1 + 1")
+            assert _value(widget_kernel, "flood.done") is False
+            time.sleep(0.2)
+    finally:
+        stop_file.touch()
+    assert _value(widget_kernel, "flood.wait().outcome.value", timeout=600) == "succeeded"
+    written = _value(widget_kernel, "[int(open(r.log_path).readlines()[-1].split()[1]) for r in flood.record.ranks]")
+    assert min(written) >= 200_000
     counts = _value(widget_kernel, "[sum(1 for _ in open(r.log_path, 'rb')) for r in flood.record.ranks]")
-    assert counts == [200_000, 200_000]  # every line is in the rank's log file
-    assert _value(widget_kernel, "[r.lines for r in flood.record.ranks]") == [200_000, 200_000]
+    assert counts == [n + 1 for n in written]  # every line is in the rank's log file
+    assert _value(widget_kernel, "[r.lines for r in flood.record.ranks]") == counts
     sizes = _value(widget_kernel, """{
-        "recent": len(flood.lines_since(0)[0]),
+        "recent": len(flood.lines_since(0)[0]), "kept": __import__('ddpnb.core.output').core.output.KEEP_LINES,
+        "newest": flood.lines_since(0)[0][-1].text,
         "widget_chars": max(len(w.value) for w in __import__('ipywidgets').Widget.widgets.values()
                             if hasattr(w, 'value') and isinstance(w.value, str)),
     }""")
-    assert sizes["recent"] <= 5000
+    assert sizes["recent"] == sizes["kept"] == 2000, sizes  # of 400k lines and more, the newest 2,000 stay
+    assert sizes["newest"].startswith("flooded "), sizes
     assert sizes["widget_chars"] < 200_000, sizes
 
 
@@ -225,9 +228,8 @@ def forever(rank):
 
 
 def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
-    started = _timed(widget_kernel, BACKGROUND_CELL)
-    assert started < 10, f"the cell took {started:.1f} s to hand back the run"
-    assert _timed(widget_kernel, "x = 40 + 2") < 5  # another cell runs while the ranks train
+    _ran(widget_kernel, BACKGROUND_CELL)  # the ranks never end on their own: the cell returned with them running
+    _ran(widget_kernel, "x = 40 + 2")  # another cell runs while the ranks train
     assert _value(widget_kernel, "x") == 42
     assert _value(widget_kernel, "job.done") is False
     assert _value(widget_kernel, "job.status").startswith("running")
@@ -239,7 +241,7 @@ def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
                                          "if t.startswith('child ')]")
     ranks = _value(widget_kernel, "[r.pid for r in job.record.ranks]")
     assert len(children) == 2, "the ranks did not start their children"
-    assert _timed(widget_kernel, "job.stop()") < 15
+    _ran(widget_kernel, "job.stop()")
     assert _value(widget_kernel, "[job.done, job.outcome.value]") == [True, "stopped"]
     assert wait_gone(ranks + children) == []
 
@@ -253,7 +255,7 @@ def test_stop_button_click_from_the_front_end_stops_a_background_run(widget_kern
     client = widget_kernel.client
     client.shell_channel.send(client.session.msg("comm_msg", {
         "comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}))
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # only how long a click that stops nothing takes to fail the test
     while not _value(widget_kernel, "clicked.done") and time.monotonic() < deadline:
         time.sleep(0.3)
     assert _value(widget_kernel, "[clicked.outcome.value, clicked.record.note]") == ["stopped", "stopped by the user"]

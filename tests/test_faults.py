@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -34,6 +35,7 @@ import pytest
 
 import ddpnb
 from ddpnb.core import rundir
+from ddpnb.core.run import Run
 from tests.conftest import PACKAGE_DIR, Execution, Kernel, wait_gone
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -55,6 +57,25 @@ def runs_dir(tmp_path_factory):
         del os.environ["DDPNB_RUNS_DIR"]
     else:
         os.environ["DDPNB_RUNS_DIR"] = previous
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+@pytest.fixture(scope="module", autouse=True)
+def orphans_come_to_this_process():
+    """Make this test process a child subreaper. A process whose parent died (what a rank started, once the rank
+    is gone) is then reparented here rather than to PID 1, so `stray_processes` sees whatever a run left behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())
+    yield
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    for child in psutil.Process().children():  # the orphans that died here: reap them
+        if not _alive(child) and child.pid not in _session_processes():
+            try:
+                os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by its own Popen meanwhile
+                continue
 
 
 def _session_processes() -> set[int]:
@@ -86,9 +107,10 @@ def _alive(process: psutil.Process) -> bool:
 
 
 def assert_nothing_left(record: ddpnb.RunRecord, also: list[int] = ()) -> None:
-    """Every rank (and `also`: processes the ranks started) is gone within GRACE, and nothing else remains."""
-    pids = [rank.pid for rank in record.ranks if rank.pid] + list(also)
-    assert wait_gone(pids, within=GRACE) == [], f"still running {GRACE} s after the run: {pids}"
+    """`also` (processes the ranks started) is gone within GRACE, and nothing else of the run remains: with this
+    process a subreaper, anything a rank left behind is a descendant here. (The ranks' own PIDs prove nothing:
+    a run ends only once every rank has exited.)"""
+    assert wait_gone(list(also), within=GRACE) == [], f"still running {GRACE} s after the run: {also}"
     deadline = time.monotonic() + GRACE
     while (stray := stray_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -97,6 +119,28 @@ def assert_nothing_left(record: ddpnb.RunRecord, also: list[int] = ()) -> None:
 
 def read_log(record: ddpnb.RunRecord, rank: int) -> str:
     return Path(record.ranks[rank].log_path).read_text(errors="replace")
+
+
+def log_ending(record: ddpnb.RunRecord, rank: int) -> str:
+    """A rank's log from its last `[ddpnb]` line to the end of the file: how the rank ended, and nothing after."""
+    log = read_log(record, rank)
+    assert "\n[ddpnb] " in log, log[-500:]
+    return log[log.rindex("\n[ddpnb] ") + 1:]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """For a rank to tell the test something: the file appears whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.rename(path)
+
+
+def wait_for(condition, what: str, within: float = 60) -> None:
+    """Wait for something a run does; `within` only keeps a broken run from hanging the test."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def sum_of_ranks(rank, world_size):
@@ -154,7 +198,9 @@ def test_rank_error_while_others_wait_in_all_reduce_stops_every_rank():
 
     for rank in range(3):
         assert f"rank {rank}: before the collective" in read_log(record, rank)
-    assert "ValueError: bad batch on rank 1" in read_log(record, 1)  # the log ends with how the rank ended
+    ending = log_ending(record, 1)  # the log ends with how the rank ended, its traceback included
+    assert ending.startswith("[ddpnb] rank 1 failed: ValueError: bad batch on rank 1\nTraceback (most recent call")
+    assert ending.endswith('raise ValueError("bad batch on rank 1")\nValueError: bad batch on rank 1\n')
     child = int(re.search(r"CHILD (\d+)", read_log(record, 0)).group(1))
     assert_nothing_left(record, also=[child])
     assert_next_run_works()
@@ -244,11 +290,166 @@ def test_rank_killed_by_signal_is_named_first_and_knock_on_failures_are_folded(h
     assert "  rank 0: " in consequences and "  rank 1: " in consequences  # gloo's errors, below the cause
     for rank in range(3):
         assert f"rank {rank} ready" in read_log(record, rank)
+    assert log_ending(record, 2) == f"[ddpnb] rank 2 failed: killed by {how}\n"
     if how == "SIGSEGV":  # faulthandler's report, with the Python stack, is in the rank's log
         log = read_log(record, 2)
         assert "Fatal Python error: Segmentation fault" in log and "dies_by_signal" in log
     assert_nothing_left(record)
     assert_next_run_works()
+
+
+def test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first(tmp_path):
+    """A peer's collective often fails before the kernel even sees the rank that died: the root cause is the
+    first failure that is not a knock-on, whatever the times say."""
+    from ddpnb.core.record import Failure, RankRecord, RunRecord
+
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
+    record.failures = [Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
+                       Failure(2, 10.1, "killed by SIGKILL"),
+                       Failure(1, 10.2, "DistBackendError: NCCL communicator was aborted", knock_on=True)]
+    assert record.first_failure.rank == 2
+    report = str(ddpnb.WorkerError(record))
+    assert report.startswith("ddpnb: rank 2 of 3 failed first: killed by SIGKILL")
+    assert "then, as a consequence:\n  rank 0: RuntimeError: Connection closed by peer\n  rank 1: " in report
+    assert "also failed" not in report
+
+
+# What gloo (libtorch_cpu) and NCCL (libtorch_cuda, torch 2.x) raise in a rank whose peer died or hung; the NCCL
+# texts are the strings in torch's library, as a CPU-only machine cannot produce them.
+KNOCK_ON_ERRORS = [
+    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                      "[127.0.0.1]:38125")),
+    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:40862: "
+                      "Connection reset by peer")),
+    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+                      "for recv operation to complete")),
+    ("DistBackendError", "NCCL communicator was aborted on rank 1."),
+    ("DistBackendError", ("NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process "
+                          "exited or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed "
+                          "possibly due to a network error or a remote process exiting prematurely.")),
+    ("RuntimeError", ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, "
+                      "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600027 milliseconds before timing out.")),
+    ("DistNetworkError", "failed to recv, got 0 bytes"),
+]
+OWN_ERRORS = [
+    ("ValueError", "bad batch"),
+    ("KeyError", "'timed out'"),  # a knock-on text, but not a collective's error type
+    ("RuntimeError", "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied (8x4 and 3x1)"),
+]
+
+
+@pytest.mark.parametrize("exc_type, message", KNOCK_ON_ERRORS, ids=[
+    "gloo-closed", "gloo-reset", "gloo-recv-timeout", "nccl-aborted", "nccl-remote-error", "nccl-watchdog",
+    "store-recv"])
+def test_collective_errors_of_gloo_and_nccl_are_knock_on_failures(exc_type, message):
+    from ddpnb.core.record import is_knock_on
+
+    assert is_knock_on(exc_type, message)
+
+
+@pytest.mark.parametrize("exc_type, message", OWN_ERRORS, ids=["value-error", "key-error", "oom", "shapes"])
+def test_a_ranks_own_errors_are_not_knock_on_failures(exc_type, message):
+    from ddpnb.core.record import is_knock_on
+
+    assert not is_knock_on(exc_type, message)
+
+
+def catches_what_all_reduce_raises_when_its_peer_dies(rank, out):
+    import signal as signals
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits in all_reduce by now (and if not, it still finds its peer gone)
+        os.kill(os.getpid(), signals.SIGKILL)
+    signals.signal(signals.SIGTERM, signals.SIG_IGN)  # so that ddpnb's stop lets it see gloo's error first
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as exc:
+        write_atomically(Path(out), f"{type(exc).__qualname__}\n{exc}")
+        raise
+
+
+def test_what_gloo_raises_when_a_peer_is_killed_is_a_knock_on_failure(tmp_path):
+    from ddpnb.core.record import is_knock_on
+
+    out = tmp_path / "error"
+    error = run_failing(catches_what_all_reduce_raises_when_its_peer_dies, args=(str(out),))
+    exc_type, _, message = out.read_text().partition("\n")
+    assert is_knock_on(exc_type, message), (exc_type, message)
+    assert error.rank == 1 and error.record.first_failure.summary == "killed by SIGKILL"
+    assert [f.knock_on for f in error.record.failures if f.rank == 0] == [True]
+
+
+class SameBug(Exception):
+    """The same bug on every rank, raised so that every rank's failure is stamped before any is reported.
+
+    A rank reports a failure as: `str(exc)` for the message, the time stamp, then the traceback (which calls
+    `str(exc)` again), then the message is sent. Waiting in the second call until every rank got there means
+    every rank raised before the kernel heard of any failure, so before it stopped any rank."""
+
+    def __init__(self, rank: int, barrier: str, world_size: int) -> None:
+        super().__init__("no such column 'label'")
+        self.rank, self.barrier, self.world_size, self.calls = rank, barrier, world_size, 0
+
+    def __str__(self) -> str:
+        self.calls += 1
+        if self.calls == 2:
+            Path(self.barrier, str(self.rank)).touch()
+            deadline = time.monotonic() + 60
+            while len(os.listdir(self.barrier)) < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return super().__str__()
+
+
+def every_rank_raises_the_same_error(rank, world_size, barrier):
+    import signal as signals
+
+    signals.signal(signals.SIGTERM, signals.SIG_IGN)  # ddpnb's stop must not cut a rank's own report short
+    raise SameBug(rank, barrier, world_size)
+
+
+def test_the_same_error_on_every_rank_is_listed_as_also_failed_not_as_a_consequence(tmp_path):
+    error = run_failing(every_rank_raises_the_same_error, nprocs=3, args=(str(tmp_path),))
+    report = str(error)
+    assert report.startswith(f"ddpnb: rank {error.rank} of 3 failed first: SameBug: no such column 'label'")
+    also = report[report.index("\nalso failed:\n"):].split("\n\n")[0].splitlines()[2:]  # in the order they failed
+    assert sorted(also) == [f"  rank {r}: the same error" for r in sorted({0, 1, 2} - {error.rank})]
+    assert "as a consequence" not in report
+    assert error.record.exit_codes == {0: 1, 1: 1, 2: 1}
+
+
+# --- what a rank started dies with it, however the run ends --------------------------------------------------
+
+def starts_a_child_then(rank, how, children):
+    child = subprocess.Popen(["sleep", "600"])  # a DataLoader worker, say
+    write_atomically(Path(children, f"rank{rank}"), str(child.pid))
+    if how == "raises" and rank == 1:
+        wait_for(lambda: Path(children, "rank0").exists(), "rank 0's child")
+        raise ValueError("failed with a child running")
+    if how != "succeeds":
+        time.sleep(600)
+    return rank
+
+
+@pytest.mark.parametrize("how, outcome", [
+    ("succeeds", ddpnb.Outcome.SUCCEEDED), ("raises", ddpnb.Outcome.FAILED),
+    ("times out", ddpnb.Outcome.TIMED_OUT), ("stopped", ddpnb.Outcome.STOPPED),
+], ids=["succeeds", "raises", "times-out", "stopped"])
+def test_what_a_rank_started_is_gone_after_the_run_however_it_ended(tmp_path, how, outcome):
+    # the timeout outlasts the ranks' start, so each has started its child when the stop begins
+    run = ddpnb.launch(starts_a_child_then, nprocs=2, args=(how, str(tmp_path)),
+                       timeout=2 if how == "times out" else None, view="none")
+    if how == "stopped":
+        wait_for(lambda: len(list(tmp_path.glob("rank?"))) == 2, "both ranks' children")
+        run.stop()
+    record = run.wait()
+    assert record.outcome is outcome
+    children = [int(path.read_text()) for path in sorted(tmp_path.glob("rank?"))]
+    assert len(children) == 2
+    assert_nothing_left(record, also=children)
 
 
 # --- 3. a hang with a timeout ---------------------------------------------------------------------------------
@@ -271,7 +472,9 @@ def test_hang_is_stopped_after_timeout_with_every_ranks_stack():
     report = str(error)
 
     assert record.outcome is ddpnb.Outcome.TIMED_OUT
-    assert timeout <= record.duration < timeout + GRACE  # stopped after S s (from the ranks' start), all gone
+    # stopped after S s (from the ranks' start), not before; the cell always ends, here after S + STACK_WAIT + STOP_GRACE
+    # s at most, and the upper bound is generous for a busy 2-core machine
+    assert timeout <= record.duration < timeout + 60
     assert report.splitlines()[0] == f"ddpnb: run timed out: stopped after the {timeout:g} s timeout (--timeout)"
     stacks = dict(re.findall(r"--- rank (\d) (\(.*?)(?=\n--- rank |\n\nrank  state)", report, re.DOTALL))
     assert set(stacks) == {"0", "1"}
@@ -286,6 +489,35 @@ def test_hang_is_stopped_after_timeout_with_every_ranks_stack():
         assert f"rank {rank} at step 1" in read_log(record, rank)
     assert_nothing_left(record)
     assert_next_run_works()
+
+
+def ignores_sigterm_on_rank_1(rank):
+    import signal as signals
+
+    if rank == 1:
+        signals.signal(signals.SIGTERM, signals.SIG_IGN)
+    print(f"rank {rank} sleeping", flush=True)
+    time.sleep(600)  # outside any collective: only ddpnb's signals end it
+
+
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period():
+    run = ddpnb.launch(ignores_sigterm_on_rank_1, nprocs=2, timeout=1, view="none")
+    # The cell always ends: here after the 1 s timeout, STACK_WAIT and STOP_GRACE (4 s). The bound is generous for a
+    # busy 2-core machine; a stop that never sends SIGKILL never ends. (The timeout outlasts the ranks' start, so
+    # rank 1 ignores SIGTERM by the time it comes: 2 s after the first rank started.)
+    run.wait(30)
+    ended = run.done
+    if not ended:  # end it for the next tests, and fail
+        os.killpg(run.record.ranks[1].pid, signal.SIGKILL)
+        run.wait()
+    assert ended, "the run did not end 30 s after its 1 s timeout"
+    record = run.record
+    assert record.outcome is ddpnb.Outcome.TIMED_OUT
+    assert record.exit_codes == {0: -signal.SIGTERM, 1: -signal.SIGKILL}
+    for rank, how in ((0, "SIGTERM"), (1, "SIGKILL")):  # a stopped rank's log ends with how it was stopped
+        assert log_ending(record, rank) == (f"[ddpnb] rank {rank} stopped by ddpnb (killed by {how}): "
+                                            "stopped after the 1 s timeout (--timeout)\n")
+    assert_nothing_left(record)
 
 
 # --- 4. the user interrupts the kernel (a real Jupyter kernel) ----------------------------------------------
@@ -639,7 +871,7 @@ def test_a_taken_port_does_not_stop_a_run():
 
 # --- security: no listening socket in the kernel, private files, no secret in argv or environment ---------------
 
-def holds_the_run_open(rank, world_size):
+def holds_the_run_open(rank, world_size, release):
     import multiprocessing
 
     import torch
@@ -647,16 +879,20 @@ def holds_the_run_open(rank, world_size):
 
     dist.all_reduce(torch.ones(1))  # gloo's connections exist now
     print("CONNECTED", flush=True)
-    time.sleep(2.0)
+    wait_for(lambda: Path(release).exists(), "the test to release the run", within=600)
     return bytes(multiprocessing.current_process().authkey)
 
 
-def test_kernel_never_listens_and_ranks_listen_on_loopback_only():
-    run = ddpnb.launch(holds_the_run_open, nprocs=2, view="none")
+def launch_held_open(release: Path) -> Run:
+    """A run whose ranks stay connected until the test creates `release`."""
+    run = ddpnb.launch(holds_the_run_open, nprocs=2, args=(str(release),), view="none")
+    wait_for(lambda: all(rank.last_line == "CONNECTED" for rank in run.record.ranks) or run.done, "both ranks")
+    return run
+
+
+def test_kernel_never_listens_and_ranks_listen_on_loopback_only(tmp_path):
+    run = launch_held_open(tmp_path / "release")
     try:
-        deadline = time.monotonic() + 60
-        while run.record.ranks[1].last_line != "CONNECTED" and not run.done and time.monotonic() < deadline:
-            time.sleep(0.05)
         me = psutil.Process()
         assert [c for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN] == []
         for rank in run.record.ranks:
@@ -664,19 +900,20 @@ def test_kernel_never_listens_and_ranks_listen_on_loopback_only():
                          if c.status == psutil.CONN_LISTEN]
             assert all(address.ip == "127.0.0.1" for address in listening), listening
     finally:
+        (tmp_path / "release").touch()
         run.wait()
 
 
-def test_run_directory_is_private_and_no_secret_reaches_argv_or_environment(runs_dir):
-    run = ddpnb.launch(holds_the_run_open, nprocs=2, view="none")
+def test_run_directory_is_private_and_no_secret_reaches_argv(runs_dir, tmp_path):
+    run = launch_held_open(tmp_path / "release")
     secrets = [bytes(multiprocessing.current_process().authkey)]
     exposed = {}
-    deadline = time.monotonic() + 60
-    while run.record.ranks[1].last_line != "CONNECTED" and not run.done and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in [rank.pid for rank in run.record.ranks] + sorted(_session_processes()):
+    for pid in [rank.pid for rank in run.record.ranks]:
+        exposed[(pid, "cmdline")] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    for pid in sorted(_session_processes()):  # a rank's environment: read inside it, see the next test
         for name in ("cmdline", "environ"):
             exposed[(pid, name)] = Path(f"/proc/{pid}/{name}").read_bytes()
+    (tmp_path / "release").touch()
     worker_key = run.result()
     secrets += [bytes(worker_key)]
     for where, data in exposed.items():
@@ -689,6 +926,39 @@ def test_run_directory_is_private_and_no_secret_reaches_argv_or_environment(runs
     files = list(run_dir.iterdir())
     assert {f.name for f in files} >= {"rank0.log", "rank1.log", "rank0.stack", "rank1.stack"}
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), [(f, oct(f.stat().st_mode)) for f in files]
+
+
+def reports_its_environment(rank, out, spec_token):
+    import multiprocessing
+
+    child = subprocess.run(["env", "-0"], capture_output=True, check=True).stdout  # what the rank's children get
+    Path(out, f"rank{rank}.child").write_bytes(child)
+    write_atomically(Path(out, f"rank{rank}.json"), json.dumps({
+        "environ": dict(os.environ), "cmdline": Path("/proc/self/cmdline").read_bytes().hex(),
+        "authkey": bytes(multiprocessing.current_process().authkey).hex(), "token": spec_token,
+    }))
+
+
+def test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank(tmp_path):
+    """What a rank and its children see, read inside them (a forked rank's /proc/PID/environ shows the forkserver's
+    starting environment). The kernel's environment and `env=` travel; the run's spec (its function and args) and
+    multiprocessing's authentication key never go through argv or the environment."""
+    token = f"spec-token-{os.getpid()}-{time.time_ns()}"  # travels in the spec's args, so only there
+    assert ddpnb.run(reports_its_environment, nprocs=2, args=(str(tmp_path), token), view="none",
+                     env={"DDPNB_TEST_SETTING": "from env="}) is None
+    kernel_key = bytes(multiprocessing.current_process().authkey)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        environ, child = seen["environ"], (tmp_path / f"rank{rank}.child").read_bytes().split(b"\0")
+        assert seen["token"] == token  # the spec arrived
+        assert environ["DDPNB_TEST_SETTING"] == "from env=" and environ["RANK"] == str(rank)
+        assert b"DDPNB_TEST_SETTING=from env=" in child and f"RANK={rank}".encode() in child
+        environ_text = "\0".join(f"{key}={value}" for key, value in environ.items())
+        cmdline = bytes.fromhex(seen["cmdline"]).decode(errors="replace")
+        for secret in (kernel_key.hex(), seen["authkey"], token):
+            assert secret not in environ_text and secret.encode() not in b"\0".join(child), (rank, secret)
+            assert secret not in cmdline, (rank, secret)
+        assert kernel_key not in b"\0".join(child)
 
 
 def test_runs_directory_that_is_a_symlink_is_refused(tmp_path, monkeypatch):

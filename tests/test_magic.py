@@ -106,12 +106,22 @@ job = make(7)
     assert run.results == ["101"]
 
 
-def test_cell_definitions_stay_and_are_not_run_in_the_kernel(kernel):
+def test_cell_definitions_stay_in_the_kernel(kernel):
     run = kernel.execute("%%ddp -n 2\nimport os\ndef where(rank):\n    return os.getpid()\n")
     assert run.error is None
     worker_pid = int(run.results[0])
     pids = kernel.execute("print(os.getpid(), where.__name__)").stdout.split()
     assert int(pids[0]) != worker_pid and pids[1] == "where"
+
+
+def test_the_cells_function_runs_once_on_each_rank_and_never_in_the_kernel(kernel, tmp_path):
+    calls = tmp_path / "calls"  # every call of the function appends the PID of the process it ran in
+    run = kernel.execute(f"%%ddp -n 2\nimport os\ndef record_pid():\n    with open({str(calls)!r}, 'a') as f:\n"
+                         "        f.write(f'{os.getpid()}\\n')\n    return os.getpid()\n")
+    assert run.error is None, run.error
+    pids = [int(pid) for pid in calls.read_text().split()]
+    assert kernel.pid not in pids
+    assert len(set(pids)) == len(pids) == 2 and int(run.results[0]) in pids
 
 
 def test_failing_rank_raises_worker_error_with_user_traceback(kernel):

@@ -11,6 +11,26 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+# what each cell tagged raises-exception must raise, by the function it defines: (exception type, in its text)
+EXPECTED_ERRORS = {
+    "rank_raises": ("WorkerError", "KeyError: 'label'"),
+    "rank_hangs": ("WorkerError", "timed out"),
+    "uses_a_lock": ("UsageError", "cannot send `uses_a_lock` to the worker processes"),
+    "rank_segfaults": ("WorkerError", "SIGSEGV"),
+}
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _raised(cell) -> tuple[str, str] | None:
+    """(exception type, its text) of the cell's error: an error output, or a magic's UsageError on stderr."""
+    for out in cell.get("outputs", []):
+        if out.output_type == "error":
+            return out.ename, ANSI.sub("", out.evalue + "\n" + "\n".join(out.traceback))
+        if out.output_type == "stream" and out.name == "stderr" and "UsageError" in out.text:
+            return "UsageError", ANSI.sub("", out.text)
+    return None
 
 
 @pytest.mark.slow
@@ -21,12 +41,15 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
     for cell in nb.cells:
-        tags = cell.get("metadata", {}).get("tags", [])
-        # an exception is an error output; a magic's UsageError is printed to stderr instead
-        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"
-                  or (o.output_type == "stream" and o.name == "stderr" and "UsageError" in o.text)]
-        if "raises-exception" in tags:
-            assert errors, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
+        if "raises-exception" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        function = re.search(r"^def (\w+)", cell.source, re.MULTILINE)
+        expected = EXPECTED_ERRORS.get(function.group(1) if function else "")
+        assert expected, f"{path.name}: say in EXPECTED_ERRORS what this cell must raise:\n{cell.source}"
+        raised = _raised(cell)
+        assert raised, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
+        assert raised[0] == expected[0] and expected[1] in raised[1], (
+            f"{path.name}: expected {expected[0]} saying {expected[1]!r}, got {raised[0]}:\n{raised[1][-2000:]}")
 
 
 ON_ALL_GPUS = [p for p in NOTEBOOKS if "--gpus all" in p.read_text()]

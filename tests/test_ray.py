@@ -8,6 +8,7 @@ the tests share one local instance, started by ddpnb itself in the module's kern
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -248,6 +249,74 @@ def test_spread_run_lands_ranks_on_two_nodes_of_a_cluster(tmp_path):
             kernel.shutdown()
 
 
+# --- a cluster found without an address: $RAY_ADDRESS, or a `ray start --head` on this machine ---------------------
+WHERE_CELL = """%%ddp --engine ray -n 1
+def where():
+    import ray
+    return ray.get_runtime_context().gcs_address
+"""
+RAY_ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # where `ray start` says it runs
+# Ray turns token authentication on by itself where ~/.ray/auth_token exists; this cluster is about discovery
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
+
+
+@contextmanager
+def head_node(log_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`ray start --head` on loopback, in Ray's default temp directory, so that it writes the address file
+    `ray.init()` (and ddpnb) discover it by. A child of this test (--block): stopped by signalling what it started,
+    not `ray stop`, which would stop every Ray on the machine; the address file goes with it."""
+    address = f"127.0.0.1:{free_port()}"
+    nodes: list[subprocess.Popen] = []
+    try:
+        start_node(nodes, ["--head", f"--port={address.split(':')[1]}", "--block", "--node-ip-address=127.0.0.1",
+                           "--num-cpus=2", f"--object-store-memory={100 * 2**20}", "--disable-usage-stats",
+                           "--include-log-monitor=false", "--include-dashboard=false"],
+                   log_dir / "head",
+                   env={**os.environ, **NO_AUTH, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+        yield address, nodes[0]
+    finally:
+        stop_nodes(nodes)
+        if RAY_ADDRESS_FILE.exists() and same_cluster(RAY_ADDRESS_FILE.read_text().strip(), address):
+            RAY_ADDRESS_FILE.unlink()
+
+
+def same_cluster(found: str, address: str) -> bool:
+    """Ray names a loopback head by this machine's own IP: the (unique, just bound) port tells the cluster."""
+    return found.rpartition(":")[2] == address.rpartition(":")[2]
+
+
+def run_where(env: dict[str, str]) -> tuple[Execution, str]:
+    """WHERE_CELL in a fresh kernel that never calls `ray.init` itself; the run's output and the cluster the kernel
+    ended up connected to. The kernel is shut down afterwards (as a user's kernel would end)."""
+    kernel = Kernel(env=env)
+    try:
+        kernel.execute("%load_ext ddpnb")
+        run = kernel.execute(WHERE_CELL, timeout=CELL_TIMEOUT)
+        assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+        connected = kernel.execute("import ray\nprint(ray.get_runtime_context().gcs_address)").stdout.strip()
+        return run, connected
+    finally:
+        kernel.shutdown()
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_runs_find_the_cluster_through_ray_address_and_ray_start_and_never_stop_it(tmp_path):
+    with head_node(tmp_path) as (address, head):
+        through_env = {**KERNEL_ENV, **NO_AUTH, "RAY_ADDRESS": address}
+        run, connected = run_where(through_env)
+        assert "[ddpnb] connected to Ray: 1 node(s)" in run.stdout, run.stdout
+        assert same_cluster(connected, address) and run.results == [repr(connected)]  # the rank ran there too
+        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+
+        through_ray_start = {key: value for key, value in {**KERNEL_ENV, **NO_AUTH}.items() if key != "RAY_ADDRESS"}
+        assert same_cluster(RAY_ADDRESS_FILE.read_text().strip(), address)  # all the kernel has to find it by
+        run, connected = run_where(through_ray_start)
+        assert same_cluster(connected, address) and run.results == [repr(connected)]  # the first kernel left it up
+        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+
+
 # --- a local Ray instance, started by ddpnb in the kernel and shared by the tests below --------------------------
 @pytest.fixture(scope="module")
 def ray_kernel():
@@ -423,3 +492,58 @@ print(handle.done, handle.record.run_dir.is_dir(), sorted(p.name for p in handle
     ended = ray_kernel.execute("print(handle.result(), handle.record.run_dir.is_dir())", timeout=CELL_TIMEOUT)
     assert ended.stdout.split() == ["0", "True"], ended.stdout + ended.stderr
     assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+def test_gpus_all_is_refused_on_ray_with_what_to_pass_instead(ray_kernel):
+    run = ray_kernel.execute("%%ddp --engine ray --gpus all\ndef train(rank):\n    return rank\n")
+    assert "UsageError" in run.stderr and "--engine ray takes a number of GPUs (--gpus N), not 'all'" in run.stderr
+
+
+ENV_AND_VERSIONS_CELL = '''%%ddp --engine ray -n 2 --env DDPNB_TEST_FROM_ENV=travelled
+def environment(rank, world_size):
+    mine = {key: os.environ.get(key) for key in ("DDPNB_TEST_FROM_ENV", "DDPNB_TEST_KERNEL_ONLY", "DDPNB_WORKER")}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return gathered
+'''
+
+
+@pytest.fixture(scope="module")
+def env_and_versions_run(ray_kernel, tmp_path_factory) -> Execution:
+    """One Ray run for two promises: `--env` values reach every rank (what the kernel sets once the node runs does
+    not), and a rank whose versions differ from the kernel's says so. The kernel's ddpnb version differs for real:
+    a `ddpnb-0.0.0.dist-info` ahead on the kernel's path is what `importlib.metadata` finds there, not on the
+    node."""
+    fake = tmp_path_factory.mktemp("old-ddpnb")
+    (fake / "ddpnb-0.0.0.dist-info").mkdir()
+    (fake / "ddpnb-0.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ddpnb\nVersion: 0.0.0\n")
+    # Ray up first (as the run would connect): a local node started after the variable would inherit it
+    ray_kernel.execute("from ddpnb.engines.ray import cluster\nprint(cluster.connect(None, cpus=2, gpus=0))", timeout=CELL_TIMEOUT)
+    ray_kernel.execute(f"import sys\nsys.path.insert(0, {str(fake)!r})\nos.environ['DDPNB_TEST_KERNEL_ONLY'] = 'x'")
+    try:
+        return ray_kernel.execute(ENV_AND_VERSIONS_CELL, timeout=CELL_TIMEOUT)
+    finally:
+        ray_kernel.execute(f"sys.path.remove({str(fake)!r})\ndel os.environ['DDPNB_TEST_KERNEL_ONLY']")
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_env_values_reach_every_ray_rank_but_the_kernels_environment_does_not(env_and_versions_run):
+    run = env_and_versions_run
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    mine = {"DDPNB_TEST_FROM_ENV": "travelled", "DDPNB_TEST_KERNEL_ONLY": None, "DDPNB_WORKER": "1"}
+    assert len(run.results) == 1 and ast.literal_eval(run.results[0]) == [mine, mine]
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_rank_whose_versions_differ_from_the_kernels_prints_a_warning_line(env_and_versions_run):
+    import importlib.metadata
+
+    here = importlib.metadata.version("ddpnb")
+    for rank in (0, 1):
+        assert (f"[rank {rank}] [ddpnb] this node's versions differ from the kernel's: ddpnb {here} here, 0.0.0 in "
+                "the kernel. Functions and results travel pickled between them") in env_and_versions_run.stderr
