@@ -16,28 +16,30 @@ from __future__ import annotations
 from typing import Any
 
 from ddpnb._api import LaunchError, device, last_run, launch, log, preload, run, spawn
+from ddpnb._session import PerRank, Session, SessionBroken, SessionError, session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
 from ddpnb.engines.local.forkserver import PreloadError
 
 __all__ = [
-    "LaunchError", "NotPicklableError", "Outcome", "PreloadError", "RankState", "RunInterrupted", "RunRecord",
-    "WorkerError", "device", "last_run", "launch", "load_ipython_extension", "log", "preload", "run", "spawn",
+    "LaunchError", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
+    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "device", "last_run", "launch",
+    "load_ipython_extension", "log", "preload", "run", "session", "spawn",
 ]
 __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext ddpnb`: register `%%ddp`, bind `ddpnb` in the notebook (cells call `ddpnb.log`) unless the
+    """`%load_ext ddpnb`: register `%%ddp` and the session magics (`%ddp_start`, `%%ranks`, ...), bind `ddpnb` in the notebook (cells call `ddpnb.log`) unless the
     name is taken, and start warming the worker forkserver in the background."""
     import atexit
     import sys
 
-    from ddpnb._magic import DDPMagics
+    from ddpnb._magic import DDPMagics, SessionMagics
     from ddpnb.core.run import stop_all_runs
     from ddpnb.engines.local import forkserver
 
-    ipython.register_magics(DDPMagics)
+    ipython.register_magics(DDPMagics, SessionMagics)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
     atexit.register(stop_all_runs)
     forkserver.warm_up_in_background()

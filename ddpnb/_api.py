@@ -159,8 +159,10 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> No
 def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
           args: Sequence[Any] = (), call_style: CallStyle = CallStyle.AUTO, view: str | None = None,
-          foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None) -> Run:
-    """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`)."""
+          foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None,
+          interactive: bool = False) -> Run:
+    """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
+    `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
     global _last_record
     if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
@@ -177,6 +179,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
         sources=pickling.notebook_sources(), torch_threads=engine_type.torch_threads(planned, environ),
+        interactive=interactive,
     )
     devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
     run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn))

@@ -8,10 +8,10 @@ import keyword
 import types
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ddpnb import _api
+from ddpnb import _api, _session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.spec import EngineKind, ViewKind
 
@@ -114,11 +114,15 @@ class DDPMagics(Magics):
         return _the_function(tree, self.shell.user_ns) if pick else None
 
     def _cell_number(self) -> int:
-        """This cell's N in In[N]. IPython 8 counts a cell after running it, IPython 9 before: the result IPython
-        is building for the cell knows which."""
-        building = getattr(self.shell.displayhook, "exec_result", None)
-        count = getattr(building, "execution_count", None)
-        return count if isinstance(count, int) else self.shell.execution_count
+        return _cell_number(self.shell)
+
+
+def _cell_number(shell: object) -> int:
+    """This cell's N in In[N]. IPython 8 counts a cell after running it, IPython 9 before: the result IPython is
+    building for the cell knows which."""
+    building = getattr(shell.displayhook, "exec_result", None)  # type: ignore[attr-defined]
+    count = getattr(building, "execution_count", None)
+    return count if isinstance(count, int) else shell.execution_count  # type: ignore[attr-defined]
 
 
 NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"
@@ -162,3 +166,111 @@ def _parse_env(item: str) -> tuple[str, str]:
     if not sep or not key:
         raise UsageError(f"--env takes KEY=VALUE, not {item!r}. Example: --env NCCL_DEBUG=INFO")
     return key, value
+
+
+def _rank_flags(fn: types.FunctionType) -> types.FunctionType:
+    """The flags that say where and how many ranks run, shared by %ddp_start with %%ddp."""
+    for decorator in reversed([
+        argument("--gpus", metavar="N|all", help="one rank per GPU over NCCL: a number or 'all'."),
+        argument("-n", "--nprocs", type=int, metavar="N",
+                 help=f"number of CPU ranks over gloo (default {_api.DEFAULT_CPU_RANKS})."),
+        argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
+        argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
+                 help="'local' (default) or 'ray'."),
+        argument("--address", metavar="ADDRESS", help="with --engine ray: the cluster to use (see %%ddp?)."),
+        argument("--placement", choices=["pack", "spread"], help="with --engine ray: how ranks are placed."),
+        argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                 help="set an environment variable in every rank (repeatable)."),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'0', '0,2', '1-3', '0,2-3' -> rank numbers."""
+    ranks: set[int] = set()
+    for part in filter(None, (piece.strip() for piece in text.split(","))):
+        low, dash, high = part.partition("-")
+        try:
+            ranks.update(range(int(low), int(high) + 1) if dash else [int(low)])
+        except ValueError:
+            raise UsageError(f"ranks are written 0, 0,2 or 1-3, not {text!r}.") from None
+    if not ranks:
+        raise UsageError(f"no rank selected by {text!r}: write 0, 0,2 or 1-3.")
+    return sorted(ranks)
+
+
+@magics_class
+class SessionMagics(Magics):
+    """%ddp_start, %%ranks / %ranks, %ddp_restart and %ddp_stop: sugar over `ddpnb.session()`."""
+
+    @magic_arguments()
+    @_rank_flags
+    @line_magic
+    def ddp_start(self, line: str) -> None:
+        """Start ranks that keep their state across cells: `%%ranks` cells then run on every rank, in each rank's
+        own namespace (`rank`, `world_size` and `ddpnb` defined, the process group up). One session per kernel;
+        `%%ddp` cells keep starting fresh ranks of their own."""
+        try:
+            args = parse_argstring(self.ddp_start, line)
+        except UsageError as exc:
+            raise UsageError(f"{exc}. See %ddp_start? for every flag, e.g. %ddp_start -n 2.") from None
+        env = dict(_parse_env(item) for item in args.env)
+        try:
+            _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
+                                      engine=args.engine, address=args.address, placement=args.placement)
+        except (_api.LaunchError, NotPicklableError) as exc:
+            raise UsageError(str(exc)) from None
+
+    @magic_arguments()
+    @argument("ranks", nargs="?", default=None, help="the ranks to run on: 0, 0,2 or 1-3 (default: every rank).")
+    @argument("-o", "--out", metavar="NAME", help="also bind the per-rank values to NAME in the notebook.")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="interrupt the cell on every rank after this many seconds.")
+    @line_cell_magic
+    def ranks(self, line: str, cell: str | None = None) -> object:
+        """Run the cell on the session's ranks; its last expression's value comes back, one per rank. The line
+        form runs one expression on every rank: `%ranks loss.item()`."""
+        __tracebackhide__ = True
+        session = _session.current()
+        if session is None:
+            raise UsageError("no session is running: start one with %ddp_start -n 2 (or --gpus N), then run %%ranks "
+                             "cells.")
+        if cell is None:  # the line form: the whole line is the expression, on every rank
+            code, selected, out, timeout = line, None, None, None
+        else:
+            try:
+                args = parse_argstring(self.ranks, line)
+            except UsageError as exc:
+                raise UsageError(f"{exc}. Example: %%ranks 0,2 -o values") from None
+            if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
+                raise UsageError(f"-o/--out takes a variable name, such as -o values, not {args.out!r}.")
+            if args.timeout is not None and not args.timeout > 0:
+                raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout:g}.")
+            code, out, timeout = cell, args.out, args.timeout
+            selected = None if args.ranks is None else parse_ranks(args.ranks)
+        code = self.shell.transform_cell(code)
+        filename = self.shell.compile.cache(code, _cell_number(self.shell))
+        try:
+            values = session.execute(code, ranks=selected, timeout=timeout, filename=filename)
+        except ValueError as exc:  # ranks outside the session
+            raise UsageError(str(exc)) from None
+        if out:
+            self.shell.user_ns[out] = values
+        return values
+
+    @line_magic
+    def ddp_restart(self, line: str) -> None:
+        """Fresh ranks for the session, with its flags: new processes and process group, empty namespaces."""
+        session = _session.current()
+        if session is None:
+            raise UsageError("no session to restart: start one with %ddp_start -n 2.")
+        session.restart()
+
+    @line_magic
+    def ddp_stop(self, line: str) -> None:
+        """End the session's ranks (and their namespaces)."""
+        session = _session.current()
+        if session is None:
+            raise UsageError("no session is running.")
+        session.stop()

@@ -35,8 +35,9 @@ class RunEvents(Protocol):
         """Called after every wake-up of the engine's loop: the run checks its stops, timeout and announcements."""
 
     def quiet(self) -> bool:
-        """Whether nothing is ending: no rank has returned or failed, no stop began. An engine may then wait
-        longer between two reads (local: COALESCE) without delaying anything that matters."""
+        """Whether nothing is ending and no answer is awaited soon: no rank has returned or failed, no stop
+        began, no session command was just sent. An engine may then wait longer between two reads (local:
+        COALESCE) without delaying anything that matters."""
 
 
 class Engine(Protocol):
@@ -61,6 +62,12 @@ class Engine(Protocol):
 
     def collect_stacks(self, ranks: list[int]) -> None:
         """Have `ranks` send `Stacks` messages (delivered before this returns, or never)."""
+
+    def send(self, ranks: list[int], command: bytes) -> None:
+        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`)."""
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """Sessions: raise KeyboardInterrupt in the command `ranks` are running (any thread)."""
 
     def close(self) -> None:
         """Release everything, the `events` given to `start` included; nothing of the run may outlive this."""

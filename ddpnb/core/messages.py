@@ -9,6 +9,7 @@ messages travel in batches through the run actor, output included (`Output`).
 
 from __future__ import annotations
 
+import enum
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -110,10 +111,45 @@ class Placed:
     placement_group: Any = None  # the cluster's reservation for the run: released by the kernel if it must kill
 
 
-Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported | Stacks | Output | Placed
+@dataclass(frozen=True)
+class Reply:
+    """A session rank's answer to one command (a cell, push, pull or call): its value pickled, or its error."""
 
-KINDS: dict[str, Any] = {kind.__name__: kind for kind in
-                         (Started, Metric, Progress, GpuMemory, Returned, Failed, Imported, Stacks, Output, Placed)}
+    rank: int
+    command: int  # the command's number, so a late answer to an abandoned command is never taken for the next's
+    payload: bytes | None = None  # the value (None: the code had no value)
+    exc_type: str = ""  # set when the command raised; then `message` and `traceback` say what
+    message: str = ""
+    traceback: str = ""
+
+
+Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported | Stacks | Output | Placed | Reply
+
+KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed,
+                                                          Imported, Stacks, Output, Placed, Reply)}
+
+
+class CommandKind(enum.Enum):
+    EXECUTE = "execute"  # run a cell's code in the rank's namespace; its last expression is the value
+    PUSH = "push"  # bind names in the namespace
+    PULL = "pull"  # the values of names
+    CALL = "call"  # call a function with arguments
+    STOP = "stop"  # end the session: the rank returns
+
+
+@dataclass(frozen=True)
+class Command:
+    """What a session's kernel asks of its ranks (kernel to rank; pickled with `core.pickling`, so user objects
+    travel as everywhere else). Every rank answers a command with one `Reply`, except STOP."""
+
+    number: int
+    kind: CommandKind
+    code: str = ""  # EXECUTE: the cell, as IPython transformed it
+    filename: str = ""  # EXECUTE: the name IPython gave the cell, so tracebacks say `Cell In[N], line L`
+    lines: tuple[str, ...] = ()  # EXECUTE: the cell's source for the rank's tracebacks
+    values: dict[str, Any] = field(default_factory=dict)  # PUSH
+    names: tuple[str, ...] = ()  # PULL
+    call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # CALL: fn, args, kwargs
 
 
 def encode(message: Message) -> bytes:

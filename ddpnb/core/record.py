@@ -170,7 +170,7 @@ def _shorten(text: str, limit: int = 150) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
-def _cell_names(traceback: str) -> str:
+def cell_names(traceback: str) -> str:
     """`File "/tmp/ipykernel_7/2718.py", line 5` as IPython names its own cells: `Cell In[7], line 5`."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
@@ -207,7 +207,7 @@ class WorkerError(RuntimeError):
         if first is not None:
             parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
             if first.traceback:
-                shown = _cell_names(first.traceback).rstrip()
+                shown = cell_names(first.traceback).rstrip()
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
             others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
             own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort

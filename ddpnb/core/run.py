@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import threading
 import time
 import weakref
@@ -35,6 +36,7 @@ from ddpnb.core.record import (
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
+EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
 _live_runs: set[Run] = set()
@@ -69,6 +71,7 @@ class Run:
         self._stop_requested: tuple[Outcome, str] | None = None
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._serving = False
+        self._stack_requests: list[tuple[list[int], threading.Event]] = []
         self._done = threading.Event()
         self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
         self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
@@ -77,6 +80,8 @@ class Run:
         self._news = False  # something was read or changed since the last announcement
         self._turn = False  # ... and it is a rank starting, returning, failing or exiting, or the run stopping
         self._last_news = 0.0
+        self.replies: queue.SimpleQueue[msg.Reply] = queue.SimpleQueue()  # sessions: the ranks' answers
+        self._sent_at = 0.0  # when the latest session command was sent
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -264,6 +269,9 @@ class Run:
             self._returned.add(rank)
             if rank == 0:
                 self._payload, self._saved = message.payload, message.saved
+        elif isinstance(message, msg.Reply):
+            self._turn = True  # an answer is what the session waits for: announce it at once
+            self.replies.put(message)
         elif isinstance(message, msg.Failed):
             record.state = RankState.FAILED
             if message.exc_type == "SystemExit":
@@ -298,9 +306,32 @@ class Run:
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
 
     def quiet(self) -> bool:
-        return not self._returned and self._stop_reason is None and self._stop_requested is None
+        eager = time.monotonic() - self._sent_at < EAGER
+        return not eager and not self._returned and self._stop_reason is None and self._stop_requested is None
+
+    # --- sessions: commands to ranks that stay --------------------------------------------------------------------
+    def send(self, ranks: list[int], command: bytes) -> None:
+        """Deliver a session command to `ranks`; their `Reply` messages arrive in `replies`."""
+        self._sent_at = time.monotonic()
+        self.engine.send(ranks, command)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self.engine.interrupt(ranks)
+
+    def collect_stacks(self, ranks: list[int], wait: float) -> dict[int, str]:
+        """Each of `ranks`' stacks now, from the user's code down (a session asks from its own thread)."""
+        for rank in ranks:
+            self.record.ranks[rank].stack = ""
+        collected = threading.Event()
+        self._stack_requests.append((list(ranks), collected))
+        collected.wait(wait)
+        return {rank: self.record.ranks[rank].stack for rank in ranks}
 
     def tick(self) -> None:
+        while self._stack_requests:  # asked for by another thread (a session): collected in the reader's thread
+            ranks, collected = self._stack_requests.pop(0)
+            self.engine.collect_stacks(ranks)
+            collected.set()
         if self._stop_requested and self._stop_reason is None:
             self._begin_stop(*self._stop_requested)
         elif self.timeout and self._stop_reason is None and self.record.duration > self.timeout:

@@ -56,6 +56,7 @@ class WorkerSpec:
     run_dir: str
     sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
     torch_threads: int | None = None
+    interactive: bool = False  # a session: ranks also receive commands from the kernel (`Engine.send`)
 
 
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import traceback
@@ -59,3 +60,38 @@ def thread_stack(thread_id: int) -> str:
             if not (is_plumbing(entry.filename) or entry.filename.startswith(stdlib))]
     kept = frames[user[0]:] if user else frames
     return "Stack of the training thread (most recent call last):\n" + "".join(traceback.format_list(kept))
+
+
+# what a rank blocked on a peer waits in: torch.distributed's collectives and point-to-point calls
+COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "wait",
+})
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def _library(filename: str) -> bool:
+    """A frame of ddpnb, the standard library or an installed package: not where the user's code is."""
+    parts = filename.split(os.sep)
+    return is_plumbing(filename) or filename.startswith(_STDLIB) or "site-packages" in parts or "dist-packages" in parts
+
+
+_STDLIB = os.path.dirname(threading.__file__) + os.sep
+
+
+def where(stack: str) -> str:
+    """Where a rank is, in a few words, from its stack (faulthandler's or traceback's format): the collective it
+    waits in, if any, and the user's line — 'in all_reduce, at File "...", line 3'."""
+    for block in stack.split("\n\n"):
+        frames = _FRAME.findall(block)
+        if "most recent call first" in block:
+            frames.reverse()  # oldest first, as a traceback lists them
+        user = [frame for frame in frames if not _library(frame[0])]
+        if not user:
+            continue
+        waits = [name for _, _, name in frames if name in COLLECTIVES]
+        at = f'at File "{user[-1][0]}", line {user[-1][1]}'
+        return f"in {waits[-1]}, {at}" if waits else at
+    return "somewhere without Python frames of its own"

@@ -13,6 +13,9 @@ class Link(Protocol):
 
     def send(self, message: Message) -> None: ...
 
+    def receive(self) -> bytes | None:
+        """Sessions: the next command from the kernel, None once the kernel will send no more."""
+
     def send_metric(self, step: int | None, values: dict[str, float]) -> None:
         """`ddpnb.log`'s path, inside the training step: what `send(Metric(...))` sends, as cheaply as possible."""
 

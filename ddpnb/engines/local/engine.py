@@ -15,6 +15,7 @@ import os
 import selectors
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,10 @@ class LocalEngine:
         self._signalled: dict[int, set[int]] = {}  # rank -> the stop signals sent to it
         self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
         self._events: RunEvents | None = None
+        self._commands: list[Any] = []  # sessions: each rank's command pipe, the kernel's (write) end
+        self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()  # ends the reader's pause when a session command was sent
+        os.set_blocking(self._wake_w, False)
 
     # --- start -------------------------------------------------------------------------------------------------
     def start(self, events: RunEvents, result_fd: int | None) -> None:
@@ -129,15 +134,21 @@ class LocalEngine:
         self._streams[err_r.fileno()] = (rank, Stream.STDERR)
         self._pipe_room = min(self._pipe_room, *(_enlarge_pipe(end.fileno()) for end in (channel_w, out_w, err_w)))
         result = None if result_fd is None else FdForChild(result_fd)
+        commands_r = None
+        if self.spec.interactive:
+            commands_r, commands_w = multiprocessing.Pipe(duplex=False)
+            self._commands.append(commands_w)
         proc = context.Process(
-            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result),
+            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result,
+                                commands_r),
             name=f"{PROCESS_PREFIX}rank{rank}", daemon=False,
         )
         try:
             proc.start()
         finally:
-            for end in (channel_w, lifeline_r, out_w, err_w):
-                end.close()
+            for end in (channel_w, lifeline_r, out_w, err_w, commands_r):
+                if end is not None:
+                    end.close()
         self._procs.append(proc)
         self._events.placed(rank, proc.pid)
 
@@ -160,17 +171,18 @@ class LocalEngine:
             self._selector.register(conn, selectors.EVENT_READ, self._read_channel)
         for rank, proc in enumerate(self._procs):
             self._selector.register(proc.sentinel, selectors.EVENT_READ, functools.partial(self._on_exit, rank))
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._woken)
         self._exits = len(self._procs)
         self._wake_bytes = 0  # read since the last wake-up
         self._buffer = memoryview(bytearray(PIPE_SIZE))  # every read lands here first
         all_exited: float | None = None
         last_wake, hurry = 0.0, False
         try:
-            while self._selector.get_map():
+            while len(self._selector.get_map()) > 1:  # more than the wake-up pipe
                 woken = time.monotonic()
                 if woken - last_wake < COALESCE and not hurry and self._exits == len(self._procs) and events.quiet():
                     # let more arrive, so a burst is one read; a rank that exits ends the pause at once
-                    multiprocessing.connection.wait([proc.sentinel for proc in self._procs],
+                    multiprocessing.connection.wait([*(proc.sentinel for proc in self._procs), self._wake_r],
                                                     timeout=COALESCE - (woken - last_wake))
                 last_wake, self._wake_bytes = time.monotonic(), 0
                 timeout = 0.1
@@ -190,6 +202,9 @@ class LocalEngine:
         finally:
             self._selector.close()
             self._buffer = memoryview(b"")
+
+    def _woken(self, fd: int) -> None:
+        os.read(fd, 4096)
 
     def _read_stream(self, fd: int) -> None:
         assert self._events is not None
@@ -270,17 +285,42 @@ class LocalEngine:
         time.sleep(STACK_WAIT)
         for rank in live:
             path = Path(self.spec.run_dir) / f"rank{rank}.stack"
-            text = user_stack_dump(path.read_text(errors="replace")) if path.exists() else ""
+            # the rank writes at its own offset: an earlier dump, truncated away, leaves zeros before this one
+            text = user_stack_dump(path.read_text(errors="replace").lstrip("\0")) if path.exists() else ""
             self._events.message(rank, Stacks(rank=rank, text=text))
+            if path.exists():
+                os.truncate(path, 0)
+
+    def send(self, ranks: list[int], command: bytes) -> None:
+        with self._send_lock:
+            for rank in ranks:
+                try:
+                    self._commands[rank].send_bytes(command)
+                except OSError:  # the rank is gone: its exit tells the run
+                    continue
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the reader has wake-ups pending already
+            pass
+
+    def interrupt(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            if self._procs[rank].exitcode is None:
+                _kill_group(self._procs[rank].pid, signal.SIGINT, group=False)  # the rank, not what it started
 
     def close(self) -> None:
         for proc in self._procs:  # belt and braces: nothing of this run may outlive it
             if proc.exitcode is None:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.join(5)
-        for end in [*self._kernel_ends, *self._conns]:
+        for end in [*self._kernel_ends, *self._conns, *self._commands]:
             end.close()
-        self._kernel_ends, self._conns = [], {}
+        self._kernel_ends, self._conns, self._commands = [], {}, []
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:  # closed by an earlier close()
+                continue
         for proc in self._procs:
             if proc.exitcode is not None:
                 proc.close()  # its sentinel fds; the record keeps the exit code

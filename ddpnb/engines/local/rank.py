@@ -55,11 +55,20 @@ class PipeLink:
     then its bytes), written with as few `os.write` calls as possible, because this runs inside the user's
     training step."""
 
-    def __init__(self, rank: int, channel: Connection) -> None:
+    def __init__(self, rank: int, channel: Connection, commands: Connection | None = None) -> None:
         self.rank = rank
         self.channel = channel  # keeps the fd open
         self.fd = channel.fileno()
         self.lock = threading.Lock()
+        self.commands = commands  # sessions: the kernel's commands to this rank
+
+    def receive(self) -> bytes | None:
+        if self.commands is None:
+            return None
+        try:
+            return self.commands.recv_bytes()
+        except (EOFError, OSError):  # the kernel closed its end: the session is over
+            return None
 
     def send(self, message: msg.Message) -> None:
         self._write(msg.encode(message))
@@ -83,18 +92,20 @@ _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its 
 
 
 def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
-          spec_payload: bytes, store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
+          spec_payload: bytes, store_socket: socket.socket | None = None, result_fd: int | None = None,
+          commands: Connection | None = None) -> None:
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
     the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
     `WorkerSpec`, unpickled after the output is redirected, so that a failure to rebuild it is reported like any
-    other. Rank 0 also gets the socket for its TCPStore and the file for its result."""
+    other. Rank 0 also gets the socket for its TCPStore and the file for its result; a session's ranks get a pipe
+    for the kernel's commands."""
     global _store_fd
     # what the forkserver imported (torch: ~200,000 objects) is never garbage: keep the garbage collector from
     # walking it at every full collection, which also copied every page it touched out of the shared memory
     gc.freeze()
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
     _redirect_output(out, err)
-    context = ctx.RankContext(rank=rank, link=PipeLink(rank, channel))
+    context = ctx.RankContext(rank=rank, link=PipeLink(rank, channel, commands))
     threading.Thread(target=_watch_kernel, args=(lifeline,), name="ddpnb-watchdog", daemon=True).start()
     if store_socket is not None:
         _store_fd = store_socket.detach()  # the TCPStore takes it over

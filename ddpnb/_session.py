@@ -1,0 +1,319 @@
+"""Interactive sessions: ranks that stay, keep their namespaces across cells, and fail the way runs do.
+
+A session is a `Run` whose ranks run `rank.session.serve`: they start, join their process group and die exactly
+as a `%%ddp` run's ranks do; between commands they wait for the next one. `%ddp_start`, `%%ranks`,
+`%ddp_restart` and `%ddp_stop` are sugar over `ddpnb.session()` and this class.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import queue
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ddpnb import _api
+from ddpnb.core import messages as msg
+from ddpnb.core.pickling import dumps
+from ddpnb.core.record import Outcome, RankState, WorkerError, cell_names
+from ddpnb.core.run import Run
+from ddpnb.core.spec import Stream
+from ddpnb.core.stacks import where
+from ddpnb.rank.session import serve
+
+GRACE = 5.0  # seconds the other ranks get to answer once one rank failed or was interrupted
+START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first session imports torch once)
+STACK_WAIT = 3.0  # seconds stuck ranks get to say where they are
+STOP_WAIT = 10.0  # seconds the ranks get to leave on their own at `stop()` before they are stopped
+
+
+class SessionState(enum.Enum):
+    READY = "ready"
+    BROKEN = "broken"  # a rank died or got stuck: its process group cannot be trusted; restart() for fresh ranks
+    STOPPED = "stopped"
+
+
+class SessionError(RuntimeError):
+    """A command failed on some ranks; the session and every namespace are as the command left them."""
+
+    def __init__(self, summary: str, report: str) -> None:
+        super().__init__(summary)
+        self.report = report
+
+    def __str__(self) -> str:
+        return self.report
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows the ranks' tracebacks, not the kernel's stack
+        return self.report.splitlines()
+
+
+class SessionBroken(SessionError):
+    """The session had to end: a rank died, or got stuck where the others cannot reach it. Nothing is left
+    running; `restart()` (`%ddp_restart`) starts fresh ranks with the same flags."""
+
+
+class PerRank(list):
+    """One value per selected rank, in rank order; `ranks` says which. Shown with rank labels."""
+
+    def __init__(self, ranks: Iterable[int], values: Iterable[Any]) -> None:
+        super().__init__(values)
+        self.ranks = list(ranks)
+
+    def by_rank(self) -> dict[int, Any]:
+        return dict(zip(self.ranks, self))
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        from IPython.lib.pretty import pretty
+
+        for index, (rank, value) in enumerate(zip(self.ranks, self)):
+            if index:
+                printer.break_()
+            label = f"[rank {rank}] "
+            shown = pretty(value, max_width=max(20, printer.max_width - len(label)))
+            printer.text(label + shown.replace("\n", "\n" + " " * len(label)))
+
+
+_current: Session | None = None  # the session the magics use: one per kernel
+
+
+def current() -> Session | None:
+    return _current
+
+
+class Session:
+    """Ranks that keep their state across commands. Use `execute`, `push`, `pull`, `call`, `restart`, `stop`, or
+    `with ddpnb.session(nprocs=2) as s: ...`."""
+
+    def __init__(self, *, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
+                 env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
+                 placement: str | None = None) -> None:
+        self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
+                       "address": address, "placement": placement}
+        self._number = 0
+        self.state = SessionState.STOPPED
+        self.run: Run | None = None
+        self._start()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self.run = _api.start(serve, view="none", foreground=False, interactive=True, **self._flags)
+        record = self.run.record
+        self._say(f"session of {record.world_size} ranks ({record.engine}, {record.backend}, "
+                  f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}")
+        self.state = SessionState.READY
+        # a name every rank's namespace has, as the notebook's does (a module travels by name)
+        self._command(msg.CommandKind.PUSH, None, START_WAIT, values={"ddpnb": sys.modules["ddpnb"]})
+
+    @property
+    def world_size(self) -> int:
+        assert self.run is not None
+        return self.run.record.world_size
+
+    @property
+    def pids(self) -> list[int | None]:
+        assert self.run is not None
+        return [r.pid for r in self.run.record.ranks]
+
+    def restart(self) -> None:
+        """Fresh ranks with the same flags: new processes, new process group, empty namespaces."""
+        self.stop()
+        self._start()
+
+    def stop(self) -> None:
+        """End every rank; the session's namespaces are gone."""
+        run = self.run
+        if run is not None and not run.done:
+            run.send(list(range(run.record.world_size)), dumps(msg.Command(self._next(), msg.CommandKind.STOP)))
+            run.wait(STOP_WAIT)
+            if not run.done:
+                run.stop(Outcome.STOPPED, "the session was stopped")
+        if self.state is not SessionState.BROKEN:
+            self.state = SessionState.STOPPED
+
+    def __enter__(self) -> Session:  # noqa: PYI034 - Python 3.10 has no typing.Self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        ranks = f"{self.world_size} ranks" if self.run is not None else "no ranks"
+        return f"<ddpnb session of {ranks}: {self.state.value}>"
+
+    # --- commands ------------------------------------------------------------------------------------------------------
+    def execute(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
+                filename: str = "") -> PerRank | None:
+        """Run `code` in each selected rank's namespace (every rank by default); the value of its last
+        expression on each rank, or None when it has none. Output streams here as it is printed."""
+        lines = tuple(code.splitlines(keepends=True))
+        values = self._command(msg.CommandKind.EXECUTE, ranks, timeout, code=code, filename=filename, lines=lines)
+        return None if all(value is None for value in values) else values
+
+    def push(self, **values: Any) -> None:
+        """Bind names in every rank's namespace: `s.push(lr=0.1, data=tensor)`."""
+        self._command(msg.CommandKind.PUSH, None, None, values=values)
+
+    def pull(self, *names: str, ranks: Iterable[int] | None = None) -> PerRank:
+        """The value of `names` on each selected rank (a tuple per rank for several names)."""
+        if not names:
+            raise ValueError("pull needs a name, e.g. s.pull('loss').")
+        return self._command(msg.CommandKind.PULL, ranks, None, names=names)
+
+    def call(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> PerRank:
+        """`fn(*args, **kwargs)` on each selected rank; what each returned."""
+        return self._command(msg.CommandKind.CALL, ranks, None, call=(fn, args, kwargs))
+
+    def _next(self) -> int:
+        self._number += 1
+        return self._number
+
+    def _selected(self, ranks: Iterable[int] | None) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        chosen = sorted(set(ranks))
+        bad = [rank for rank in chosen if not 0 <= rank < self.world_size]
+        if not chosen or bad:
+            raise ValueError(f"ranks must be between 0 and {self.world_size - 1} in this session of {self.world_size} "
+                             f"ranks, not {bad or 'none'}.")
+        return chosen
+
+    def _command(self, kind: msg.CommandKind, ranks: Iterable[int] | None, timeout: float | None,
+                 **fields: Any) -> PerRank:
+        if self.state is not SessionState.READY or self.run is None or self.run.done:
+            advice = "%ddp_restart (or .restart())" if self.run is not None else "%ddp_start (or ddpnb.session())"
+            raise SessionBroken(f"the session is {self.state.value}",
+                                f"ddpnb: this session is {self.state.value}: start fresh ranks with {advice}.")
+        run = self.run
+        selected = self._selected(ranks)
+        command = msg.Command(self._next(), kind, **fields)
+        payload = dumps(command)  # here, before anything is sent: an object that cannot travel is the caller's error
+        seen = run.lines_since(0)[2]
+        run.send(selected, payload)
+        answers: dict[int, msg.Reply] = {}
+        began = time.monotonic()
+        ending_at: float | None = None  # a rank failed or was interrupted: the others answer by then, or are stuck
+        interrupted = False
+        while len(answers) < len(selected):
+            try:
+                reply = run.replies.get(timeout=0.1)
+            except queue.Empty:
+                reply = None
+            except KeyboardInterrupt:
+                if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
+                    self._break(selected, answers, "a second interrupt ended the wait")
+                interrupted = True
+                run.interrupt([rank for rank in selected if rank not in answers])
+                ending_at = time.monotonic() + GRACE
+                continue
+            finally:
+                seen = self._show_output(run, seen)
+            if reply is not None and reply.command == command.number:
+                answers[reply.rank] = reply
+                if reply.exc_type and ending_at is None:
+                    ending_at = time.monotonic() + GRACE
+            if run.done:
+                self._died(run)
+            now = time.monotonic()
+            if timeout is not None and ending_at is None and now - began > timeout:
+                run.interrupt([rank for rank in selected if rank not in answers])
+                ending_at = now + GRACE
+            if ending_at is not None and now > ending_at and len(answers) < len(selected):
+                cause = "an interrupt" if interrupted or timeout is not None and now - began > timeout else "a failure"
+                self._break(selected, answers, f"within {GRACE:g} s of {cause}")
+        self._show_output(run, seen)
+        failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
+        if failed:
+            self._raise(failed, selected)
+        return PerRank(selected, [None if answers[r].payload is None else pickle.loads(answers[r].payload)
+                                  for r in selected])
+
+    def _show_output(self, run: Run, seen: int) -> int:
+        lines, skipped, count = run.lines_since(seen)
+        if skipped:
+            print(f"[ddpnb] {skipped} lines not shown here; every line is in the logs: {run.record.run_dir}")
+        for line in lines:
+            stream = sys.stderr if line.stream is Stream.STDERR else sys.stdout
+            stream.write(f"[rank {line.rank}] {line.text}\n")
+        if lines:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return count
+
+    # --- how commands fail -------------------------------------------------------------------------------------------
+    def _raise(self, failed: dict[int, msg.Reply], selected: list[int]) -> None:
+        first = failed[min(failed)]
+        interrupted = all(reply.exc_type == "KeyboardInterrupt" for reply in failed.values())
+        parts = [f"ddpnb: {'interrupted on' if interrupted else 'failed on'} {_named(failed)} of {len(selected)}: "
+                 f"{first.exc_type}: {first.message}".rstrip(": ")]
+        for rank, reply in sorted(failed.items()):
+            shown = cell_names(reply.traceback).rstrip() or f"{reply.exc_type}: {reply.message}"
+            parts.append(f"\n--- rank {rank} ---\n{shown}")
+        parts.append("\nThe session and every rank's namespace are as the command left them; run the next cell.")
+        raise SessionError(f"rank {min(failed)}: {first.exc_type}: {first.message}", "\n".join(parts))
+
+    def _break(self, selected: list[int], answers: dict[int, msg.Reply], why: str) -> None:
+        """Ranks that do not answer are stuck (in a collective a failed rank will never join, or in C++): say where,
+        then end the session, since its process group cannot be trusted."""
+        assert self.run is not None
+        stuck = [rank for rank in selected if rank not in answers]
+        stacks = self.run.collect_stacks(stuck, STACK_WAIT)
+        lines = [(f"ddpnb: {_named(stuck)} did not come back ({why}), so the session was stopped: a process "
+                  "group with a rank stuck in it cannot be trusted.")]
+        for rank in stuck:
+            lines.append(f"  rank {rank} is stuck {cell_names(where(stacks.get(rank, '')))}")
+        failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
+        for rank, reply in sorted(failed.items()):
+            shown = cell_names(reply.traceback).rstrip() or f"{reply.exc_type}: {reply.message}"
+            lines.append(f"\n--- rank {rank} ---\n{shown}")
+        self.run.stop(Outcome.STOPPED, f"{_named(stuck)} stuck")
+        self.state = SessionState.BROKEN
+        lines.append(f"\nNo rank is left running. %ddp_restart (or .restart()) starts {self.world_size} fresh ranks "
+                     "with the same flags; their namespaces start empty.")
+        raise SessionBroken(f"{_named(stuck)} stuck", "\n".join(lines)) from None
+
+    def _died(self, run: Run) -> None:
+        self.state = SessionState.BROKEN
+        record = run.record
+        if record.first_failure is None and all(r.state is RankState.FINISHED for r in record.ranks):
+            raise SessionBroken("the ranks left", "ddpnb: the session's ranks left (sys.exit in a cell?); "
+                                "%ddp_restart (or .restart()) starts fresh ones.")
+        report = WorkerError(record).report()
+        raise SessionBroken("a rank died", f"{report}\n\nThe session ended with it; no rank is left running. "
+                            "%ddp_restart (or .restart()) starts fresh ranks with the same flags.")
+
+    def _say(self, text: str) -> None:
+        print(f"[ddpnb] {text}")
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    """'0', '0, 2'"""
+    return ", ".join(map(str, sorted(ranks)))
+
+
+def _named(ranks: Iterable[int]) -> str:
+    """'rank 0', 'ranks 0, 2'"""
+    chosen = sorted(ranks)
+    return f"rank{'s' if len(chosen) > 1 else ''} {_ranks(chosen)}"
+
+
+def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
+            env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
+            placement: str | None = None) -> Session:
+    """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Same flags as `ddpnb.run`;
+    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
+    return Session(gpus=gpus, nprocs=nprocs, backend=backend, env=env, engine=engine, address=address,
+                   placement=placement)
+
+
+def start_for_magics(**flags: Any) -> Session:
+    """`%ddp_start`: one session per kernel."""
+    global _current
+    if _current is not None and _current.state is SessionState.READY:
+        raise _api.LaunchError(f"a session of {_current.world_size} ranks is already running in this kernel: "
+                               "%ddp_restart gives fresh ranks with its flags, %ddp_stop ends it (then %ddp_start "
+                               "with new flags).")
+    _current = Session(**flags)
+    return _current

@@ -1,0 +1,88 @@
+"""A session's rank: it keeps one namespace and answers the kernel's commands until told to stop.
+
+The kernel runs `serve` as the ranks' function (`ddpnb.session`), so a session's ranks start, join their
+process group and fail exactly as a `%%ddp` run's do; between commands they wait for the next one.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import signal
+from typing import Any
+
+from ddpnb.core import messages as msg
+from ddpnb.core.pickling import dumps, unpicklable_path
+from ddpnb.core.stacks import user_traceback
+from ddpnb.rank import context as ctx
+
+
+def serve(rank: int, world_size: int) -> None:
+    """Answer commands until the kernel says stop (or closes its end)."""
+    import cloudpickle
+
+    context = ctx.current()
+    assert context is not None
+    # the kernel's interrupt (SIGINT) raises KeyboardInterrupt in the command that is running
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "rank": rank,
+                                 "world_size": world_size}
+    while True:
+        try:
+            data = context.link.receive()
+            if data is None:
+                return
+            command: msg.Command = cloudpickle.loads(data)
+        except KeyboardInterrupt:  # meant for a command that had just ended: nothing to stop
+            continue
+        if command.kind is msg.CommandKind.STOP:
+            return
+        context.send(_answer(rank, command, namespace))
+
+
+def _answer(rank: int, command: msg.Command, namespace: dict[str, Any]) -> msg.Reply:
+    try:
+        value = _run(command, namespace)
+        if value is None:
+            return msg.Reply(rank=rank, command=command.number)
+        try:
+            payload = dumps(value)
+        except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, ...
+            raise TypeError(f"the value cannot be sent to the notebook: {unpicklable_path(value, 'value')} cannot be "
+                            f"pickled ({type(exc).__name__}: {exc}); keep it on the ranks (assign it to a name) "
+                            "and pull what can travel") from None
+        return msg.Reply(rank=rank, command=command.number, payload=payload)
+    except BaseException as exc:  # noqa: BLE001 - the user's error (KeyboardInterrupt, SystemExit too) is the answer
+        return msg.Reply(rank=rank, command=command.number, exc_type=type(exc).__qualname__, message=str(exc),
+                         traceback=user_traceback(exc))
+
+
+def _run(command: msg.Command, namespace: dict[str, Any]) -> Any:
+    kind = command.kind
+    if kind is msg.CommandKind.EXECUTE:
+        return _execute(command, namespace)
+    if kind is msg.CommandKind.PUSH:
+        namespace.update(command.values)
+        return None
+    if kind is msg.CommandKind.PULL:
+        missing = [name for name in command.names if name not in namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined on this rank")
+        values = tuple(namespace[name] for name in command.names)
+        return values[0] if len(values) == 1 else values
+    assert kind is msg.CommandKind.CALL and command.call is not None
+    fn, args, kwargs = command.call
+    return fn(*args, **kwargs)
+
+
+def _execute(command: msg.Command, namespace: dict[str, Any]) -> Any:
+    """The cell's statements, then its last expression's value, as IPython runs a cell."""
+    filename = command.filename or "<session cell>"
+    linecache.cache[filename] = (len(command.code), None, list(command.lines), filename)
+    tree = ast.parse(command.code, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - the user's own cell
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)

@@ -1,0 +1,178 @@
+"""Interactive sessions (`%ddp_start`, `%%ranks`, `ddpnb.session`): ranks that keep their state across cells and
+fail the way runs do. Every test drives a real Jupyter kernel or real rank processes; CPU ranks over gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import time
+
+import pytest
+import torch
+
+import ddpnb
+from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
+from tests.test_faults import Cell
+
+# a cell that fails or hangs gets GRACE (5 s) for the other ranks, STACK_WAIT (3 s) for their stacks, then the
+# stop: the bound is that behaviour, with room for a busy 2-core machine
+ENDS_WITHIN = 60
+
+
+@pytest.fixture(scope="module")
+def session_kernel():
+    kernel = Kernel(env={"DDPNB_VIEW": "text"})
+    kernel.execute("%load_ext ddpnb\nimport os, signal, time")
+    started = kernel.execute("%ddp_start -n 2", timeout=300)
+    assert started.error is None and "[ddpnb] session of 2 ranks" in started.stdout, started.text
+    yield kernel
+    kernel.execute("%ddp_stop", timeout=60)
+    kernel.shutdown()
+
+
+def pids_of(kernel: Kernel) -> list[int]:
+    shown = kernel.execute("print(*ddpnb._session.current().pids)").stdout.split()
+    return [int(pid) for pid in shown]
+
+
+def test_state_survives_across_cells_and_values_come_back_per_rank(session_kernel):
+    defined = session_kernel.execute(textwrap.dedent("""\
+        %%ranks
+        import torch, torch.distributed as dist
+        model = torch.nn.Linear(2, 1)
+        t = torch.ones(1) * (rank + 1)
+        world_size
+    """))
+    assert defined.error is None, defined.text
+    assert defined.results == ["[rank 0] 2\n[rank 1] 2"]
+    reduced = session_kernel.execute(textwrap.dedent("""\
+        %%ranks -o sums
+        dist.all_reduce(t)
+        print("reduced on", rank, "to", t.item())
+        (t.item(), model.weight.shape[1])
+    """))
+    assert reduced.error is None, reduced.text
+    assert "[rank 0] reduced on 0 to 3.0" in reduced.stdout and "[rank 1] reduced on 1 to 3.0" in reduced.stdout
+    bound = session_kernel.execute("print(sums, sums.ranks)")
+    assert bound.stdout.strip() == "[(3.0, 2), (3.0, 2)] [0, 1]"
+
+
+def test_some_ranks_only_and_the_line_form(session_kernel):
+    only_one = session_kernel.execute("%%ranks 1\nprint('only here')\nrank")
+    assert only_one.error is None and only_one.results == ["[rank 1] 1"], only_one.text
+    assert "[rank 1] only here" in only_one.stdout and "[rank 0]" not in only_one.stdout
+    line = session_kernel.execute("x = %ranks rank * 10\nprint(x == [0, 10])")
+    assert line.stdout.strip() == "True", line.text
+
+
+def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(session_kernel):
+    session_kernel.execute("%%ranks\nkept = rank + 100")
+    failed = session_kernel.execute(textwrap.dedent("""\
+        %%ranks
+        kept = kept + 1
+        if rank == 1:
+            raise ValueError("bad shard on purpose")
+        'fine'
+    """))
+    assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
+    shown = "\n".join(failed.error["traceback"])
+    assert "failed on rank 1 of 2: ValueError: bad shard on purpose" in shown
+    assert re.search(r"Cell In\[\d+\], line 3", shown) and 'raise ValueError("bad shard on purpose")' in shown
+    assert PACKAGE_DIR not in shown and "--- rank 0 ---" not in shown
+    after = session_kernel.execute("%ranks kept")
+    assert after.results == ["[rank 0] 101\n[rank 1] 102"], after.text  # as the failed cell left them
+
+
+def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives_fresh_ranks(session_kernel):
+    before = pids_of(session_kernel)
+    began = time.monotonic()
+    stuck = session_kernel.execute(textwrap.dedent("""\
+        %%ranks
+        if rank == 1:
+            raise RuntimeError("rank 1 gives up")
+        dist.all_reduce(torch.ones(1))
+    """), timeout=ENDS_WITHIN + 30)
+    assert time.monotonic() - began < ENDS_WITHIN
+    assert stuck.error is not None and stuck.error["ename"] == "SessionBroken", stuck.text
+    shown = "\n".join(stuck.error["traceback"])
+    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 3", shown), shown
+    assert "RuntimeError: rank 1 gives up" in shown and "%ddp_restart" in shown
+    assert wait_gone(before, within=15) == []
+    refused = session_kernel.execute("%ranks 1 + 1")
+    assert refused.error is not None and "broken" in "\n".join(refused.error["traceback"])
+
+    restarted = session_kernel.execute("%ddp_restart", timeout=120)
+    assert restarted.error is None, restarted.text
+    after = pids_of(session_kernel)
+    assert len(after) == 2 and not set(after) & set(before)
+    fresh = session_kernel.execute("%ranks 'kept' in globals(), 'model' in globals()")
+    assert fresh.results == ["[rank 0] (False, False)\n[rank 1] (False, False)"], fresh.text
+    works = session_kernel.execute("%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+                                   "dist.all_reduce(t)\nt.item()")
+    assert works.results == ["[rank 0] 2.0\n[rank 1] 2.0"], works.text
+
+
+def test_interrupting_a_cell_raises_keyboard_interrupt_in_the_ranks_and_keeps_their_state(session_kernel):
+    session_kernel.execute("%%ranks\nstate = [rank]")
+    cell = Cell(session_kernel, "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+    cell.read_until(lambda seen: seen.stdout.count("sleeping") == 2)
+    session_kernel.manager.interrupt_kernel()
+    result = cell.finish(timeout=ENDS_WITHIN)
+    assert result.error is not None and result.error["ename"] == "SessionError", result.text
+    shown = "\n".join(result.error["traceback"])
+    assert "interrupted on ranks 0, 1 of 2" in shown and "KeyboardInterrupt" in shown
+    kept = session_kernel.execute("%ranks state")
+    assert kept.results == ["[rank 0] [0]\n[rank 1] [1]"], kept.text
+
+
+def test_a_second_start_is_refused_while_a_session_runs(session_kernel):
+    again = session_kernel.execute("%ddp_start -n 2")
+    assert again.stderr.startswith("UsageError: a session of 2 ranks is already running"), again.text
+    assert session_kernel.execute("%ranks rank").results == ["[rank 0] 0\n[rank 1] 1"]  # the first one goes on
+
+
+def test_killing_the_kernel_takes_every_session_rank_with_it():
+    doomed = Kernel(env={"DDPNB_VIEW": "text"})
+    try:
+        doomed.execute("%load_ext ddpnb")
+        assert doomed.execute("%ddp_start -n 2", timeout=300).error is None
+        pids = pids_of(doomed)
+        os.kill(doomed.pid, signal.SIGKILL)
+        assert wait_gone(pids, within=15) == []
+    finally:
+        doomed.client.stop_channels()
+        doomed.manager.cleanup_resources()
+
+
+def _double(x):
+    return {"rank": int(os.environ["RANK"]), "twice": x * 2}
+
+
+def test_push_pull_and_call_from_python():
+    with ddpnb.session(nprocs=2) as session:
+        session.push(config={"lr": 0.1, "layers": [1, 2]}, weights=torch.arange(4.0))
+        pulled = session.pull("config", "weights")
+        assert pulled.ranks == [0, 1]
+        for config, weights in pulled:
+            assert config == {"lr": 0.1, "layers": [1, 2]} and torch.equal(weights, torch.arange(4.0))
+        assert session.call(_double, 21) == [{"rank": 0, "twice": 42}, {"rank": 1, "twice": 42}]
+        assert session.pull("weights", ranks=[1]).by_rank().keys() == {1}
+        with pytest.raises(ddpnb.SessionError, match="name 'missing' is not defined"):
+            session.pull("missing")
+        pids = session.pids
+    assert wait_gone(pids, within=15) == []
+    assert session.run.record.outcome is ddpnb.Outcome.SUCCEEDED  # the ranks left when asked
+
+
+def test_a_rank_that_dies_ends_the_session_and_names_how():
+    session = ddpnb.session(nprocs=2)
+    try:
+        with pytest.raises(ddpnb.SessionBroken) as broken:
+            session.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                            "import time\ntime.sleep(60)")
+        assert "rank 1 of 2 failed first: killed by SIGKILL" in str(broken.value)
+        assert wait_gone([pid for pid in session.pids if pid], within=15) == []
+    finally:
+        session.stop()
