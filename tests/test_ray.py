@@ -547,3 +547,29 @@ def test_a_rank_whose_versions_differ_from_the_kernels_prints_a_warning_line(env
     for rank in (0, 1):
         assert (f"[rank {rank}] [ddpnb] this node's versions differ from the kernel's: ddpnb {here} here, 0.0.0 in "
                 "the kernel. Functions and results travel pickled between them") in env_and_versions_run.stderr
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_session_on_ray_keeps_state_across_cells_and_survives_an_error(ray_kernel):
+    started = ray_kernel.execute("%ddp_start --engine ray -n 2", timeout=CELL_TIMEOUT)
+    assert started.error is None and "session of 2 ranks (ray, gloo" in started.stdout, started.text
+    try:
+        defined = ray_kernel.execute("%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)"
+                                     "\nprint('defined on', rank)\nrank", timeout=CELL_TIMEOUT)
+        assert defined.results == ["[rank 0] 0\n[rank 1] 1"], defined.text
+        assert "[rank 0] defined on 0" in defined.stdout and "[rank 1] defined on 1" in defined.stdout
+        reduced = ray_kernel.execute("%%ranks\ndist.all_reduce(t)\nt.item()", timeout=CELL_TIMEOUT)
+        assert reduced.results == ["[rank 0] 3.0\n[rank 1] 3.0"], reduced.text
+        failed = ray_kernel.execute("%%ranks\nif rank == 1:\n    raise ValueError('bad on purpose')\n'fine'",
+                                    timeout=CELL_TIMEOUT)
+        assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
+        assert re.search(r"Cell In\[\d+\], line 2", "\n".join(failed.error["traceback"]))
+        pulled = ray_kernel.execute("s = ddpnb._session.current()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))",
+                                    timeout=CELL_TIMEOUT)
+        assert pulled.stdout.strip() == "[5, 5] [tensor([3.]), tensor([3.])]", pulled.text
+    finally:
+        stopped = ray_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
+    assert stopped.error is None, stopped.text
+    assert run_actors_left([ray_kernel.pid]) == []

@@ -81,6 +81,7 @@ class Run:
         self._turn = False  # ... and it is a rank starting, returning, failing or exiting, or the run stopping
         self._last_news = 0.0
         self.replies: queue.SimpleQueue[msg.Reply] = queue.SimpleQueue()  # sessions: the ranks' answers
+        self._answers: list[msg.Reply] = []
         self._sent_at = 0.0  # when the latest session command was sent
 
     # --- public lifecycle -----------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ class Run:
                 self._payload, self._saved = message.payload, message.saved
         elif isinstance(message, msg.Reply):
             self._turn = True  # an answer is what the session waits for: announce it at once
-            self.replies.put(message)
+            self._answers.append(message)  # released at the end of this read pass, after the output read with it
         elif isinstance(message, msg.Failed):
             record.state = RankState.FAILED
             if message.exc_type == "SystemExit":
@@ -328,6 +329,7 @@ class Run:
         return {rank: self.record.ranks[rank].stack for rank in ranks}
 
     def tick(self) -> None:
+        self._release_answers()
         while self._stack_requests:  # asked for by another thread (a session): collected in the reader's thread
             ranks, collected = self._stack_requests.pop(0)
             self.engine.collect_stacks(ranks)
@@ -345,6 +347,13 @@ class Run:
             self._last_news = time.monotonic()
 
     # --- stopping and ending -----------------------------------------------------------------------------------
+    def _release_answers(self) -> None:
+        """A session's answers go out once the read pass that brought them is over: the output a rank wrote before
+        answering, which sat in its pipes then, has been read by now."""
+        answers, self._answers = self._answers, []
+        for answer in answers:
+            self.replies.put(answer)
+
     def _begin_stop(self, outcome: Outcome, note: str) -> None:
         if self._stop_reason is not None:
             return
@@ -376,6 +385,7 @@ class Run:
                         self._add_lines(rank, stream, decoder.feed(b"", final=True))
                 self._write_endings()
             finally:  # whatever failed above (a full disk), release everything and let `wait()` return
+                self._release_answers()
                 self._release()
                 self._conclude()
 

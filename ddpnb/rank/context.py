@@ -16,6 +16,9 @@ class Link(Protocol):
     def receive(self) -> bytes | None:
         """Sessions: the next command from the kernel, None once the kernel will send no more."""
 
+    def flush(self) -> None:
+        """Sessions: what the rank printed so far reaches the kernel ahead of what is sent next."""
+
     def send_metric(self, step: int | None, values: dict[str, float]) -> None:
         """`ddpnb.log`'s path, inside the training step: what `send(Metric(...))` sends, as cheaply as possible."""
 

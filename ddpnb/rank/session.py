@@ -10,6 +10,7 @@ import ast
 import builtins
 import linecache
 import signal
+import threading
 from typing import Any
 
 from ddpnb.core import messages as msg
@@ -24,8 +25,9 @@ def serve(rank: int, world_size: int) -> None:
 
     context = ctx.current()
     assert context is not None
-    # the kernel's interrupt (SIGINT) raises KeyboardInterrupt in the command that is running
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if threading.current_thread() is threading.main_thread():  # Ray Train runs it in a thread of its own
+        # the kernel's interrupt (SIGINT) raises KeyboardInterrupt in the command that is running
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "rank": rank,
                                  "world_size": world_size}
     while True:
@@ -38,7 +40,9 @@ def serve(rank: int, world_size: int) -> None:
             continue
         if command.kind is msg.CommandKind.STOP:
             return
-        context.send(_answer(rank, command, namespace))
+        reply = _answer(rank, command, namespace)
+        context.link.flush()  # the cell's output first: the kernel shows it before the cell's value
+        context.send(reply)
 
 
 def _answer(rank: int, command: msg.Command, namespace: dict[str, Any]) -> msg.Reply:

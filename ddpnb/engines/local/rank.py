@@ -62,6 +62,10 @@ class PipeLink:
         self.lock = threading.Lock()
         self.commands = commands  # sessions: the kernel's commands to this rank
 
+    def flush(self) -> None:
+        sys.stdout.flush()  # the pipes keep the order: what is written there is ahead of what is sent next
+        sys.stderr.flush()
+
     def receive(self) -> bytes | None:
         if self.commands is None:
             return None

@@ -3,6 +3,7 @@ between the ranks and the kernel."""
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import tempfile
@@ -45,6 +46,7 @@ class RunActor:
         self._lock = threading.Condition()
         self._inbox: list[bytes] = []
         self._commands: list[str] = []
+        self._cells: dict[int, collections.deque[bytes]] = collections.defaultdict(collections.deque)  # sessions
         self._controller: Any = None  # Ray Train's controller, once it announced itself
         self._fit_started = False
         self._announcing = False  # Ray Train v2: the controller announces itself (`_AnnounceController`)
@@ -63,6 +65,18 @@ class RunActor:
         with self._lock:
             self._commands.append(command)
             self._lock.notify_all()
+
+    def send_cell(self, ranks: list[int], command: bytes) -> None:
+        """Sessions: a command for each of `ranks`, taken by the rank's `next_cell`."""
+        with self._lock:
+            for rank in ranks:
+                self._cells[rank].append(command)
+            self._lock.notify_all()
+
+    def next_cell(self, rank: int, wait: float) -> bytes | None:
+        with self._lock:
+            self._lock.wait_for(lambda: bool(self._cells[rank]), timeout=wait)
+            return self._cells[rank].popleft() if self._cells[rank] else None
 
     def next_command(self, seen: int, wait: float) -> tuple[int, str | None]:
         with self._lock:

@@ -111,7 +111,8 @@ class RayEngine:
             group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
         )
         self._actor = ray.remote(RunActor).options(
-            num_cpus=0, max_concurrency=2 * spec.world_size + 8, scheduling_strategy=_near_this_kernel(),
+            # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
+            num_cpus=0, max_concurrency=3 * spec.world_size + 8, scheduling_strategy=_near_this_kernel(),
         ).remote()
         self._fit_ref = self._actor.fit.remote(request)
 
@@ -232,6 +233,12 @@ class RayEngine:
             self._drain()
             if ready:
                 return
+
+    def send(self, ranks: list[int], command: bytes) -> None:
+        self._actor.send_cell.remote(ranks, command)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self._actor.request.remote("interrupt:" + ",".join(map(str, ranks)))
 
     def close(self) -> None:
         if self._actor is not None and not self._killed:

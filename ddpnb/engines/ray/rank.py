@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import struct
 import sys
+import termios
 import threading
 import time
 from typing import Any
@@ -99,6 +102,7 @@ class _Link:
 
     def __init__(self, rank: int, channel: Any) -> None:
         self.rank = rank
+        self.capture: _Capture | None = None  # fds 1 and 2, once captured
         self.channel = channel
         self.lock = threading.Condition()
         self._pending: list[bytes] = []
@@ -111,6 +115,22 @@ class _Link:
 
     def send_metric(self, step: int | None, values: dict[str, float]) -> None:
         self._put(msg.encode_metric(self.rank, step, time.time(), values))
+
+    def flush(self) -> None:
+        if self.capture is not None:
+            self.capture.sync()
+
+    def receive(self) -> bytes | None:
+        """Sessions: the next command, long-polled from the run actor; None once the run actor is gone."""
+        import ray
+
+        while True:
+            try:
+                command = ray.get(self.channel.next_cell.remote(self.rank, COMMAND_POLL))
+            except ray.exceptions.RayActorError:
+                return None
+            if command is not None:
+                return command
 
     def _put(self, data: bytes) -> None:
         with self.lock:
@@ -151,6 +171,9 @@ class _Capture:
         self.link = link
         self._saved: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
+        self._read_ends: list[int] = []
+        self._forwarding = threading.Lock()  # held while a chunk read from a pipe is on its way to the link
+        link.capture = self
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -158,6 +181,7 @@ class _Capture:
             self._saved[fd] = os.dup(fd)
             os.dup2(write_end, fd)
             os.close(write_end)
+            self._read_ends.append(read_end)
             thread = threading.Thread(target=self._forward, args=(read_end, self._saved[fd], name),
                                       name=f"ddpnb-{name}", daemon=True)
             thread.start()
@@ -169,10 +193,23 @@ class _Capture:
     def _forward(self, read_end: int, original: int, name: str) -> None:
         try:
             while data := os.read(read_end, 1 << 16):
-                self.link.send(Output(self.link.rank, name, data))
+                with self._forwarding:
+                    self.link.send(Output(self.link.rank, name, data))
                 _write_all(original, data)
         finally:
             os.close(read_end)
+
+    def sync(self, wait: float = 1.0) -> None:
+        """Until what was written to fds 1 and 2 so far is queued on the link (a session's answer must not overtake
+        its cell's output): the pipes read empty, then no chunk on its way."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_unread(fd) for fd in self._read_ends):
+            time.sleep(0.002)
+        time.sleep(0.002)  # a chunk just read is under the lock by now
+        with self._forwarding:
+            return
 
     def close(self) -> None:
         """Put the fds back; the pipes' last write ends close, so the forwarders read to the end and stop."""
@@ -185,6 +222,11 @@ class _Capture:
         if not any(thread.is_alive() for thread in self._threads):
             for original in self._saved.values():
                 os.close(original)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -210,3 +252,17 @@ def _serve_commands(link: _Link, channel: Any, finished: threading.Event, traini
             return
         if command == "stacks":
             link.send(Stacks(rank=link.rank, text=thread_stack(training_thread)))
+        elif command and command.startswith("interrupt:") and str(link.rank) in command[10:].split(","):
+            _interrupt(training_thread)
+
+
+def _interrupt(thread_id: int) -> None:
+    """KeyboardInterrupt in the session command the training thread runs. Ray Train runs the training function in
+    a thread of its own, where no signal handler runs: the exception is set on that thread (CPython's
+    PyThreadState_SetAsyncExc), and raised at its next Python instruction (a blocking C call ends first)."""
+    if thread_id == threading.main_thread().ident:
+        signal.pthread_kill(thread_id, signal.SIGINT)
+        return
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(KeyboardInterrupt))
