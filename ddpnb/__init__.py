@@ -16,14 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from ddpnb._api import LaunchError, device, last_run, launch, log, preload, run, spawn
-from ddpnb._session import PerRank, Session, SessionBroken, SessionError, session
+from ddpnb._session import PerRank, Session, SessionBroken, SessionError, current_session, session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
 from ddpnb.engines.local.forkserver import PreloadError
 
 __all__ = [
     "LaunchError", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
-    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "device", "last_run", "launch",
+    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "current_session", "device", "last_run",
+    "launch",
     "load_ipython_extension", "log", "preload", "run", "session", "spawn",
 ]
 __version__ = "0.1.0"

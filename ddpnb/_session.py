@@ -308,6 +308,11 @@ def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend
                    placement=placement)
 
 
+def current_session() -> Session | None:
+    """The session `%ddp_start` started in this kernel (None if none): for `push`, `pull` and `call` from Python."""
+    return _current
+
+
 def start_for_magics(**flags: Any) -> Session:
     """`%ddp_start`: one session per kernel."""
     global _current

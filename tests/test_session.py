@@ -127,6 +127,14 @@ def test_interrupting_a_cell_raises_keyboard_interrupt_in_the_ranks_and_keeps_th
     assert kept.results == ["[rank 0] [0]\n[rank 1] [1]"], kept.text
 
 
+def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_session(session_kernel):
+    timed = session_kernel.execute("%%ranks --timeout 1\nimport time\nslept = 'started'\ntime.sleep(600)",
+                                   timeout=ENDS_WITHIN)
+    assert timed.error is not None and timed.error["ename"] == "SessionError", timed.text
+    assert "interrupted on ranks 0, 1 of 2" in "\n".join(timed.error["traceback"])
+    assert session_kernel.execute("%ranks slept").results == ["[rank 0] 'started'\n[rank 1] 'started'"]
+
+
 def test_a_second_start_is_refused_while_a_session_runs(session_kernel):
     again = session_kernel.execute("%ddp_start -n 2")
     assert again.stderr.startswith("UsageError: a session of 2 ranks is already running"), again.text
