@@ -15,14 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpnb._api import LaunchError, device, last_run, launch, log, preload, run, spawn
+from ddpnb._api import LaunchError, attempt, device, last_run, launch, log, preload, run, spawn
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
 from ddpnb.engines.local.forkserver import PreloadError
+from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
     "LaunchError", "NotPicklableError", "Outcome", "PreloadError", "RankState", "RunInterrupted", "RunRecord",
-    "WorkerError", "device", "last_run", "launch", "load_ipython_extension", "log", "preload", "run", "spawn",
+    "WorkerError", "attempt", "device", "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log",
+    "preload", "run", "save_checkpoint", "spawn",
 ]
 __version__ = "0.1.0"
 
