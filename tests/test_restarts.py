@@ -11,6 +11,7 @@ Worker functions live at module level; this module is pickled by value (as a not
 
 from __future__ import annotations
 
+import html
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import ddpnb
+from ddpnb.views.dashboard import error_html, header_html, plots_html, summary_html
 from tests.test_faults import assert_nothing_left, orphans_come_to_this_process, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -155,6 +157,11 @@ def test_a_failed_rank_restarts_the_group_from_the_last_checkpoint(how, uninterr
     assert sorted(p.name for p in (record.run_dir / "checkpoints").iterdir()) == [
         "step-000000020", "step-000000030", "step-000000040"]  # the newest 3 complete ones
     assert_nothing_left(record, [r.pid for a in record.attempts for r in a.ranks])
+    # the dashboard: the attempt in its header, the earlier attempt's failure, its lines and the restart marker
+    assert "attempt 1 (restarts: 1 of 1)" in header_html(record)
+    assert f'data-attempt="0">attempt 0 (restarted): rank 1 failed first: {html.escape(cause)}' in error_html(record)
+    plot = plots_html(record)
+    assert 'class="ddpnb-restart" data-attempt="1"' in plot and 'data-rank="0" data-attempt="0"' in plot
 
 
 def test_an_fsdp2_model_and_its_optimizer_restart_from_the_last_checkpoint(uninterrupted_fsdp):
@@ -207,6 +214,7 @@ def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpo
     handle.stop()
     stopped = handle.wait()
     assert stopped.outcome is ddpnb.Outcome.STOPPED and stopped.attempts == []  # stop() never restarts
+    assert 'data-resume="20"' in summary_html(stopped, [])  # the dashboard's summary offers to continue
 
     result = ddpnb.run(train, nprocs=2, resume="last", view="none")
     assert result["attempt"] == 0 and result["start"] == 20

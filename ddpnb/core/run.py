@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ddpnb.core import checkpoints, pickling, rundir
 from ddpnb.core import messages as msg
-from ddpnb.core import pickling, rundir
 from ddpnb.core.engine import Engine
 from ddpnb.core.output import LineBuffer, LineDecoder
 from ddpnb.core.record import (
@@ -498,7 +498,14 @@ class Run:
 
 
 def hint(record: RunRecord) -> str:
-    """What to do next, under a failed run's report."""
+    """What to do next, under a failed run's report; and how to continue from its checkpoint, where it has one."""
+    found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
+    resume = (f"\nIts latest complete checkpoint is step {found[0]}: `%%ddp --resume last` (or resume='last') "
+              "continues from it." if found else "")
+    return _next_step(record) + resume
+
+
+def _next_step(record: RunRecord) -> str:
     if record.outcome is Outcome.TIMED_OUT:
         return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
     if record.outcome is Outcome.INTERRUPTED:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from ddpnb.core import checkpoints
 from ddpnb.core.record import Attempt, Outcome, OutputLine
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
@@ -80,4 +81,8 @@ class TextView:
             self.out.write(record.summary_table() + "\n")
         if record.hint:
             self.out.write(f"[ddpnb] {record.hint}\n")
+        found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
+        if found and record.outcome is not Outcome.SUCCEEDED:
+            self.out.write(f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
+                           f"(or --resume {record.run_dir})\n")
         self.out.flush()
