@@ -75,7 +75,7 @@ def load_checkpoint(state: MutableMapping[str, Any]) -> int | None:
 
 def _spec(name: str) -> Any:
     context = ctx.current()
-    if context is None or context.spec is None:
+    if context is None or context.spec is None or not context.spec.checkpoint_dir:
         raise RuntimeError(f"ddpnb.{name} works inside a ddpnb rank (a %%ddp cell's function, or ddpnb.run's): its "
                            "checkpoints belong to the run. Outside one, call torch.distributed.checkpoint directly.")
     return context.spec
