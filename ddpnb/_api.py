@@ -9,10 +9,11 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ddpnb import engines
-from ddpnb.core import pickling, rundir
+from ddpnb.core import checkpoints, pickling, rundir
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
@@ -30,13 +31,14 @@ from ddpnb.engines.local.forkserver import PreloadError
 from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
 
-__all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "check_options", "device", "last_run", "launch", "log", "plan",
-           "preload", "run", "spawn", "start"]
+__all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "attempt", "check_options", "check_restarts", "device", "last_run",
+           "launch", "log", "plan", "preload", "run", "spawn", "start"]
 
 VIEW_VAR = "DDPNB_VIEW"
 MAX_LINES_VAR = "DDPNB_MAX_LINES"
 DEFAULT_MAX_LINES = 1000  # lines of output the text view shows; every line is in the logs
 
+DEFAULT_KEEP = 3  # complete checkpoints a run keeps
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
 
@@ -106,7 +108,8 @@ def choose_view(view: str | None = None) -> ViewKind:
 def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
            backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
            args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
-           placement: str | None = None) -> Run:
+           placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
+           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None) -> Run:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
     The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
@@ -117,9 +120,16 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install 'ddpnb[ray]'`): `address` is
     the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: see the README), `placement` 'pack'
     (default: few nodes) or 'spread' (across nodes).
+
+    `max_restarts=N`: when a rank fails (an error, a crash, the timeout), every rank is stopped and all start
+    again as fresh processes, up to N times; `timeout` bounds each attempt. `ddpnb.save_checkpoint` writes under
+    the run directory, or under `checkpoint_dir/<run name>`, keeping the newest `keep_checkpoints`;
+    `ddpnb.load_checkpoint` reads the latest complete one. `resume='last'` (or a run directory) starts from the
+    latest checkpoint of an earlier run that was stopped or failed.
     """
     return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args, view=view,
-                 foreground=False, engine=engine, address=address, placement=placement)
+                 foreground=False, engine=engine, address=address, placement=placement, max_restarts=max_restarts,
+                 checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints, resume=resume)
 
 
 def function_name(fn: Any) -> str:
@@ -160,12 +170,15 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
           args: Sequence[Any] = (), call_style: CallStyle = CallStyle.AUTO, view: str | None = None,
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None,
+          max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
+          keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None,
           interactive: bool = False) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
     `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
     global _last_record
     if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
+    check_restarts(max_restarts, keep_checkpoints)
     call_style = CallStyle(call_style)
     _check_callable(fn, tuple(args), call_style)
     kind = engines.kind_of(engine)
@@ -173,18 +186,31 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     chosen_view, options = check_options(view, kind, address, placement)
     engine_type = engines.engine_type(kind)
     payload = pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
+    resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
+    if checkpoint_dir is not None:
+        try:
+            Path(checkpoint_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LaunchError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created ({exc.strerror}): pass a "
+                              "directory you can write to.") from None
     run_dir = rundir.new_run_dir()
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
     spec = WorkerSpec(
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
         sources=pickling.notebook_sources(), torch_threads=engine_type.torch_threads(planned, environ),
-        interactive=interactive,
+        checkpoint_dir=str(checkpoints.for_run(run_dir, checkpoint_dir)),
+        resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=keep_checkpoints, interactive=interactive,
     )
     devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
-    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn))
+    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn),
+              max_restarts=max_restarts,
+              new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options))
     if planned.note:
         print(f"[ddpnb] {planned.note}", file=sys.stderr)
+    if resumed:
+        print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
+              "(ddpnb.load_checkpoint loads it)", file=sys.stderr)
     run.start()
     _last_record = run.record
     if chosen_view is ViewKind.WIDGET:
@@ -203,16 +229,19 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
 def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
         backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
         args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
-        placement: str | None = None) -> Any:
+        placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
+        keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None) -> Any:
     """Run `fn` on every rank, show their output here, and return rank 0's return value.
 
     `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
     `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
-    `view`, `engine`, `address`, `placement`: see `launch`. Raises `WorkerError` if a rank fails, with that
-    rank's own traceback.
+    `view`, `engine`, `address`, `placement`, restarts and checkpoints: see `launch`. Raises `WorkerError` if a
+    rank fails (in the last attempt), with that rank's own traceback.
     """
     handle = start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
-                   view=view, foreground=True, engine=engine, address=address, placement=placement)
+                   view=view, foreground=True, engine=engine, address=address, placement=placement,
+                   max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
+                   resume=resume)
     return handle.result()
 
 
@@ -291,3 +320,19 @@ def log(step: int | None = None, **scalars: float) -> None:
 def device() -> str:
     """This rank's device: 'cuda:LOCAL_RANK' on GPU runs, 'cpu' on CPU ranks (and outside a worker)."""
     return rank_context.device()
+
+
+def attempt() -> int:
+    """In a rank: which attempt of the run this is, 0 until a restart (`max_restarts`); 0 outside a worker."""
+    return rank_context.attempt()
+
+
+def check_restarts(max_restarts: int, keep_checkpoints: int, resume: str | os.PathLike[str] | None = None) -> None:
+    """Refuse restart settings that cannot be used, and a `resume` with nothing to resume (`%%ddp` calls it
+    before the cell runs)."""
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise LaunchError(f"max_restarts must be a whole number of 0 or more, not {max_restarts!r}.")
+    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+        raise LaunchError(f"keep_checkpoints must be a whole number of 1 or more, not {keep_checkpoints!r}.")
+    if resume is not None:
+        checkpoints.resume_source(resume)

@@ -43,6 +43,17 @@ class DDPMagics(Magics):
                    "run, which 'local' asks for in any case).")
     @argument("--placement", choices=["pack", "spread"],
               help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes.")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a rank fails (an error, a crash, --timeout), stop every rank and start them all again as "
+                   "fresh processes, up to N times (default 0); ddpnb.load_checkpoint then continues from the latest "
+                   "complete checkpoint, and ddpnb.attempt() says which attempt runs.")
+    @argument("--checkpoint-dir", metavar="DIR",
+              help="where ddpnb.save_checkpoint writes, in DIR/<run name> (default: the run directory).")
+    @argument("--keep-checkpoints", type=int, default=_api.DEFAULT_KEEP, metavar="K",
+              help=f"complete checkpoints kept per run; older ones are deleted (default {_api.DEFAULT_KEEP}).")
+    @argument("--resume", metavar="last|DIR",
+              help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
+                   "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable in every rank (repeatable).")
     @argument("--fn", metavar="NAME",
@@ -74,6 +85,7 @@ class DDPMagics(Magics):
         try:  # fail before the cell defines anything
             _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
             _api.check_options(args.view, args.engine, args.address, args.placement)
+            _api.check_restarts(args.max_restarts, args.keep_checkpoints, args.resume)
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
         if not cell and not args.fn:
@@ -88,7 +100,9 @@ class DDPMagics(Magics):
         try:
             run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
-                             engine=args.engine, address=args.address, placement=args.placement)
+                             engine=args.engine, address=args.address, placement=args.placement,
+                             max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
+                             keep_checkpoints=args.keep_checkpoints, resume=args.resume)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         if args.background:

@@ -155,6 +155,9 @@ def fails(rank, world_size):
     ("-o 1bad", "-o/--out takes a variable name"),
     ("--address auto", "address and placement are for the ray engine"),
     ("--fn OFFSET_VALUE", "OFFSET_VALUE is not a function (its type is int)"),
+    ("--max-restarts -1", "max_restarts must be a whole number of 0 or more"),
+    ("--keep-checkpoints 0", "keep_checkpoints must be a whole number of 1 or more"),
+    ("--resume /no/such/run", "--resume /no/such/run: no such directory. Pass 'last', a run directory"),
 ])
 def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
     kernel.execute("OFFSET_VALUE = 3\nran = False")
@@ -213,7 +216,8 @@ def test_cell_without_function_is_a_usage_error(kernel):
 
 def test_help_documents_every_flag(kernel):
     run = kernel.execute("print(get_ipython().find_cell_magic('ddp').__doc__)")
-    for flag in ("--gpus", "--nprocs", "--backend", "--timeout", "--out", "--env", "--fn"):
+    for flag in ("--gpus", "--nprocs", "--backend", "--timeout", "--out", "--env", "--fn", "--max-restarts",
+                 "--checkpoint-dir", "--keep-checkpoints", "--resume"):
         assert flag in run.stdout
 
 

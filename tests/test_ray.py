@@ -572,4 +572,44 @@ def test_a_session_on_ray_keeps_state_across_cells_and_survives_an_error(ray_ker
     finally:
         stopped = ray_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
     assert stopped.error is None, stopped.text
+
+
+RESTART_CELL = '''%%ddp --engine ray -n 2 --max-restarts 1 -o restarted
+def train_and_fail(rank, world_size):
+    import signal
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    start = ddpnb.load_checkpoint({"model": model, "opt": opt})
+    print(f"attempt {ddpnb.attempt()} starts from step {start}")
+    for step in range(start or 0, 40):
+        if rank == 1 and ddpnb.attempt() == 0 and step == int(os.environ.get("FAIL_AT", -1)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad(); loss.backward(); opt.step()
+        if (step + 1) % 10 == 0:
+            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
+    return {"start": start, "attempt": ddpnb.attempt(), "state": model.module.state_dict()}
+'''
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_ray_run_restarts_from_the_last_checkpoint_like_a_local_one(ray_kernel):
+    run = ray_kernel.execute(RESTART_CELL.replace("-o restarted", "--env FAIL_AT=25 -o restarted"),
+                             timeout=CELL_TIMEOUT)
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    assert "[ddpnb] attempt 0 failed: rank 1 failed first" in run.stdout
+    assert "[rank 0] attempt 1 starts from step 20" in run.stdout
+    # the same function, never failing, on the local engine: the same weights, bit for bit
+    check = ray_kernel.execute(
+        "plain = ddpnb.run(train_and_fail, nprocs=2, view='none')\n"
+        "print(restarted['attempt'], restarted['start'], plain['start'],\n"
+        "      all(torch.equal(restarted['state'][k], plain['state'][k]) for k in plain['state']))")
+    assert check.error is None, check.error
+    assert check.stdout.split() == ["1", "20", "None", "True"]
     assert run_actors_left([ray_kernel.pid]) == []

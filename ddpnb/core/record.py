@@ -122,6 +122,35 @@ class RankRecord:
         return [bar for bar in bars if not bar.closed] or bars[-1:]
 
 
+def root_cause(failures: list[Failure]) -> Failure | None:
+    """The earliest failure that is not a knock-on of another rank's (else the earliest)."""
+    return min(failures, key=lambda f: (f.knock_on, f.time)) if failures else None
+
+
+@dataclass
+class Attempt:
+    """One ended attempt of a run that was restarted after it (`--max-restarts`): its ranks and failures as they
+    were when it ended. The attempt going on (or the last one) is the run record's own `ranks` and `failures`."""
+
+    number: int
+    ranks: list[RankRecord]
+    failures: list[Failure]
+    outcome: Outcome
+    note: str
+    started: float
+    ended: float
+    last_line: int  # the run's count of output lines when it ended: where views show the restart
+
+    @property
+    def first_failure(self) -> Failure | None:
+        return root_cause(self.failures)
+
+    def describe(self) -> str:
+        """'rank 1 failed first: killed by SIGKILL', or the outcome and why."""
+        first = self.first_failure
+        return f"rank {first.rank} failed first: {first.summary}" if first else f"{self.outcome.value}: {self.note}"
+
+
 @dataclass
 class RunRecord:
     """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it."""
@@ -138,11 +167,17 @@ class RunRecord:
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
     hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
+    # restarts: the attempt going on (0 until a restart), the earlier attempts, and how many restarts are allowed
+    attempt: int = 0
+    attempts: list[Attempt] = field(default_factory=list)
+    max_restarts: int = 0
+    checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
+    resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
 
     @property
     def first_failure(self) -> Failure | None:
-        """The root cause: the earliest failure that is not a knock-on of another rank's (else the earliest)."""
-        return min(self.failures, key=lambda f: (f.knock_on, f.time)) if self.failures else None
+        """The root cause of the last attempt's failure (see `root_cause`); earlier attempts' are in `attempts`."""
+        return root_cause(self.failures)
 
     @property
     def exit_codes(self) -> dict[int, int | None]:
@@ -152,9 +187,13 @@ class RunRecord:
     def duration(self) -> float:
         return (self.ended or time.time()) - self.started
 
-    def metrics(self, name: str, rank: int = 0) -> list[tuple[int | None, float]]:
-        """(step, value) pairs logged with `ddpnb.log(name=...)` on one rank."""
-        return [(step, value) for step, _, value in self.ranks[rank].metrics.get(name, [])]
+    def metrics(self, name: str, rank: int = 0, attempt: int | None = None) -> list[tuple[int | None, float]]:
+        """(step, value) pairs logged with `ddpnb.log(name=...)` on one rank: those of one attempt, or of every
+        attempt in turn (after a restart the steps since the checkpoint it loaded come again)."""
+        records = [*(a.ranks[rank] for a in self.attempts), self.ranks[rank]]
+        if attempt is not None:
+            records = records[attempt:attempt + 1]
+        return [(step, value) for record in records for step, _, value in record.metrics.get(name, [])]
 
     def summary_table(self) -> str:
         rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>7}  last line"]
@@ -198,6 +237,9 @@ class WorkerError(RuntimeError):
             if first
             else f"run {record.outcome.value}: {record.note}"
         )
+        if record.attempts:  # every attempt's first failure, the last one's first
+            headline = f"attempt {record.attempt}: {headline}; " + "; ".join(
+                f"attempt {a.number}: {a.describe()}" for a in reversed(record.attempts))
         super().__init__(headline)
 
     def report(self) -> str:
@@ -205,7 +247,8 @@ class WorkerError(RuntimeError):
         first = record.first_failure
         parts = []
         if first is not None:
-            parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first: {first.summary}")
+            again = f" (attempt {record.attempt})" if record.attempts else ""
+            parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first{again}: {first.summary}")
             if first.traceback:
                 shown = cell_names(first.traceback).rstrip()
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
@@ -220,6 +263,10 @@ class WorkerError(RuntimeError):
                 parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others if f.knock_on)
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
+        if record.attempts:
+            parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
+                         "the earlier ones, each ended by stopping every rank and starting them all again:")
+            parts.extend(f"  attempt {a.number}: {_shorten(a.describe())}" for a in record.attempts)
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")

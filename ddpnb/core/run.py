@@ -3,6 +3,11 @@
 The run keeps the record, turns what its engine reports into state (`RunEvents`), picks the root cause of a
 failure, stops every rank against one deadline, holds the run directory's lock and rank 0's result, and feeds
 its views. The engine (`core.engine.Engine`) only starts, reads and signals the ranks.
+
+Restarts (`--max-restarts`) live here too, the same for every engine: an attempt that fails with restarts left
+is kept in the record (`RunRecord.attempts`), its engine is closed, and a fresh engine starts every rank again
+(`_restart`). The handle, the record, the output lines and the views span all attempts; what is one attempt's
+(rank records, failures, logs, the stop, rank 0's result) starts afresh.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ddpnb.core import checkpoints, pickling, rundir
 from ddpnb.core import messages as msg
-from ddpnb.core import pickling, rundir
 from ddpnb.core.engine import Engine
 from ddpnb.core.output import LineBuffer, LineDecoder
 from ddpnb.core.record import (
+    Attempt,
     Failure,
     Outcome,
     OutputLine,
@@ -46,15 +53,23 @@ class Run:
     """A set of ranks, one process each, and what they report. Use `wait()`, `result()`, `stop()`."""
 
     def __init__(self, spec: WorkerSpec, devices: list[str], engine: Engine, timeout: float | None = None,
-                 function: str = "") -> None:
+                 function: str = "", max_restarts: int = 0,
+                 new_engine: Callable[[WorkerSpec], Engine] | None = None) -> None:
+        """`engine` runs the first attempt; `new_engine(spec)` makes the engine of each restart (up to
+        `max_restarts`), with the attempt's own spec. `timeout` bounds each attempt."""
         self.spec = spec
         self.engine = engine
         self.timeout = timeout
+        self.max_restarts = max_restarts if new_engine is not None else 0
+        self._new_engine = new_engine
+        self._devices = devices
         run_dir = Path(spec.run_dir)
         self.record = RunRecord(run_dir=run_dir, world_size=spec.world_size, backend=spec.backend,
-                                engine=engine.kind, function=function)
-        self.record.ranks = [RankRecord(rank=r, device=devices[r], log_path=run_dir / f"rank{r}.log")
-                             for r in range(spec.world_size)]
+                                engine=engine.kind, function=function, max_restarts=self.max_restarts,
+                                checkpoint_dir=Path(spec.checkpoint_dir) if spec.checkpoint_dir else None,
+                                resumed_from=Path(spec.resume_dir) if spec.resume_dir else None)
+        self.record.ranks = self._rank_records(0)
+        self._attempt_started = 0.0  # the timeout counts from here, per attempt
         self._lines = LineBuffer()
         self._decoders: dict[tuple[int, Stream], LineDecoder] = {}
         self._logs: list[Any] = []
@@ -92,19 +107,13 @@ class Run:
         # the directory's lock says "live" to retention in every kernel, for every engine, until the run ends
         self._dir_lock = rundir.lock(run_dir)
         try:
-            for record in self.record.ranks:
-                log = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
-                self._logs.append(log)
-                for stream in Stream:
-                    self._decoders[(record.rank, stream)] = LineDecoder(log)
-            if self.engine.maps_results:
-                self._create_result_file()
+            self._open_attempt()
             self.record.started = time.time()
             for record in self.record.ranks:
                 record.started = self.record.started
             self.engine.start(self, self._result_fd)
             # the duration and the timeout count from the first rank's start, not from the forkserver's first import
-            self.record.started = self.record.ranks[0].started
+            self.record.started = self._attempt_started = self.record.ranks[0].started
             _live_runs.add(self)
             self._serving = True
             threading.Thread(target=self._serve, name=f"ddpnb-{self.engine.kind}-run", daemon=True).start()
@@ -336,7 +345,7 @@ class Run:
             collected.set()
         if self._stop_requested and self._stop_reason is None:
             self._begin_stop(*self._stop_requested)
-        elif self.timeout and self._stop_reason is None and self.record.duration > self.timeout:
+        elif self.timeout and self._stop_reason is None and time.time() - self._attempt_started > self.timeout:
             self._collect_stacks()
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.timeout:g} s timeout (--timeout)")
         if self._escalate_at is not None and time.monotonic() > self._escalate_at:
@@ -374,20 +383,92 @@ class Run:
         self.engine.collect_stacks(running)
 
     def _serve(self) -> None:
+        """The reader thread: serve each attempt until the last one ends, then conclude the run."""
         try:
-            self.engine.serve()
+            while True:
+                try:
+                    self.engine.serve()
+                finally:
+                    self._serving = False
+                    self._end_attempt()
+                if not self._restart():
+                    return
+        finally:  # whatever failed above (a full disk), release everything and let `wait()` return
+            self._release_answers()
+            self._release()
+            self._conclude()
+
+    def _end_attempt(self) -> None:
+        """The attempt's ranks are gone: close its engine, and end its logs with how each rank ended."""
+        try:
+            self.engine.close()
+            for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
+                if decoder.partial or decoder.partial_cut:
+                    self._add_lines(rank, stream, decoder.feed(b"", final=True))
+            self._write_endings()
         finally:
-            self._serving = False
-            try:
-                self.engine.close()
-                for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
-                    if decoder.partial or decoder.partial_cut:
-                        self._add_lines(rank, stream, decoder.feed(b"", final=True))
-                self._write_endings()
-            finally:  # whatever failed above (a full disk), release everything and let `wait()` return
-                self._release_answers()
-                self._release()
-                self._conclude()
+            for log in self._logs:
+                log.close()
+            self._logs = []
+
+    # --- restarts ----------------------------------------------------------------------------------------------
+    def _restart(self) -> bool:
+        """After an attempt that failed (a rank's error or crash, or the timeout) with restarts left, and nobody
+        asked to stop: keep the attempt in the record and start every rank again, fresh, on a new engine. Returns
+        False where the run ends instead. An interrupt or `stop()` never restarts (`_stop_requested`)."""
+        record = self.record
+        outcome, note = self._outcome()
+        if (outcome not in (Outcome.FAILED, Outcome.TIMED_OUT) or self._stop_requested is not None
+                or record.attempt >= self.max_restarts or self._new_engine is None):
+            return False
+        record.attempts.append(Attempt(number=record.attempt, ranks=record.ranks, failures=record.failures,
+                                       outcome=outcome, note=note, started=self._attempt_started,
+                                       ended=time.time(), last_line=self._lines.count))
+        # what is one attempt's starts afresh; the record, the lines, the directory's lock and the views stay
+        record.attempt += 1
+        record.failures = []
+        record.ranks = self._rank_records(record.attempt)
+        self._decoders = {}
+        self._payload, self._saved = None, False
+        self._close_result_file()
+        self._returned, self._stopping = set(), {}
+        self._stop_reason, self._stop_note, self._escalate_at = None, "", None
+        self.spec = replace(self.spec, attempt=record.attempt, master_port=0)
+        try:
+            self.engine = self._new_engine(self.spec)
+            self._open_attempt()
+            self._attempt_started = time.time()
+            for rank in record.ranks:
+                rank.started = self._attempt_started
+            self.engine.start(self, self._result_fd)
+        except Exception as exc:  # noqa: BLE001 - the run ends, failed, saying why the restart could not start
+            self._stop_reason = Outcome.FAILED
+            self._stop_note = f"attempt {record.attempt} could not start: {type(exc).__name__}: {exc}"
+            for rank in record.ranks:
+                rank.state = RankState.STOPPED
+            return False
+        self._attempt_started = record.ranks[0].started
+        self._serving = True
+        self._announce()  # the views show the new attempt at once
+        return True
+
+    def _rank_records(self, attempt: int) -> list[RankRecord]:
+        """An attempt's rank records; with restarts, each attempt has its own logs (`rank1.attempt0.log`)."""
+        run_dir = Path(self.spec.run_dir)
+        names = [f"rank{r}.attempt{attempt}.log" if self.max_restarts else f"rank{r}.log"
+                 for r in range(self.spec.world_size)]
+        return [RankRecord(rank=r, device=self._devices[r], log_path=run_dir / names[r])
+                for r in range(self.spec.world_size)]
+
+    def _open_attempt(self) -> None:
+        """The attempt's log files, their decoders, and rank 0's result file."""
+        for record in self.record.ranks:
+            log = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
+            self._logs.append(log)
+            for stream in Stream:
+                self._decoders[(record.rank, stream)] = LineDecoder(log)
+        if self.engine.maps_results:
+            self._create_result_file()
 
     def _release(self) -> None:
         for log in self._logs:
@@ -398,16 +479,20 @@ class Run:
             self._dir_lock = None
         _live_runs.discard(self)
 
+    def _outcome(self) -> tuple[Outcome, str]:
+        """The current attempt's outcome from its stop and its ranks' states."""
+        if self._stop_reason is not None:
+            return self._stop_reason, self._stop_note
+        if all(r.state is RankState.FINISHED for r in self.record.ranks):
+            return Outcome.SUCCEEDED, ""
+        return Outcome.FAILED, "not every rank finished"
+
     def _conclude(self) -> None:
-        """The run's outcome from its ranks' states; then `wait()` returns."""
+        """The run's outcome: its last attempt's; then `wait()` returns."""
         record = self.record
         record.ended = time.time()
-        if self._stop_reason is not None:
-            record.outcome, record.note = self._stop_reason, self._stop_note
-        elif all(r.state is RankState.FINISHED for r in record.ranks):
-            record.outcome = Outcome.SUCCEEDED
-        else:
-            record.outcome, record.note = Outcome.FAILED, "not every rank finished"
+        outcome, note = self._outcome()
+        record.outcome, record.note = outcome, note or record.note
         if record.outcome is not Outcome.SUCCEEDED:  # `result()` raises: what rank 0 sent is not needed
             self._payload, self._saved = None, False
         if not self._saved:
@@ -454,7 +539,14 @@ class Run:
 
 
 def hint(record: RunRecord) -> str:
-    """What to do next, under a failed run's report."""
+    """What to do next, under a failed run's report; and how to continue from its checkpoint, where it has one."""
+    found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
+    resume = (f"\nIts latest complete checkpoint is step {found[0]}: `%%ddp --resume last` (or resume='last') "
+              "continues from it." if found else "")
+    return _next_step(record) + resume
+
+
+def _next_step(record: RunRecord) -> str:
     if record.outcome is Outcome.TIMED_OUT:
         return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
     if record.outcome is Outcome.INTERRUPTED:

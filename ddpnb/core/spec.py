@@ -57,6 +57,11 @@ class WorkerSpec:
     sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
     torch_threads: int | None = None
     interactive: bool = False  # a session: ranks also receive commands from the kernel (`Engine.send`)
+    # restarts and checkpoints (`--max-restarts`, `ddpnb.save_checkpoint`): each attempt gets its own spec
+    attempt: int = 0  # 0 for the first attempt, n after n restarts (`ddpnb.attempt()`)
+    checkpoint_dir: str = ""  # where this run's checkpoints go (under the run directory unless --checkpoint-dir)
+    resume_dir: str = ""  # an earlier run's checkpoints, read while this run has none of its own (--resume)
+    keep_checkpoints: int = 3  # complete checkpoints kept; older ones are deleted after each save
 
 
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"

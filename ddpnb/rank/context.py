@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ddpnb.core.messages import Message
+from ddpnb.core.spec import WorkerSpec
 
 
 class Link(Protocol):
@@ -31,6 +32,7 @@ class RankContext:
     store: Any = None  # the store every process group of this run rendezvouses on
     store_uses: int = 0  # process groups made on it so far (each gets its own key prefix)
     suggests_preload: bool = True  # rank 0 reports slow imports (`ddpnb.preload` applies to this engine)
+    spec: WorkerSpec | None = None  # the run's spec, once unpickled (its attempt, its checkpoint directories)
 
     def send(self, message: Message) -> None:
         self.link.send(message)
@@ -54,3 +56,7 @@ def enter(context: RankContext | None) -> None:
 
 def device() -> str:
     return _current.device if _current is not None else "cpu"
+
+
+def attempt() -> int:
+    return _current.spec.attempt if _current is not None and _current.spec is not None else 0

@@ -34,6 +34,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         import cloudpickle
 
         spec: WorkerSpec = cloudpickle.loads(spec_payload)
+        context.spec = spec
         _reseed()
         context.device = setup(rank, spec)
         context.send(msg.Started(rank=rank, device=context.device))

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ddpnb.core import checkpoints
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit
 from ddpnb.core.run import TICK, Run
 from ddpnb.core.spec import Stream
@@ -145,8 +146,10 @@ def _duration(seconds: float) -> str:
 
 
 def header_html(record: RunRecord) -> str:
+    attempt = [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"] \
+        if record.max_restarts else []
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
-                       _devices(record), _duration(record.duration)])
+                       _devices(record), *attempt, _duration(record.duration)])
     return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), _RUN_COLOURS[record.outcome])}'
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
@@ -219,7 +222,7 @@ def metric_names(record: RunRecord) -> list[str]:
 
 def metrics_signature(record: RunRecord) -> tuple[int, ...]:
     """Changes whenever a point is logged: redraw plots only then."""
-    return tuple(len(series) for rank in record.ranks for series in list(rank.metrics.values()))
+    return (len(record.attempts), *(len(series) for rank in record.ranks for series in list(rank.metrics.values())))
 
 
 def plots_html(record: RunRecord) -> str:
@@ -251,6 +254,13 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
                 if math.isfinite(value)]
 
     lines = {rank: xy(series[rank]) for rank in shown}
+    # earlier attempts: their lines, fainter, and a marker where each later attempt's first point is
+    earlier = [{rank: xy(thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS)) for rank in shown}
+               for a in record.attempts]
+    restarts = []
+    for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][:len(record.attempts)]:
+        first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
+        restarts.extend(x for x, _ in first[:1])
     band_points: list[tuple[float, float, float]] = []
     if band and by_step:
         spread: dict[float, list[float]] = {}
@@ -258,8 +268,9 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
             for x, y in xy(points):
                 spread.setdefault(x, []).append(y)
         band_points = [(x, min(ys), max(ys)) for x, ys in sorted(spread.items())]
-    all_x = [x for points in lines.values() for x, _ in points] + [x for x, _, _ in band_points]
-    all_y = [y for points in lines.values() for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
+    drawn_lines = [*lines.values(), *(points for attempt in earlier for points in attempt.values())]
+    all_x = [x for points in drawn_lines for x, _ in points] + [x for x, _, _ in band_points]
+    all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
     latest = series[shown[0]]
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
     title = f'<div class="ddpnb-plot-title">{html.escape(name)} <span>{value}</span></div>'
@@ -303,6 +314,17 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
         outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
         svg.append(f'<polygon fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
                    f'points="{_points(outline)}"/>')
+    for number, attempt in enumerate(earlier):
+        for rank, points in attempt.items():
+            if len(points) > 1:
+                svg.append(f'<polyline data-rank="{rank}" data-attempt="{number}" fill="none" '
+                           f'stroke="{_rank_colour(rank)}" stroke-opacity="0.35" stroke-width="1.2" '
+                           f'points="{_points((sx(x), sy(y)) for x, y in thin(points, MAX_POINTS))}"/>')
+    for number, x in enumerate(restarts, 1):
+        svg.append(f'<line class="ddpnb-restart" data-attempt="{number}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
+                   f'y1="{top}" y2="{top + plot_h}" stroke="{_ORANGE}" stroke-dasharray="3,3">'
+                   f'<title>attempt {number} starts here</title></line>'
+                   f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="#f57c00">restart {number}</text>')
     for rank, points in lines.items():
         if not points:
             continue
@@ -372,8 +394,10 @@ def log_html(lines: Iterable[str], note: str) -> str:
 
 def error_html(record: RunRecord) -> str:
     first = record.first_failure
+    earlier = "".join(f'<div class="ddpnb-muted" data-attempt="{a.number}">attempt {a.number} (restarted): '
+                      f'{html.escape(a.describe())}</div>' for a in record.attempts)
     if first is None:
-        return ""
+        return f'<div class="ddpnb-error">{earlier}</div>' if earlier else ""
     parts = [(f'<div class="ddpnb-error"><div class="ddpnb-error-title">rank {first.rank} failed first: '
               f'{html.escape(first.summary)}</div>')]
     if first.traceback:
@@ -382,12 +406,24 @@ def error_html(record: RunRecord) -> str:
     if others:
         parts.append('<div class="ddpnb-muted">then, as a consequence: '
                      + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others) + "</div>")
-    parts.append("</div>")
+    parts.append(f"{earlier}</div>")
     return "".join(parts)
 
 
 def _log_location(record: RunRecord) -> str:
-    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}.log</code>"
+    attempt = f".attempt{record.attempt}" if record.max_restarts else ""
+    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempt}.log</code>"
+
+
+def resume_html(record: RunRecord) -> str:
+    """A stopped or failed run with a complete checkpoint: how to continue from it."""
+    if record.outcome in (Outcome.SUCCEEDED, Outcome.RUNNING) or record.checkpoint_dir is None:
+        return ""
+    found = checkpoints.latest(record.checkpoint_dir)
+    if found is None:
+        return ""
+    return (f'<div class="ddpnb-muted" data-resume="{found[0]}">continue from its checkpoint of step {found[0]}: '
+            f'<code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or <code>--resume last</code>)</div>')
 
 
 def summary_html(record: RunRecord, lines: Sequence[OutputLine]) -> str:
@@ -400,7 +436,8 @@ def summary_html(record: RunRecord, lines: Sequence[OutputLine]) -> str:
             f'</summary>{log_html((line_html(line.rank, line.stream, line.text) for line in tail), note)}</details>')
     hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{logs}{hint}</div>')
+            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{resume_html(record)}{logs}'
+            f'{hint}</div>')
 
 
 def summary_text(record: RunRecord) -> str:
@@ -509,9 +546,9 @@ class Dashboard:
             if self._lines_changed:
                 self._lines_changed = False
                 self.log.value = self._log_value()
-            if record.failures and self.error.layout.display == "none":
+            if (record.failures or record.attempts) and self.error.layout.display == "none":
                 self.error.layout.display = None
-            if record.failures:
+            if record.failures or record.attempts:
                 self.error.value = error_html(record)
 
     def _take_lines(self) -> None:
@@ -531,10 +568,12 @@ class Dashboard:
         rank = self.log_picker.value
         record = self.record
         if rank == -1:
-            lines, total = self._all, sum(r.lines for r in record.ranks)
+            lines = self._all
+            total = sum(r.lines for ranks in [*(a.ranks for a in record.attempts), record.ranks] for r in ranks)
             where = _log_location(record)
         else:
-            lines, total = self._per_rank[rank], record.ranks[rank].lines
+            lines = self._per_rank[rank]
+            total = sum(ranks[rank].lines for ranks in [*(a.ranks for a in record.attempts), record.ranks])
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
         shown = len(lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown

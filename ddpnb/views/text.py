@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from ddpnb.core.record import Outcome
+from ddpnb.core import checkpoints
+from ddpnb.core.record import Attempt, Outcome, OutputLine
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 
@@ -24,6 +25,7 @@ class TextView:
         self.shown = 0
         self.skipped = 0
         self.summarised = False
+        self.restarts_shown = 0  # earlier attempts whose restart line was written
         record = run.record
         devices = ", ".join(sorted({r.device for r in record.ranks}))
         self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
@@ -37,27 +39,50 @@ class TextView:
         shown = new[: max(0, self.max_lines - self.shown)]
         self.shown += len(shown)
         self.skipped += len(new) - len(shown)
-        # one write per run of same-stream lines: a busy run redraws in a few writes, in the ranks' order
-        start = 0
-        for end in range(1, len(shown) + 1):
-            if end == len(shown) or shown[end].stream is not shown[start].stream:
-                stream = self.err if shown[start].stream is Stream.STDERR else self.out
-                stream.write("".join(f"[rank {line.rank}] {line.text}\n" for line in shown[start:end]))
-                start = end
+        # a restart's line goes where it happened: after the last line of the attempt it ended, once read
+        for attempt in run.record.attempts[self.restarts_shown:]:
+            if attempt.last_line > self.seen:
+                break
+            before = [line for line in shown if line.seq <= attempt.last_line]
+            self._write(before)
+            shown = shown[len(before):]
+            self._restarted(attempt)
+        self._write(shown)
         self.out.flush()
         self.err.flush()
         if run.done and not self.summarised:
             self.summarised = True
             self._summary()
 
+    def _write(self, shown: list[OutputLine]) -> None:
+        """One write per run of same-stream lines: a busy run redraws in a few writes, in the ranks' order."""
+        start = 0
+        for end in range(1, len(shown) + 1):
+            if end == len(shown) or shown[end].stream is not shown[start].stream:
+                stream = self.err if shown[start].stream is Stream.STDERR else self.out
+                stream.write("".join(f"[rank {line.rank}] {line.text}\n" for line in shown[start:end]))
+                start = end
+
+    def _restarted(self, attempt: Attempt) -> None:
+        self.restarts_shown += 1
+        record = self.run.record
+        self.out.write(f"[ddpnb] attempt {attempt.number} failed: {attempt.describe()}. Restarting every rank as "
+                       f"fresh processes (restart {attempt.number + 1} of {record.max_restarts}); logs: "
+                       f"rank{{N}}.attempt{attempt.number + 1}.log\n")
+
     def _summary(self) -> None:
         record = self.run.record
         if self.skipped:
             self.out.write(f"[ddpnb] {self.skipped} lines not shown here (limit {self.max_lines}, "
                            f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n")
-        self.out.write(f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n")
+        again = f" after {record.attempt} restart{'s' if record.attempt > 1 else ''}" if record.attempt else ""
+        self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {record.duration:.1f} s\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
             self.out.write(record.summary_table() + "\n")
         if record.hint:
             self.out.write(f"[ddpnb] {record.hint}\n")
+        found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
+        if found and record.outcome is not Outcome.SUCCEEDED:
+            self.out.write(f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
+                           f"(or --resume {record.run_dir})\n")
         self.out.flush()

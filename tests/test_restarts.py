@@ -1,0 +1,238 @@
+"""Restarts and checkpoints (issue 18): `max_restarts`, `ddpnb.save_checkpoint` / `load_checkpoint` on DCP, and
+`resume`, with real ranks on CPU over gloo.
+
+Training here is deterministic: the model starts from one seed, and step `s` of rank `r` trains on a batch drawn
+from seed `10 * s + r`, whatever attempt runs it. A run that restarts from a checkpoint therefore ends with the
+same weights, bit for bit, as one that never failed. Checkpoints are saved after every 10th step, as the number
+of steps done: a run that fails at step 25 continues from step 20.
+
+Worker functions live at module level; this module is pickled by value (as a notebook's functions are).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+
+import ddpnb
+from ddpnb.views.dashboard import error_html, header_html, plots_html, summary_html
+from tests.test_faults import assert_nothing_left, orphans_come_to_this_process, wait_for
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+assert orphans_come_to_this_process  # its autouse fixture applies here too: what a run leaves behind is seen
+
+STEPS, EVERY = 40, 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs_dir(tmp_path_factory):
+    """A private runs directory, so `resume='last'` sees only this module's runs."""
+    path = tmp_path_factory.mktemp("ddpnb-runs")
+    previous = os.environ.get("DDPNB_RUNS_DIR")
+    os.environ["DDPNB_RUNS_DIR"] = str(path)
+    yield path
+    if previous is None:
+        del os.environ["DDPNB_RUNS_DIR"]
+    else:
+        os.environ["DDPNB_RUNS_DIR"] = previous
+
+
+def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir=""):
+    """40 deterministic steps; in attempt 0 rank 1 fails at step `fail_at` (`how`: sigkill, raise, hang, or
+    every: raises in every attempt, or save: killed inside the save of that step)."""
+    import signal as signals
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    start = ddpnb.load_checkpoint({"model": model, "opt": opt})
+    attempt = ddpnb.attempt()
+    print(f"attempt {attempt} starts from step {start}", flush=True)
+    failing = rank == 1 and (attempt == 0 or how == "every")
+    if failing and how == "save":
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        write_data = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):  # this rank's shard is on disk; the metadata never will be
+            written = write_data(self, plan, planner)
+            if step + 1 == fail_at:
+                os.kill(os.getpid(), signals.SIGKILL)
+            return written
+
+        FileSystemWriter.write_data = write_then_die
+    for step in range(start or 0, STEPS):
+        if failing and step == fail_at:
+            if how == "sigkill":
+                os.kill(os.getpid(), signals.SIGKILL)
+            if how in ("raise", "every"):
+                raise ValueError(f"bad batch at step {step} in attempt {attempt}")
+            if how == "hang":
+                Path(signal_dir, "at-step").write_text(str(step))
+                time.sleep(600)
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(8, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ddpnb.log(step=step, loss=loss.item())
+        if (step + 1) % EVERY == 0:
+            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
+    state = model.state_dict()
+    if fsdp:  # every rank takes part in gathering the shards; rank 0's full copy is returned
+        state = {name: tensor.full_tensor() for name, tensor in state.items()}
+    dist.barrier()
+    return {"start": start, "attempt": attempt, "state": {name: t.detach().clone() for name, t in state.items()}}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    return ddpnb.run(train, nprocs=2, view="none")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp() -> dict:
+    return ddpnb.run(train, nprocs=2, view="none", args=(None, "", True))
+
+
+def assert_same_weights(result: dict, expected: dict) -> None:
+    assert result["state"].keys() == expected["state"].keys()
+    for name, tensor in expected["state"].items():
+        assert torch.equal(result["state"][name], tensor), name
+
+
+def starts(record: ddpnb.RunRecord, attempt: int) -> str:
+    log = record.run_dir / f"rank0.attempt{attempt}.log"
+    return next(line for line in log.read_text().splitlines() if "starts from step" in line)
+
+
+# --- 1, 2: a rank fails in attempt 0; attempt 1 continues from the last complete checkpoint ------------------------
+
+@pytest.mark.parametrize("how", ["sigkill", "raise"])
+def test_a_failed_rank_restarts_the_group_from_the_last_checkpoint(how, uninterrupted, capsys):
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(25, how), view="text")
+    record = ddpnb.last_run()
+
+    assert uninterrupted["start"] is None and uninterrupted["attempt"] == 0
+    assert result["attempt"] == 1 and result["start"] == 20
+    assert_same_weights(result, uninterrupted)
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED and record.attempt == 1
+    (first,) = record.attempts
+    cause = "killed by SIGKILL" if how == "sigkill" else "ValueError: bad batch at step 25 in attempt 0"
+    assert first.first_failure.rank == 1 and first.first_failure.summary == cause
+    assert starts(record, 0) == "attempt 0 starts from step None"
+    assert starts(record, 1) == "attempt 1 starts from step 20"
+    for rank in (0, 1):  # each attempt's own logs; attempt 0's ends with how the rank ended
+        assert f"\n[ddpnb] rank {rank} " in (record.run_dir / f"rank{rank}.attempt0.log").read_text()
+    assert f"\n[ddpnb] rank 1 failed: {cause}" in (record.run_dir / "rank1.attempt0.log").read_text()
+    assert [step for step, _ in record.metrics("loss", attempt=1)] == list(range(20, STEPS))
+    shown = capsys.readouterr().out
+    restart_line = next(line for line in shown.splitlines() if line.startswith("[ddpnb] attempt 0 failed"))
+    assert cause in restart_line and "restart 1 of 1" in restart_line
+    assert shown.index("attempt 0 starts from step None") < shown.index(restart_line) \
+        < shown.index("attempt 1 starts from step 20")
+    assert sorted(p.name for p in (record.run_dir / "checkpoints").iterdir()) == [
+        "step-000000020", "step-000000030", "step-000000040"]  # the newest 3 complete ones
+    assert_nothing_left(record, [r.pid for a in record.attempts for r in a.ranks])
+    # the dashboard: the attempt in its header, the earlier attempt's failure, its lines and the restart marker
+    assert "attempt 1 (restarts: 1 of 1)" in header_html(record)
+    assert f'data-attempt="0">attempt 0 (restarted): rank 1 failed first: {html.escape(cause)}' in error_html(record)
+    plot = plots_html(record)
+    assert 'class="ddpnb-restart" data-attempt="1"' in plot and 'data-rank="0" data-attempt="0"' in plot
+
+
+def test_an_fsdp2_model_and_its_optimizer_restart_from_the_last_checkpoint(uninterrupted_fsdp):
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(25, "sigkill", True), view="none")
+
+    assert result["attempt"] == 1 and result["start"] == 20
+    assert_same_weights(result, uninterrupted_fsdp)
+    # the checkpoint holds each rank's shard, not a gathered copy
+    checkpoint = ddpnb.last_run().run_dir / "checkpoints" / "step-000000040"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(os.listdir(checkpoint))
+
+
+# --- 3: every attempt fails ----------------------------------------------------------------------------------------
+
+def test_a_rank_failing_in_every_attempt_names_every_attempts_first_failure():
+    with pytest.raises(ddpnb.WorkerError) as info:
+        ddpnb.run(train, nprocs=2, max_restarts=1, args=(5, "every"), view="none")
+    error = info.value
+    record = error.record
+    report = str(error)
+
+    assert record.outcome is ddpnb.Outcome.FAILED and record.attempt == 1 and len(record.attempts) == 1
+    assert report.splitlines()[0] == ("ddpnb: rank 1 of 2 failed first (attempt 1): ValueError: bad batch at step 5 "
+                                      "in attempt 1")
+    assert "  attempt 0: rank 1 failed first: ValueError: bad batch at step 5 in attempt 0" in report
+    assert "the last (--max-restarts 1)" in report
+    assert error.args[0] == ("attempt 1: rank 1 failed first: ValueError: bad batch at step 5 in attempt 1; "
+                             "attempt 0: rank 1 failed first: ValueError: bad batch at step 5 in attempt 0")
+    assert_nothing_left(record, [r.pid for a in record.attempts for r in a.ranks] + [r.pid for r in record.ranks])
+
+
+# --- 4: a save cut short is never loaded -----------------------------------------------------------------------------
+
+def test_a_rank_killed_inside_save_checkpoint_restarts_from_the_previous_complete_one(uninterrupted):
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(20, "save"), view="none")
+    record = ddpnb.last_run()
+
+    assert record.attempts[0].first_failure.summary == "killed by SIGKILL"
+    assert result["attempt"] == 1 and result["start"] == 10  # step 20's save never completed
+    assert_same_weights(result, uninterrupted)
+    left = sorted(os.listdir(record.run_dir / "checkpoints"))
+    assert not any(name.endswith(".partial") for name in left), left  # the next complete save removed it
+
+
+# --- 5: stop(), then resume ------------------------------------------------------------------------------------------
+
+def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpoint(uninterrupted, tmp_path):
+    handle = ddpnb.launch(train, nprocs=2, max_restarts=3, args=(25, "hang", False, str(tmp_path)), view="none")
+    wait_for(lambda: (tmp_path / "at-step").exists(), "rank 1 to reach step 25")
+    handle.stop()
+    stopped = handle.wait()
+    assert stopped.outcome is ddpnb.Outcome.STOPPED and stopped.attempts == []  # stop() never restarts
+    assert 'data-resume="20"' in summary_html(stopped, [])  # the dashboard's summary offers to continue
+
+    result = ddpnb.run(train, nprocs=2, resume="last", view="none")
+    assert result["attempt"] == 0 and result["start"] == 20
+    assert_same_weights(result, uninterrupted)
+    assert ddpnb.last_run().resumed_from == stopped.run_dir / "checkpoints"
+
+
+def test_resume_with_no_checkpoint_to_continue_from_says_what_to_do(tmp_path):
+    with pytest.raises(ddpnb.LaunchError, match="holds no complete checkpoint.*Run without --resume"):
+        ddpnb.run(train, nprocs=2, resume=tmp_path, view="none")
+    with pytest.raises(ddpnb.LaunchError, match="max_restarts must be a whole number of 0 or more"):
+        ddpnb.run(train, nprocs=2, max_restarts=-1, view="none")
+
+
+def test_checkpoints_go_under_checkpoint_dir_one_directory_per_run(tmp_path):
+    ddpnb.run(train, nprocs=2, checkpoint_dir=tmp_path, keep_checkpoints=1, view="none")
+    record = ddpnb.last_run()
+    assert os.listdir(tmp_path / record.run_dir.name) == ["step-000000040"]
+    assert record.checkpoint_dir == tmp_path / record.run_dir.name
+    resumed = ddpnb.run(train, nprocs=2, resume=record.run_dir, view="none")  # the run directory points there
+    assert resumed["start"] == STEPS
