@@ -11,6 +11,7 @@ whatever it imports at the top their ranks pay for on every launch (ddpnb's rank
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -181,6 +182,7 @@ value = torch.ones(1)
 dist.all_reduce(value)
 print(value.item())
 """
+NBD_CELLS = {"allreduce": NBD_CELL, "trivial": "x = 1\n"}  # the launch table's cell; the session table's
 
 
 def _nbd_ready(magic: Any) -> bool:
@@ -207,15 +209,170 @@ def probe_nbdistributed(args: argparse.Namespace) -> None:
     ready_at_return = _nbd_ready(magic)
     while not _nbd_ready(magic):
         pass
-    shell.run_cell_magic("distributed", "", NBD_CELL)
+    cell = NBD_CELLS[args.cell]
+    shell.run_cell_magic("distributed", "", cell)
     cold = time.perf_counter() - started
     warm = []
     for _ in range(args.warm):
         started = time.perf_counter()
-        shell.run_cell_magic("distributed", "", NBD_CELL)
+        shell.run_cell_magic("distributed", "", cell)
         warm.append(time.perf_counter() - started)
-    shell.run_line_magic("dist_shutdown", "")
+    _nbd_shutdown(magic)
     emit({"cold": cold, "init": init, "ready_at_return": ready_at_return, "warm": warm})
+
+
+def _nbd_shutdown(magic: Any) -> None:
+    """End this probe's nbdistributed workers without `%dist_shutdown`: that one runs `pkill -f worker.py`,
+    `pkill -9 -f "python.*worker"` and `pkill -9 -f "torch.*distributed"`, which end any matching process of
+    anyone on the machine. Its workers are children in the probe's process group: bench/run.py kills the group
+    after the probe whatever happens here."""
+    comm, processes = magic._comm_manager, magic._process_manager
+    if comm is not None:
+        with contextlib.suppress(TimeoutError):  # a worker that does not answer is killed below
+            comm.send_to_all("shutdown", {}, timeout=2.0)
+        comm.shutdown()
+    for process in processes.processes if processes is not None else []:
+        process.kill()
+        process.wait()
+
+
+# --- sessions ------------------------------------------------------------------------------------------------
+def _interleaved(variants: dict[str, Any], warmup: int, count: int) -> dict[str, list[float]]:
+    """`warmup` untimed calls of each variant, then `count` timed calls of each, one of each in turn in an order
+    that rotates, so no variant always follows the same one. Seconds per call."""
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for index in range(count):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = clock()
+            variants[name]()
+            times[name].append(clock() - started)
+    return times
+
+
+def probe_session(args: argparse.Namespace) -> None:
+    """A ddpnb session on 2 CPU ranks: trivial cells through the API and the magic, then restarts against later
+    launches of a trivial function, all in this one kernel."""
+    import torch  # noqa: F401
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import ddpnb
+    from ddpnb import _session
+
+    by_value()
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ddpnb")
+    started = time.perf_counter()
+    shell.run_line_magic("ddp_start", "-n 2")  # the kernel's first: it starts the forkserver (imports torch)
+    start = time.perf_counter() - started
+    session = _session.current()
+    assert session is not None
+    try:
+        assert session.execute("rank") == [0, 1]
+        assert shell.run_cell_magic("ranks", "", "rank * 10") == [0, 10]
+        cells = _interleaved({
+            "execute": lambda: session.execute("x = 1"),
+            "execute_value": lambda: session.execute("rank"),
+            "magic_value": lambda: shell.run_cell_magic("ranks", "", "rank"),
+        }, args.warmup, args.cells)
+        ddpnb.run(_workloads.trivial, nprocs=2)  # a later launch is what restarts are compared with
+        restart, launch, stop, start_again, first_cell = [], [], [], [], []
+        pids = [tuple(session.pids)]
+        clock = time.perf_counter
+        for index in range(args.restarts):
+            def timed_restart() -> None:
+                began = clock()
+                shell.run_line_magic("ddp_restart", "")
+                restart.append(clock() - began)
+                pids.append(tuple(session.pids))
+                began = clock()
+                assert session.execute("rank") == [0, 1]
+                first_cell.append(clock() - began)
+
+            def timed_launch() -> None:
+                began = clock()
+                ddpnb.run(_workloads.trivial, nprocs=2)
+                launch.append(clock() - began)
+
+            for step in (timed_restart, timed_launch) if index % 2 == 0 else (timed_launch, timed_restart):
+                step()
+            # the two halves of a restart, timed apart: stopping the ranks, then starting fresh ones
+            began = clock()
+            session.stop()
+            stop.append(clock() - began)
+            began = clock()
+            session.restart()  # from stopped: only the start
+            start_again.append(clock() - began)
+            pids.append(tuple(session.pids))
+        every_pid = [pid for ranks in pids for pid in ranks]
+        fresh = len(set(every_pid)) == len(every_pid)
+    finally:
+        session.stop()
+    emit({"start": start, **cells, "restart": restart, "launch": launch, "stop": stop, "start_again": start_again,
+          "first_cell_after_restart": first_cell, "fresh_pids": fresh})
+
+
+def _outlived(pids: list[int], wait: float = 10.0) -> None:
+    """Wait for this probe's ipyparallel processes to exit after the cluster stopped (each engine's nanny takes a
+    few seconds to notice); SIGKILL any that are still there after `wait` seconds."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=wait)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+def probe_ipyparallel(args: argparse.Namespace) -> None:
+    """ipyparallel's DirectView on 2 engines on this machine: `execute` alone, and followed by a `pull`.
+
+    Its controller and engines start in sessions of their own (outside this probe's process group): their PIDs
+    go to `--pids-file` as soon as they are known, so bench/run.py can end them if this probe does not."""
+    import ipyparallel
+    import torch  # noqa: F401
+
+    pids_file = Path(args.pids_file)
+    started = time.perf_counter()
+    cluster = ipyparallel.Cluster(n=2, profile_dir=args.profile_dir, log_level=40)
+    try:
+        client = cluster.start_and_connect_sync()
+        pids = [cluster.controller.pid] if cluster.controller is not None else []
+        for engines in cluster.engines.values():
+            pids += [launcher.pid for launcher in engines.launchers.values()]
+        pids_file.write_text(json.dumps(pids))
+        client.wait_for_engines(2, timeout=120)
+        import psutil
+
+        for pid in list(pids):  # each engine's nanny: a child in a session of its own too
+            with contextlib.suppress(psutil.NoSuchProcess):
+                pids += [child.pid for child in psutil.Process(pid).children(recursive=True)]
+        pids_file.write_text(json.dumps(pids))
+        view = client[:]
+        view.execute("import torch", block=True)  # the engines hold torch, as the other rows' ranks do
+        start = time.perf_counter() - started
+        assert view.apply_sync(lambda: 1) == [1, 1]
+
+        def execute_pull() -> None:
+            view.execute("x = 1", block=True)
+            assert view.pull("x", block=True) == [1, 1]
+
+        cells = _interleaved({"execute": lambda: view.execute("x = 1", block=True), "execute_pull": execute_pull},
+                             args.warmup, args.cells)
+        client.close()
+    finally:
+        cluster.stop_cluster_sync()
+    _outlived(json.loads(pids_file.read_text() or "[]"))
+    pids_file.write_text("[]")  # stopped: nothing left for bench/run.py to end
+    emit({"start": start, **cells})
 
 
 # --- training overhead ----------------------------------------------------------------------------------------
@@ -476,6 +633,17 @@ def main() -> None:
     p.add_argument("--matmul", action="store_true")
     p = sub.add_parser("nbdistributed")
     p.add_argument("--warm", type=int, default=3)
+    p.add_argument("--cell", choices=sorted(NBD_CELLS), default="allreduce",
+                   help="allreduce: an all_reduce and a print (the launch table); trivial: x = 1")
+    p = sub.add_parser("session")
+    p.add_argument("--cells", type=int, default=200, help="timed cells of each kind")
+    p.add_argument("--warmup", type=int, default=20, help="untimed cells of each kind first")
+    p.add_argument("--restarts", type=int, default=5, help="restarts, each paired with a later launch")
+    p = sub.add_parser("ipyparallel")
+    p.add_argument("--cells", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--pids-file", required=True, help="where the controller's and engines' PIDs go")
+    p.add_argument("--profile-dir", required=True, help="an IPython profile directory of the probe's own")
     p = sub.add_parser("train-ddpnb")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--quiet", action="store_true", help="no ddpnb.log, no print: what the launcher alone costs")
@@ -492,8 +660,8 @@ def main() -> None:
     args = parser.parse_args()
     probe = {
         "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
-        "nbdistributed": probe_nbdistributed, "train-ddpnb": probe_train_ddpnb,
-         "stream": probe_stream,
+        "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
+        "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps,
     }[args.probe]
     probe(args)

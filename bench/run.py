@@ -7,6 +7,9 @@
    every step.
 3. streaming: 4 ranks printing as fast as they can; lines/s into the kernel and lines lost.
 4. large results: rank 0 returns a big state dict; GB/s into the kernel and the kernel's memory peak.
+5. sessions (issue 15): a trivial cell on 2 warm CPU ranks, kernel -> every rank -> back, against
+   ipyparallel's DirectView.execute (and with a pull) on 2 engines and an nbdistributed cell; a session's
+   restart against a later ddpnb.run launch in the same kernel.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -50,12 +53,18 @@ class Settings:
     result_reps: int
     result_bytes: int
     hang_timeout: float
+    session_rounds: int  # fresh probes of each kind (ddpnb session, ipyparallel, nbdistributed)
+    session_cells: int  # timed cells of each kind per round (nbdistributed: a tenth, ~0.1 s each)
+    session_warmup: int  # untimed cells of each kind first
+    session_restarts: int  # restarts per round, each paired with a later launch
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
-                result_reps=5, result_bytes=1 << 30, hang_timeout=20)
+                result_reps=5, result_bytes=1 << 30, hang_timeout=20, session_rounds=3, session_cells=200,
+                session_warmup=20, session_restarts=5)
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
-                 result_reps=1, result_bytes=256 << 20, hang_timeout=15)
+                 result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
+                 session_warmup=5, session_restarts=2)
 
 
 class ProbeFailed(RuntimeError):
@@ -97,7 +106,7 @@ def run_process(cmd: Sequence[str], env: dict[str, str], timeout: float) -> tupl
         proc.communicate()
         raise ProbeFailed(f"no result after {timeout:g} s (killed)", hung=True) from None
     elapsed = time.perf_counter() - started
-    _kill_group(proc.pid)  # what the probe left behind (nbdistributed's workers outlive %dist_shutdown)
+    _kill_group(proc.pid)  # what the probe left behind (nbdistributed's workers, ended without %dist_shutdown)
     if proc.returncode != 0:
         raise ProbeFailed(f"exit code {proc.returncode}: {_cause(out + chr(10) + err)}")
     return elapsed, out
@@ -176,6 +185,22 @@ class Samples:
             if mine and base:
                 per_round.append(statistics.median(mine) / base)
         return statistics.median(per_round) if per_round else None
+
+    def ratio_of_medians_to(self, other: Samples) -> float | None:
+        """Median over rounds of (this round's median ÷ `other`'s median in the same round)."""
+        per_round = []
+        for round_ in sorted(set(self.rounds) & set(other.rounds)):
+            mine = statistics.median(v for r, v in zip(self.rounds, self.values) if r == round_)
+            theirs = statistics.median(v for r, v in zip(other.rounds, other.values) if r == round_)
+            if theirs:
+                per_round.append(mine / theirs)
+        return statistics.median(per_round) if per_round else None
+
+    def percentile(self, fraction: float) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
     @property
     def median(self) -> float | None:
@@ -507,8 +532,163 @@ def bench_result(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
             + table(["step", "time", "GB/s"], step_rows))
 
 
+# --- 5. sessions ------------------------------------------------------------------------------------------------
+def ms(seconds: float | None, digits: int = 2) -> str:
+    return fmt(seconds * 1e3 if seconds is not None else None, " ms", digits)
+
+
+def _end_listed(pids_file: Path) -> None:
+    """SIGKILL the process groups whose leaders an ipyparallel probe listed (its controller, engines and nannies
+    start sessions of their own, out of reach of the probe's group), if they still run ipyparallel."""
+    try:
+        pids = json.loads(pids_file.read_text() or "[]")
+    except (OSError, ValueError):
+        return
+    for pid in pids:
+        try:
+            if b"ipyparallel" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue  # gone, and the number reused
+            os.killpg(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def ipyparallel_probe(settings: Settings, env: dict[str, str]) -> dict[str, Any]:
+    scratch = Path(tempfile.mkdtemp(prefix="ddpnb-bench-ipp-"))
+    pids_file = scratch / "pids.json"
+    try:
+        return probe("ipyparallel", f"--cells={settings.session_cells}", f"--warmup={settings.session_warmup}",
+                     f"--pids-file={pids_file}", f"--profile-dir={scratch / 'profile'}", env=env, timeout=300)
+    finally:
+        _end_listed(pids_file)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def bench_session(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    names = ("start", "execute", "execute_value", "magic_value", "restart", "launch", "stop", "start_again",
+             "first_cell_after_restart")
+    ours = {name: Samples() for name in names}
+    ipp = {name: Samples() for name in ("start", "execute", "execute_pull")}
+    nbd_init, nbd_cell = Samples(), Samples()
+    have_ipp, have_nbd = installed("ipyparallel"), installed("nbdistributed")
+    missing = "not installed (pip install -r bench/requirements.txt)"
+    if not have_ipp:
+        for samples in ipp.values():
+            samples.note = missing
+    if not have_nbd:
+        nbd_init.note = nbd_cell.note = missing
+    nbd_cells = max(3, settings.session_cells // 10)
+    fresh: list[bool] = []
+
+    def run_ours(rnd: int) -> None:
+        data = attempt(ours["execute"], lambda: probe(
+            "session", f"--cells={settings.session_cells}", f"--warmup={settings.session_warmup}",
+            f"--restarts={settings.session_restarts}", env=env, timeout=300))
+        if data:
+            for name in names:
+                ours[name].add(data[name], rnd)
+            fresh.append(data["fresh_pids"])
+        else:
+            for samples in ours.values():
+                samples.note = ours["execute"].note
+
+    def run_ipp(rnd: int) -> None:
+        if not have_ipp:
+            return
+        data = attempt(ipp["execute"], lambda: ipyparallel_probe(settings, env))
+        if data:
+            for name, samples in ipp.items():
+                samples.add(data[name], rnd)
+        else:
+            for samples in ipp.values():
+                samples.note = ipp["execute"].note
+
+    def run_nbd(rnd: int) -> None:
+        if not have_nbd:
+            return
+        data = attempt(nbd_cell, lambda: probe("nbdistributed", f"--warm={nbd_cells}", "--cell=trivial", env=env))
+        if data:
+            nbd_init.add(data["cold"], rnd)
+            nbd_cell.add(data["warm"], rnd)
+        else:
+            nbd_init.note = nbd_cell.note
+
+    kinds = [run_ours, run_ipp, run_nbd]
+    for rnd in range(settings.session_rounds):
+        say(f"sessions: round {rnd + 1}/{settings.session_rounds}")
+        shift = rnd % len(kinds)  # no kind always first
+        for kind in kinds[shift:] + kinds[:shift]:
+            kind(rnd)
+
+    base = ipp["execute"]
+    cell_entries = [
+        ("ddpnb: `s.execute(\"x = 1\")`", ours["execute"], "no value back (None)"),
+        ("ddpnb: `s.execute(\"rank\")`", ours["execute_value"], "one value per rank back: [0, 1]"),
+        ("ddpnb: `%%ranks` cell `rank` (IPython shell, run_cell_magic)", ours["magic_value"],
+         "the issue's cell: the magic over s.execute, [0, 1] back"),
+        ("ipyparallel: `DirectView.execute(\"x = 1\", block=True)`", ipp["execute"], "the goal's yardstick"),
+        ("ipyparallel: the same + `pull(\"x\", block=True)`", ipp["execute_pull"], "a value back: [1, 1]"),
+        ("nbdistributed: `%%distributed` cell `x = 1`", nbd_cell, f"{nbd_cells} cells a round"),
+    ]
+    rows = []
+    for label, samples, note in cell_entries:
+        extra = f"{note}; {samples.note}" if samples.note else note
+        rows.append([label, ms(samples.median, 3), ms(samples.percentile(0.9), 3), ms(samples.percentile(0.99), 3),
+                     ms(max(samples.values) if samples.values else None, 1),
+                     fmt(samples.ratio_of_medians_to(base), "×", 3), str(len(samples.values)), extra])
+    cells_table = table(["cell, 2 CPU ranks / engines", "median", "p90", "p99", "max", "÷ ipyparallel execute", "n",
+                         "note"], rows)
+
+    launch = ours["launch"]
+    life_entries = [
+        ("ddpnb: `%ddp_start -n 2`, the kernel's first (starts the forkserver)", ours["start"], ""),
+        ("ddpnb: later `ddpnb.run` of a trivial all_reduce, session open", launch, "the goal's yardstick"),
+        ("ddpnb: `%ddp_restart` (2 ranks)", ours["restart"],
+         "stop + start" + ("; new PIDs every time" if fresh and all(fresh) else "")),
+        ("ddpnb: of which `s.stop()`", ours["stop"], "timed apart, on the same session"),
+        ("ddpnb: of which a start (`s.restart()` when stopped)", ours["start_again"],
+         "fresh ranks, group up, `ddpnb` pushed"),
+        ("ddpnb: first cell after a restart (`s.execute(\"rank\")`)", ours["first_cell_after_restart"], ""),
+        ("ipyparallel: `Cluster(n=2).start_and_connect_sync()` + engines up", ipp["start"],
+         "engines then `import torch`"),
+        ("nbdistributed: `%dist_init -n 2` + first cell", nbd_init, "sleeps a fixed 2 s"),
+    ]
+    rows = []
+    for label, samples, note in life_entries:
+        extra = f"{note}; {samples.note}" if samples.note and note else samples.note or note
+        small = samples.median is not None and samples.median < 0.01  # a cell: in ms
+        spread = (f"{min(samples.values) * 1e3:.2f}–{max(samples.values) * 1e3:.2f}" if small and
+                  len(samples.values) > 1 else samples.spread())
+        rows.append([label, ms(samples.median) if small else fmt(samples.median, " s"), spread,
+                     fmt(samples.ratio_of_medians_to(launch), "×", 2), str(len(samples.values)), extra])
+    life_table = table(["start / restart", "median", "min–max", "÷ later launch", "n", "note"], rows)
+
+    cell_ratio = ours["magic_value"].ratio_of_medians_to(base)
+    api_ratio = ours["execute"].ratio_of_medians_to(base)
+    restart_ratio = ours["restart"].ratio_of_medians_to(launch)
+    goals.append(Goal("session (issue 15): `%%ranks` cell with its value ≤ 0.5× ipyparallel execute",
+                      f"{fmt(cell_ratio, '×')} (`s.execute(\"x = 1\")`: {fmt(api_ratio, '×')})",
+                      None if cell_ratio is None else cell_ratio <= 0.5))
+    goals.append(Goal("session (issue 15): `%ddp_restart` ≤ 1.5× a later launch", fmt(restart_ratio, "×"),
+                      None if restart_ratio is None else restart_ratio <= 1.5))
+    say(f"sessions: cell ÷ ipyparallel execute {fmt(cell_ratio, '×')} (goal ≤ 0.5), "
+        f"restart ÷ later launch {fmt(restart_ratio, '×')} (goal ≤ 1.5)")
+    return (f"### 5. Sessions — 2 warm CPU ranks (gloo) / 2 ipyparallel engines, {settings.session_rounds} "
+            f"round{'s' if settings.session_rounds > 1 else ''} of {settings.session_cells} cells of each kind after {settings.session_warmup} untimed\n\n"
+            + cells_table
+            + "\n\nKernel → every rank → back, timed in the probe around the call. Each round is one fresh probe "
+              "per library (ddpnb, ipyparallel, nbdistributed, in an order rotating by round); inside a probe the "
+              "kinds of cell take turns. ÷ ipyparallel execute: the median over rounds of (the row's median in a "
+              "round ÷ ipyparallel execute's median in the same round).\n\n"
+            + life_table
+            + f"\n\n{settings.session_restarts} restarts a round, each paired with a later launch in the same "
+              "kernel (alternating which goes first; the session stays open during the launch), then a stop and "
+              "a start timed apart. ÷ later launch: per round, as above.")
+
+
 # --- main -----------------------------------------------------------------------------------------------------
-SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result}
+SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
+            "session": bench_session}
 
 
 def machine() -> str:
@@ -543,7 +723,7 @@ def main() -> None:
     finally:
         shutil.rmtree(runs_dir, ignore_errors=True)
     verdict = {True: "met", False: "**missed**", None: "not measured here"}
-    summary = table(["goal (issue 5)", "measured", ""], [[g.text, g.measured, verdict[g.met]] for g in goals])
+    summary = table(["goal (issue 5 unless named)", "measured", ""], [[g.text, g.measured, verdict[g.met]] for g in goals])
     footer = f"total bench time {time.monotonic() - started:.0f} s, load average after the run {os.getloadavg()[0]:.2f}"
     report = "\n\n".join([header, *parts, "### Goals\n\n" + summary, footer])
     print(report)
