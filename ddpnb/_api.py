@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddpnb import engines
-from ddpnb.core import pickling, rundir
+from ddpnb.core import pickling, rundir, shared
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
@@ -170,7 +170,9 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     planned = plan(gpus, nprocs, backend, kind)
     chosen_view, options = check_options(view, kind, address, placement)
     engine_type = engines.engine_type(kind)
-    payload = pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
+    # the function's (and then the args') big tensors and arrays go into shared memory the ranks map
+    shipment = shared.Shipment() if engine_type.maps_data else None
+    payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     run_dir = rundir.new_run_dir()
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
     spec = WorkerSpec(
@@ -179,10 +181,15 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         sources=pickling.notebook_sources(), torch_threads=engine_type.torch_threads(planned, environ),
     )
     devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
-    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn))
+    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn),
+              shared=shipment)
     if planned.note:
         print(f"[ddpnb] {planned.note}", file=sys.stderr)
     run.start()
+    if shipment is not None:  # every rank has the memory files: the store keeps them for the next launch
+        run.record.data = shipment.commit()
+        if note := shared.note(run.record.data):
+            print(f"[ddpnb] {note}", file=sys.stderr)
     _last_record = run.record
     if chosen_view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard

@@ -122,6 +122,16 @@ class RankRecord:
         return [bar for bar in bars if not bar.closed] or bars[-1:]
 
 
+@dataclass(frozen=True)
+class DataSent:
+    """What a launch sent the ranks through shared memory (`core.shared`) rather than in a pickle."""
+
+    written: int  # bytes written into memory files at this launch
+    reused: int  # bytes earlier launches wrote that were unchanged, so not written again
+    blocks: int  # tensor storages and arrays sent this way
+    seconds: float  # spent writing them (and comparing arrays with what was written before)
+
+
 @dataclass
 class RunRecord:
     """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it."""
@@ -138,6 +148,7 @@ class RunRecord:
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
     hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
+    data: DataSent | None = None  # notebook data sent through shared memory (local engine)
 
     @property
     def first_failure(self) -> Failure | None:

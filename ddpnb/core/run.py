@@ -32,6 +32,7 @@ from ddpnb.core.record import (
     describe_exit,
     is_knock_on,
 )
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
@@ -44,9 +45,10 @@ class Run:
     """A set of ranks, one process each, and what they report. Use `wait()`, `result()`, `stop()`."""
 
     def __init__(self, spec: WorkerSpec, devices: list[str], engine: Engine, timeout: float | None = None,
-                 function: str = "") -> None:
+                 function: str = "", shared: Shipment | None = None) -> None:
         self.spec = spec
         self.engine = engine
+        self.shared = shared  # the notebook data the ranks map (`core.shared`); the caller commits it after `start`
         self.timeout = timeout
         run_dir = Path(spec.run_dir)
         self.record = RunRecord(run_dir=run_dir, world_size=spec.world_size, backend=spec.backend,
@@ -96,7 +98,7 @@ class Run:
             self.record.started = time.time()
             for record in self.record.ranks:
                 record.started = self.record.started
-            self.engine.start(self, self._result_fd)
+            self.engine.start(self, self._result_fd, self.shared)
             # the duration and the timeout count from the first rank's start, not from the forkserver's first import
             self.record.started = self.record.ranks[0].started
             _live_runs.add(self)

@@ -23,6 +23,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import RunEvents
 from ddpnb.core.messages import Stacks
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, Stream, WorkerSpec, local_gpu_count
 from ddpnb.core.stacks import user_stack_dump
 from ddpnb.engines.local import forkserver
@@ -41,6 +42,7 @@ class LocalType:
     """The local engine before a run: this machine's GPUs, the kernel's environment."""
 
     kind = EngineKind.LOCAL
+    maps_data = True
 
     def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
         if address is not None or placement is not None:
@@ -93,19 +95,23 @@ class LocalEngine:
         self._events: RunEvents | None = None
 
     # --- start -------------------------------------------------------------------------------------------------
-    def start(self, events: RunEvents, result_fd: int | None) -> None:
+    def start(self, events: RunEvents, result_fd: int | None, shared: Shipment | None = None) -> None:
         self._events = events
         # under the forkserver's lock until every rank is forked: `preload` must not restart the forkserver meanwhile
         with forkserver.lock:
-            self._start_ranks(forkserver.context_held(), result_fd)
+            self._start_ranks(forkserver.context_held(), result_fd, shared)
 
-    def _start_ranks(self, context: multiprocessing.context.BaseContext, result_fd: int | None) -> None:
+    def _start_ranks(self, context: multiprocessing.context.BaseContext, result_fd: int | None,
+                     shared: Shipment | None) -> None:
         store_socket = _bind_store_socket()
         self.spec.master_port = store_socket.getsockname()[1]
         try:
-            spec_payload = pickling.dump_spec(self.spec)  # before any rank starts: args that cannot be sent
+            spec_payload = pickling.dump_spec(self.spec, shared)  # before any rank starts: args that cannot be sent
+            # every rank maps the same memory files of notebook data (the function's and the args')
+            data = {} if shared is None else {segment: FdForChild(fd) for segment, fd in shared.fds().items()}
             for rank in range(self.spec.world_size):
-                self._start_rank(context, rank, spec_payload, *((store_socket, result_fd) if rank == 0 else ()))
+                self._start_rank(context, rank, spec_payload, data,
+                                 *((store_socket, result_fd) if rank == 0 else ()))
                 if rank == 0:
                     store_socket.close()  # rank 0 has its own copy now
         except BaseException:  # a rank could not start: the ones that did must not outlive this call
@@ -113,8 +119,8 @@ class LocalEngine:
             self.close()
             raise
 
-    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None = None,
-                    result_fd: int | None = None) -> None:
+    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, data: dict[int, FdForChild],
+                    store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
         """Fork one rank, with its pipes: stdout, stderr and the message channel (rank to kernel), and a lifeline
         the kernel never writes to, whose EOF tells the rank's watchdog that the kernel is gone."""
         assert self._events is not None
@@ -130,7 +136,7 @@ class LocalEngine:
         self._pipe_room = min(self._pipe_room, *(_enlarge_pipe(end.fileno()) for end in (channel_w, out_w, err_w)))
         result = None if result_fd is None else FdForChild(result_fd)
         proc = context.Process(
-            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result),
+            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, data, store_socket, result),
             name=f"{PROCESS_PREFIX}rank{rank}", daemon=False,
         )
         try:
