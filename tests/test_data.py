@@ -7,6 +7,7 @@ cell's does. Every rank also says whether its tensor's bytes are pages of one of
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 
@@ -128,6 +129,9 @@ def test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is():
     assert ddpnb.run(first, nprocs=2, view="none") == [0.0, 0]
     again = ddpnb.last_run().data
     assert again.written == 0 and again.reused == weights.nbytes + labels.nbytes
+    assert ddpnb.run(lambda: "an evaluation cell in between", nprocs=1, view="none")
+    assert ddpnb.run(first, nprocs=2, view="none") == [0.0, 0]
+    assert ddpnb.last_run().data.written == 0  # still kept for reuse
     weights[-1] = 5  # in place, in the notebook: the tensor's version counter moves
     labels[-1] = 3  # an array has none: compared with what was written
     assert ddpnb.run(first, nprocs=2, view="none") == [5.0, 3]
@@ -160,21 +164,26 @@ def test_a_released_tensors_copy_goes_away_and_nothing_is_left_after_a_failed_pi
 
 @pytest.mark.slow  # 50 launches: 10-30 s on the 2-core box
 def test_fifty_launches_with_new_data_keep_kernel_memory_and_shared_memory_bounded():
+    """The notebook keeps the latest ten tensors; ddpnb keeps what the latest launches sent, no more."""
     process = psutil.Process()
+    kept: collections.deque[torch.Tensor] = collections.deque(maxlen=10)
 
     def launch() -> None:
-        data = torch.full((16 * MB,), 1.0)  # 64 MB, new at every launch
-        assert ddpnb.run(lambda: data[-1].item(), nprocs=1, view="none") == 1.0
+        data = torch.full((16 * MB,), float(len(kept)))  # 64 MB, new at every launch
+        kept.append(data)
+        assert ddpnb.run(lambda: data[-1].item(), nprocs=1, view="none") == data[-1].item()
         assert ddpnb.last_run().data.written == data.nbytes
 
-    for _ in range(5):
+    for _ in range(10):
         launch()
     gc.collect()
     rss = process.memory_info().rss
-    for _ in range(45):
+    for _ in range(40):
         launch()
         held = _kernel_memory_files()
-        assert len(held) <= shared.MAX_SEGMENTS and sum(held.values()) <= 2 * 64 * MB, held
+        assert len(held) <= shared.KEEP_LAUNCHES and sum(held.values()) <= shared.KEEP_LAUNCHES * 64 * MB, held
     gc.collect()
-    assert process.memory_info().rss - rss < 64 * MB  # not one tensor's worth of growth over 45 launches
-    assert sum(_kernel_memory_files().values()) <= 64 * MB  # the latest launch's, at most
+    assert process.memory_info().rss - rss < 64 * MB  # not one tensor's worth of growth over 40 launches
+    kept.clear()  # the notebook lets go of them all: so does ddpnb
+    gc.collect()
+    assert _kernel_memory_files() == {}

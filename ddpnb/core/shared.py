@@ -25,6 +25,7 @@ from ddpnb.core.record import DataSent
 
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own
+KEEP_LAUNCHES = 4  # what the latest launches used is kept for reuse; older data is let go
 MAX_SEGMENTS = 8  # segments the store may hold; beyond it the oldest's blocks are let go (each one is an fd)
 CHUNK = 16 << 20  # bytes compared at a time when checking whether an array changed
 NOTE_BYTES = 100_000_000  # a launch that writes this much says so in the run's output
@@ -71,13 +72,15 @@ class Block:
     nbytes: int
     source: weakref.ref  # the notebook's storage or array: its death lets the block go
     version: int | None  # a tensor's version counter when written; None for an array (compared instead)
+    launch: int = 0  # the latest launch that used it
 
 
 class Store:
-    """What the latest launch sent, by the notebook object it came from; the kernel has one."""
+    """What the latest launches sent, by the notebook object it came from; the kernel has one."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, Block] = {}
+        self.launches = 0  # launches committed so far
         self.lock = threading.RLock()  # a storage may die (and `_forget`) in any thread
 
     def find(self, key: int, source: Any) -> Block | None:
@@ -91,15 +94,21 @@ class Store:
                 del self.blocks[key]
 
     def keep(self, used: dict[int, Block]) -> None:
-        """Hold what a launch used, and nothing else: kernel memory never grows with launches. A segment less
-        than half of which is still held, or beyond the MAX_SEGMENTS newest, is let go whole (its blocks are
-        written anew if a later launch uses them), so what is held stays under twice the latest launch's data."""
-        live = {key: block for key, block in used.items() if block.source() is not None}
-        held: dict[Segment, int] = {}
-        for block in live.values():
-            held[block.segment] = held.get(block.segment, 0) + block.nbytes
-        newest = sorted(held, key=lambda segment: segment.id)[-MAX_SEGMENTS:]
+        """Hold what a launch used, next to what the KEEP_LAUNCHES before it used (a quick evaluation launch
+        between two training launches must not cost the training data's copy), while the notebook still holds
+        each source. A segment less than half of which is still held, or beyond the MAX_SEGMENTS newest, is let go
+        whole (a later launch writes its blocks anew), so kernel memory stays under twice what those launches sent."""
         with self.lock:
+            self.launches += 1
+            for block in used.values():
+                block.launch = self.launches
+            blocks = {**self.blocks, **used}
+            live = {key: block for key, block in blocks.items()
+                    if block.source() is not None and block.launch > self.launches - KEEP_LAUNCHES}
+            held: dict[Segment, int] = {}
+            for block in live.values():
+                held[block.segment] = held.get(block.segment, 0) + block.nbytes
+            newest = sorted(held, key=lambda segment: segment.id)[-MAX_SEGMENTS:]
             self.blocks = {key: block for key, block in live.items()
                            if block.segment in newest and 2 * held[block.segment] >= block.segment.size}
 
