@@ -32,7 +32,8 @@ class _Pickler(cloudpickle.CloudPickler):
     """cloudpickle for everything that crosses between kernel and ranks. It keeps each code object's real filename
     (cloudpickle >= 3.1 replaces it with '<dynamic-code>'), so a worker's traceback names the user's cell and,
     with its source shipped, shows its lines; and it moves every tensor to the CPU, however deeply nested, so a
-    result never makes the kernel initialise CUDA."""
+    result never makes the kernel initialise CUDA. With a `Shipment` (notebook data on its way to local ranks),
+    big CPU tensors and NumPy arrays go into shared memory instead (`core.shared`), CUDA tensors via the CPU."""
 
     tensors = True  # False: raise HoldsTensors at the first tensor
     shared: Shipment | None = None  # notebook data for the ranks: big tensors and arrays go through shared memory

@@ -223,7 +223,9 @@ def _storage_bytes(storage: Any, nbytes: int) -> memoryview:
 
 # --- rank side -----------------------------------------------------------------------------------------------------
 _maps: dict[int, mmap.mmap] = {}  # segment id -> its private mapping
-_storages: dict[tuple[int, int], Any] = {}  # (segment, offset) -> the storage rebuilt there: views share it
+# (segment, offset) -> the storage rebuilt there, while anything uses it: views share it, and pages a rank wrote
+# go when the rank lets go of its tensors
+_storages: weakref.WeakValueDictionary[tuple[int, int], Any] = weakref.WeakValueDictionary()
 _device: str | None = None  # this rank's device, once set up
 _pending: list[Any] = []  # tensors from notebook CUDA tensors, waiting for the rank's device
 
