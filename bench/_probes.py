@@ -532,11 +532,6 @@ def probe_data(args: argparse.Namespace) -> None:
         shared.MIN_BYTES = 1 << 62
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2, view="none")  # warm: the forkserver is up, as in a notebook's 2nd cell
-    trivial = []
-    for _ in range(args.repeat):
-        started = clock()
-        ddpnb.run(_workloads.trivial, nprocs=2, view="none")
-        trivial.append(clock() - started)
     started = clock()
     copy = data.clone()
     clone = clock() - started
@@ -550,12 +545,13 @@ def probe_data(args: argparse.Namespace) -> None:
     first = clock() - started
     peak = sampler.close() - baseline
     sent = ddpnb.last_run().data
-    later = []
-    for _ in range(args.repeat):
-        started = clock()
-        ddpnb.run(train, nprocs=2, view="none")
-        later.append(clock() - started)
-    reused = ddpnb.last_run().data.reused if sent else 0
+    trivial, later = [], []
+    for _ in range(args.repeat):  # alternating, so that load from elsewhere hits both alike
+        for function, times in ((_workloads.trivial, trivial), (train, later)):
+            started = clock()
+            ddpnb.run(function, nprocs=2, view="none")
+            times.append(clock() - started)
+    reused = ddpnb.last_run().data.reused if sent else 0  # the last launch was `train` again
     held = sum(os.fstat(int(fd)).st_size for fd in os.listdir("/proc/self/fd")
                if "ddpnb-data" in _readlink(f"/proc/self/fd/{fd}"))
     pss_data = ddpnb.run(_ranks_pss(data), nprocs=2, view="none")
@@ -602,7 +598,7 @@ def main() -> None:
     p = sub.add_parser("data")
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--via", choices=["ddpnb", "pickle", "mp-spawn"], default="ddpnb")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=4)
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()

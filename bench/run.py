@@ -542,7 +542,8 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
         ["ddpnb, first launch closing over it", fmt(first, " s"), fmt(median("ddpnb", "peak_over_data"), "×", 2),
          fmt(median("ddpnb", "ranks_pss_over_data"), "×", 2),
          f"written once into a memory file; the file: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data"],
-        ["ddpnb, later launch, data unchanged", fmt(later, " s"), "", "", "reused: nothing written"],
+        ["ddpnb, later launch, data unchanged", fmt(later, " s"), "", "",
+         f"reused: {fmt(median('ddpnb', 'reused_later') / GB if got['ddpnb'] else None, ' GB', 2)}, nothing written"],
         ["ddpnb pickling it into every rank (before issue 16)", fmt(pickled, " s"),
          fmt(median("pickle", "peak_over_data"), "×", 2), fmt(median("pickle", "ranks_pss_over_data"), "×", 2),
          notes["pickle"].note],
@@ -572,7 +573,8 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
                      "note"], rows)
             + f"\n\n{settings.data_reps} rounds, each launcher in a fresh process playing the kernel (the tensor "
               "made and resident before the clock starts; ddpnb's forkserver already up, as from a notebook's "
-              "earlier cell), in alternating order. The function runs the trivial workload (one all_reduce) and "
+              "earlier cell), in alternating order; trivial and later launches alternate in the same process, "
+              "after the first. The function runs the trivial workload (one all_reduce) and "
               "reads the tensor's first element. Kernel RSS peak: sampled every 2 ms during the first launch, "
               "above the level just before it. Ranks' PSS added: both ranks read every page, then their PSS is "
               "summed at one moment, minus the same for a run without the data.")
