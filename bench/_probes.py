@@ -617,6 +617,114 @@ def probe_result_steps(args: argparse.Namespace) -> None:
     emit({"bytes": args.bytes, "steps": steps})
 
 
+# --- notebook data into the ranks -------------------------------------------------------------------------------
+def _pss() -> int:
+    """This process's proportional set size in bytes (shared pages split between the processes mapping them)."""
+    with open("/proc/self/smaps_rollup") as rollup:
+        return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+
+
+def _closing_over(data: Any) -> Any:
+    """A notebook cell's function closing over `data`: the trivial workload, plus one read of the data."""
+    def train(rank: int, world_size: int) -> dict[str, Any]:
+        value = _workloads.trivial()
+        return {**value, "first": float(data[0])}
+    return train
+
+
+def _ranks_pss(data: Any) -> Any:
+    """Every rank reads every page of `data`, then all report their PSS at the same moment."""
+    def train(rank: int, world_size: int) -> int:
+        import torch.distributed as dist
+
+        if data is not None:
+            float(data.sum())
+        dist.barrier()
+        pss = _pss()
+        dist.barrier()
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, pss)
+        return sum(every)
+    return train
+
+
+def _spawn_data_target(rank: int, world_size: int, data: Any, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size))
+    value = _workloads.trivial()
+    first = float(data[0])
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps({**value, "first": first}))
+
+
+def probe_data(args: argparse.Namespace) -> None:
+    """One launcher sending a `--bytes` float32 tensor to 2 CPU ranks, in a fresh process playing the kernel."""
+    import gc
+
+    import torch
+
+    data = torch.ones(args.bytes // 4)  # the notebook's data, resident before the clock starts
+    clock = time.perf_counter
+    if args.via == "mp-spawn":
+        import torch.multiprocessing as mp
+
+        out = _result_file()
+        os.environ["MASTER_PORT"] = str(free_port())
+        sampler = PeakRss()
+        baseline = sampler.peak
+        started = clock()
+        mp.spawn(_spawn_data_target, args=(2, data, out), nprocs=2, join=True)
+        seconds = clock() - started
+        emit({"first": seconds, "peak_over_data": (sampler.close() - baseline) / args.bytes,
+              "value": json.loads(Path(out).read_text())["first"]})
+        os.unlink(out)
+        return
+
+    import ddpnb
+    from ddpnb.core import shared
+
+    if args.via == "pickle":  # ddpnb as it was before issue 16: every rank unpickles its own copy
+        shared.MIN_BYTES = 1 << 62
+    by_value()
+    ddpnb.run(_workloads.trivial, nprocs=2, view="none")  # warm: the forkserver is up, as in a notebook's 2nd cell
+    started = clock()
+    copy = data.clone()
+    clone = clock() - started
+    del copy
+    gc.collect()
+    train = _closing_over(data)
+    sampler = PeakRss()
+    baseline = sampler.peak
+    started = clock()
+    ddpnb.run(train, nprocs=2, view="none")
+    first = clock() - started
+    peak = sampler.close() - baseline
+    sent = ddpnb.last_run().data
+    trivial, later = [], []
+    for _ in range(args.repeat):  # alternating, so that load from elsewhere hits both alike
+        for function, times in ((_workloads.trivial, trivial), (train, later)):
+            started = clock()
+            ddpnb.run(function, nprocs=2, view="none")
+            times.append(clock() - started)
+    reused = ddpnb.last_run().data.reused if sent else 0  # the last launch was `train` again
+    held = sum(os.fstat(int(fd)).st_size for fd in os.listdir("/proc/self/fd")
+               if "ddpnb-data" in _readlink(f"/proc/self/fd/{fd}"))
+    pss_data = ddpnb.run(_ranks_pss(data), nprocs=2, view="none")
+    pss_none = ddpnb.run(_ranks_pss(None), nprocs=2, view="none")
+    emit({"trivial": trivial, "clone": clone, "first": first, "later": later, "peak_over_data": peak / args.bytes,
+          "shm_over_data": held / args.bytes, "ranks_pss_over_data": (pss_data - pss_none) / args.bytes,
+          "written": sent.written if sent else 0, "reused_later": reused})
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="probe", required=True)
@@ -655,6 +763,10 @@ def main() -> None:
     p = sub.add_parser("result")
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--via", choices=["ddpnb", "mp-queue"], default="ddpnb")
+    p = sub.add_parser("data")
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--via", choices=["ddpnb", "pickle", "mp-spawn"], default="ddpnb")
+    p.add_argument("--repeat", type=int, default=4)
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()
@@ -662,7 +774,7 @@ def main() -> None:
         "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
         "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
         "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
-        "result": probe_result, "result-steps": probe_result_steps,
+        "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
     }[args.probe]
     probe(args)
 

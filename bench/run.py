@@ -10,6 +10,9 @@
 5. sessions (issue 15): a trivial cell on 2 warm CPU ranks, kernel -> every rank -> back, against
    ipyparallel's DirectView.execute (and with a pull) on 2 engines and an nbdistributed cell; a session's
    restart against a later ddpnb.run launch in the same kernel.
+6. notebook data into the ranks: a function closing over a big tensor, first and later launches, against a trivial
+   launch, the kernel's own clone() of the tensor, ddpnb pickling it into every rank (as before issue 16) and
+   torch.multiprocessing.spawn with it in args; the kernel's memory and the ranks' PSS.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -57,6 +60,8 @@ class Settings:
     session_cells: int  # timed cells of each kind per round (nbdistributed: a tenth, ~0.1 s each)
     session_warmup: int  # untimed cells of each kind first
     session_restarts: int  # restarts per round, each paired with a later launch
+    data_reps: int = 3
+    data_bytes: int = 1 << 30
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -64,7 +69,8 @@ FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, st
                 session_warmup=20, session_restarts=5)
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
-                 session_warmup=5, session_restarts=2)
+                 session_warmup=5, session_restarts=2, data_reps=1,
+                 data_bytes=256 << 20)
 
 
 class ProbeFailed(RuntimeError):
@@ -686,9 +692,77 @@ def bench_session(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
               "a start timed apart. ÷ later launch: per round, as above.")
 
 
+# --- 6. notebook data into the ranks ----------------------------------------------------------------------------
+def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    nbytes = settings.data_bytes
+    variants = [("ddpnb", "ddpnb"), ("pickle", "ddpnb pickling the tensor into every rank (before issue 16)"),
+                ("mp-spawn", "torch.multiprocessing.spawn, the tensor in args")]
+    got: dict[str, list[dict[str, Any]]] = {key: [] for key, _ in variants}
+    notes = {key: Samples() for key, _ in variants}
+    for rep in range(settings.data_reps):
+        order = variants if rep % 2 == 0 else variants[::-1]  # no launcher always first
+        for key, _ in order:
+            say(f"notebook data: round {rep + 1}/{settings.data_reps}, {key}")
+            data = attempt(notes[key], lambda key=key: probe("data", f"--bytes={nbytes}", f"--via={key}", env=env,
+                                                             timeout=600))
+            if data:
+                got[key].append(data)
+
+    def median(key: str, field_: str) -> float | None:
+        values = [value for d in got[key] for value in (d[field_] if isinstance(d[field_], list) else [d[field_]])]
+        return statistics.median(values) if values else None
+
+    trivial, clone = median("ddpnb", "trivial"), median("ddpnb", "clone")
+    first, later = median("ddpnb", "first"), median("ddpnb", "later")
+    pickled, spawned = median("pickle", "first"), median("mp-spawn", "first")
+    size = f"{nbytes / GB:.2f} GB"
+    rows = [
+        ["ddpnb, trivial launch (no data)", fmt(trivial, " s"), "", "", "the unit of the goals"],
+        [f"the kernel's `clone()` of the {size} tensor", fmt(clone, " s"), "", "", "the physical floor of one copy"],
+        ["ddpnb, first launch closing over it", fmt(first, " s"), fmt(median("ddpnb", "peak_over_data"), "×", 2),
+         fmt(median("ddpnb", "ranks_pss_over_data"), "×", 2),
+         f"written once into a memory file; the file: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data"],
+        ["ddpnb, later launch, data unchanged", fmt(later, " s"), "", "",
+         f"reused: {fmt(median('ddpnb', 'reused_later') / GB if got['ddpnb'] else None, ' GB', 2)}, nothing written"],
+        ["ddpnb pickling it into every rank (before issue 16)", fmt(pickled, " s"),
+         fmt(median("pickle", "peak_over_data"), "×", 2), fmt(median("pickle", "ranks_pss_over_data"), "×", 2),
+         notes["pickle"].note],
+        ["torch.multiprocessing.spawn, the tensor in args", fmt(spawned, " s"),
+         fmt(median("mp-spawn", "peak_over_data"), "×", 2), "", "fresh interpreters: includes their `import torch`; "
+         + (notes["mp-spawn"].note or "torch moves the tensor into shared memory once")],
+    ]
+    if trivial and clone and first:
+        bound = trivial + 1.5 * clone
+        goals.append(Goal("data: first launch ≤ trivial launch + 1.5× the kernel's clone()",
+                          f"{first:.2f} s vs {bound:.2f} s", first <= bound))
+    if trivial and later:
+        goals.append(Goal("data: later launch, unchanged ≤ 1.5× trivial launch", f"{later / trivial:.2f}×",
+                          later <= 1.5 * trivial))
+    for label, other in (("torch.multiprocessing.spawn", spawned), ("ddpnb before issue 16", pickled)):
+        if first and other:
+            goals.append(Goal(f"data: first launch ≥ 5× faster than {label}", f"{other / first:.1f}×",
+                              other / first >= 5))
+    peak, pss = median("ddpnb", "peak_over_data"), median("ddpnb", "ranks_pss_over_data")
+    if peak is not None:
+        goals.append(Goal("data: kernel peak above baseline ≤ 1.1× the data (RSS; the memory file is reported "
+                          "apart)", f"{peak:.2f}×", peak <= 1.1))
+    if pss is not None:
+        goals.append(Goal("data: the ranks together add ≤ 1.2× the data in PSS", f"{pss:.2f}×", pss <= 1.2))
+    return (f"### 6. Notebook data into the ranks — a function closing over a {size} float32 tensor, 2 CPU ranks\n\n"
+            + table(["launch", "call → result (median)", "kernel RSS peak ÷ data", "ranks' PSS added ÷ data",
+                     "note"], rows)
+            + f"\n\n{settings.data_reps} rounds, each launcher in a fresh process playing the kernel (the tensor "
+              "made and resident before the clock starts; ddpnb's forkserver already up, as from a notebook's "
+              "earlier cell), in alternating order; trivial and later launches alternate in the same process, "
+              "after the first. The function runs the trivial workload (one all_reduce) and "
+              "reads the tensor's first element. Kernel RSS peak: sampled every 2 ms during the first launch, "
+              "above the level just before it. Ranks' PSS added: both ranks read every page, then their PSS is "
+              "summed at one moment, minus the same for a run without the data.")
+
+
 # --- main -----------------------------------------------------------------------------------------------------
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
-            "session": bench_session}
+            "session": bench_session, "data": bench_data}
 
 
 def machine() -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpnb import engines
-from ddpnb.core import checkpoints, pickling, rundir
+from ddpnb.core import checkpoints, pickling, rundir, shared
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
@@ -185,7 +185,9 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     planned = plan(gpus, nprocs, backend, kind)
     chosen_view, options = check_options(view, kind, address, placement)
     engine_type = engines.engine_type(kind)
-    payload = pickling.dump_function(fn)  # before anything starts: an unpicklable function starts nothing
+    # the function's (and then the args') big tensors and arrays go into shared memory the ranks map
+    shipment = shared.Shipment() if engine_type.maps_data else None
+    payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
     if checkpoint_dir is not None:
         try:
@@ -205,13 +207,18 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
     run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn),
               max_restarts=max_restarts,
-              new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options))
+              new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
+              shared=shipment)
     if planned.note:
         print(f"[ddpnb] {planned.note}", file=sys.stderr)
     if resumed:
         print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
               "(ddpnb.load_checkpoint loads it)", file=sys.stderr)
     run.start()
+    if shipment is not None:  # every rank has the memory files: the store keeps them for the next launch
+        run.record.data = shipment.commit()
+        if note := shared.note(run.record.data):
+            print(f"[ddpnb] {note}", file=sys.stderr)
     _last_record = run.record
     if chosen_view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard

@@ -8,10 +8,13 @@ thread, inside `serve`.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddpnb.core.messages import Message
 from ddpnb.core.spec import EngineKind, Plan, Stream, WorkerSpec
+
+if TYPE_CHECKING:
+    from ddpnb.core.shared import Shipment
 
 
 class RunEvents(Protocol):
@@ -48,8 +51,9 @@ class Engine(Protocol):
     maps_results: bool  # rank 0 can write a result holding tensors into the kernel's memory file
     announce_every: float  # seconds between two announcements of output to the views (a rank's turn: at once)
 
-    def start(self, events: RunEvents, result_fd: int | None) -> None:
-        """Start every rank, or raise with nothing left running."""
+    def start(self, events: RunEvents, result_fd: int | None, shared: Shipment | None = None) -> None:
+        """Start every rank, or raise with nothing left running. `shared`: where the spec's big tensors and arrays
+        go (pickle the spec with it, and give every rank its `fds()`), where the engine type `maps_data`."""
 
     def serve(self) -> None:
         """Read what the ranks send, delivering it to `events`, until every rank has ended."""
@@ -77,6 +81,7 @@ class EngineType(Protocol):
     """What the API asks of an engine before a run exists: its own checks, GPU count and environment."""
 
     kind: EngineKind
+    maps_data: bool  # ranks can map memory files the kernel writes (`core.shared`): notebook data goes that way
 
     def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
         """The engine's options from the user's, or LaunchError."""

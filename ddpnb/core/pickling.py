@@ -8,11 +8,14 @@ import linecache
 import os
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from ddpnb import _compat
+
+if TYPE_CHECKING:
+    from ddpnb.core.shared import Shipment
 
 MAX_DEPTH = 6
 
@@ -29,9 +32,11 @@ class _Pickler(cloudpickle.CloudPickler):
     """cloudpickle for everything that crosses between kernel and ranks. It keeps each code object's real filename
     (cloudpickle >= 3.1 replaces it with '<dynamic-code>'), so a worker's traceback names the user's cell and,
     with its source shipped, shows its lines; and it moves every tensor to the CPU, however deeply nested, so a
-    result never makes the kernel initialise CUDA."""
+    result never makes the kernel initialise CUDA. With a `Shipment` (notebook data on its way to local ranks),
+    big CPU tensors and NumPy arrays go into shared memory instead (`core.shared`), CUDA tensors via the CPU."""
 
     tensors = True  # False: raise HoldsTensors at the first tensor
+    shared: Shipment | None = None  # notebook data for the ranks: big tensors and arrays go through shared memory
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType):
@@ -41,11 +46,16 @@ class _Pickler(cloudpickle.CloudPickler):
         if torch is not None and isinstance(obj, torch.Tensor):
             if not self.tensors:
                 raise HoldsTensors
+            if self.shared is not None and (reduced := self.shared.reduce_tensor(obj)) is not None:
+                return reduced
             if obj.device.type != "cpu":  # the CPU copy keeps what pickling a CPU tensor keeps: type, requires_grad
                 copy = obj.detach().cpu()
                 if isinstance(obj, torch.nn.Parameter):
                     return torch.nn.Parameter, (copy, obj.requires_grad)
                 return _identity, (copy.requires_grad_(obj.requires_grad),)
+        elif self.shared is not None and (numpy := sys.modules.get("numpy")) is not None \
+                and isinstance(obj, numpy.ndarray) and (reduced := self.shared.reduce_array(obj)) is not None:
+            return reduced
         return super().reducer_override(obj)
 
 
@@ -56,10 +66,12 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def dumps(obj: Any, tensors: bool = True) -> bytes:
+def dumps(obj: Any, tensors: bool = True, shared: Shipment | None = None) -> bytes:
+    """`obj` pickled; with `shared`, its big CPU tensors and arrays are written there and only referred to."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, protocol=5)
     pickler.tensors = tensors
+    pickler.shared = shared
     pickler.dump(obj)
     return buffer.getvalue()
 
@@ -91,18 +103,18 @@ def load(fd: int) -> Any:
     return torch.load(f"/proc/self/fd/{fd}", mmap=True, weights_only=False, map_location="cpu")
 
 
-def dump_function(fn: Any) -> bytes:
+def dump_function(fn: Any, shared: Shipment | None = None) -> bytes:
     try:
-        return dumps(fn)
+        return dumps(fn, shared=shared)
     except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, AttributeError, ...
         raise _not_picklable(f"`{_name(fn)}`", unpicklable_path(fn, _name(fn)), exc) from None
 
 
-def dump_spec(spec: Any) -> bytes:
+def dump_spec(spec: Any, shared: Shipment | None = None) -> bytes:
     """A run's `WorkerSpec`, pickled once in the kernel before any rank starts: its `args` may hold objects
     defined in the notebook, which only cloudpickle can send."""
     try:
-        return dumps(spec)
+        return dumps(spec, shared=shared)
     except Exception as exc:  # noqa: BLE001 - as above; the function itself was checked already
         raise _not_picklable("the run's arguments", unpicklable_path(tuple(spec.args), "args"), exc) from None
 

@@ -151,6 +151,16 @@ class Attempt:
         return f"rank {first.rank} failed first: {first.summary}" if first else f"{self.outcome.value}: {self.note}"
 
 
+@dataclass(frozen=True)
+class DataSent:
+    """What a launch sent the ranks through shared memory (`core.shared`) rather than in a pickle."""
+
+    written: int  # bytes written into memory files at this launch
+    reused: int  # bytes earlier launches wrote that were unchanged, so not written again
+    blocks: int  # tensor storages and arrays sent this way
+    seconds: float  # spent writing them (and comparing arrays with what was written before)
+
+
 @dataclass
 class RunRecord:
     """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it."""
@@ -173,6 +183,7 @@ class RunRecord:
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
+    data: DataSent | None = None  # notebook data sent through shared memory (local engine)
 
     @property
     def first_failure(self) -> Failure | None:

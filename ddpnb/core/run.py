@@ -40,6 +40,7 @@ from ddpnb.core.record import (
     describe_exit,
     is_knock_on,
 )
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
@@ -54,11 +55,13 @@ class Run:
 
     def __init__(self, spec: WorkerSpec, devices: list[str], engine: Engine, timeout: float | None = None,
                  function: str = "", max_restarts: int = 0,
-                 new_engine: Callable[[WorkerSpec], Engine] | None = None) -> None:
+                 new_engine: Callable[[WorkerSpec], Engine] | None = None, shared: Shipment | None = None) -> None:
         """`engine` runs the first attempt; `new_engine(spec)` makes the engine of each restart (up to
-        `max_restarts`), with the attempt's own spec. `timeout` bounds each attempt."""
+        `max_restarts`), with the attempt's own spec. `timeout` bounds each attempt. `shared`: the notebook data
+        the ranks map (`core.shared`); the caller commits it after `start`."""
         self.spec = spec
         self.engine = engine
+        self.shared = shared  # the notebook data the ranks map (`core.shared`); the caller commits it after `start`
         self.timeout = timeout
         self.max_restarts = max_restarts if new_engine is not None else 0
         self._new_engine = new_engine
@@ -111,7 +114,7 @@ class Run:
             self.record.started = time.time()
             for record in self.record.ranks:
                 record.started = self.record.started
-            self.engine.start(self, self._result_fd)
+            self.engine.start(self, self._result_fd, self.shared)
             # the duration and the timeout count from the first rank's start, not from the forkserver's first import
             self.record.started = self._attempt_started = self.record.ranks[0].started
             _live_runs.add(self)
@@ -440,7 +443,7 @@ class Run:
             self._attempt_started = time.time()
             for rank in record.ranks:
                 rank.started = self._attempt_started
-            self.engine.start(self, self._result_fd)
+            self.engine.start(self, self._result_fd, self.shared)
         except Exception as exc:  # noqa: BLE001 - the run ends, failed, saying why the restart could not start
             self._stop_reason = Outcome.FAILED
             self._stop_note = f"attempt {record.attempt} could not start: {type(exc).__name__}: {exc}"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpnb.core import messages as msg
+from ddpnb.core import shared
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_traceback
 from ddpnb.rank import context as ctx
@@ -37,6 +38,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         context.spec = spec
         _reseed()
         context.device = setup(rank, spec)
+        shared.set_device(context.device)  # notebook CUDA tensors onto this rank's own device, now it is set up
         context.send(msg.Started(rank=rank, device=context.device))
         linecache.cache.update({name: (len("".join(lines)), None, lines, name) for name, lines in spec.sources.items()})
         group.patch_init_process_group()

@@ -24,6 +24,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import RunEvents
 from ddpnb.core.messages import Stacks
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, Stream, WorkerSpec, local_gpu_count
 from ddpnb.core.stacks import user_stack_dump
 from ddpnb.engines.local import forkserver
@@ -42,6 +43,7 @@ class LocalType:
     """The local engine before a run: this machine's GPUs, the kernel's environment."""
 
     kind = EngineKind.LOCAL
+    maps_data = True
 
     def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
         if address is not None or placement is not None:
@@ -98,19 +100,23 @@ class LocalEngine:
         os.set_blocking(self._wake_w, False)
 
     # --- start -------------------------------------------------------------------------------------------------
-    def start(self, events: RunEvents, result_fd: int | None) -> None:
+    def start(self, events: RunEvents, result_fd: int | None, shared: Shipment | None = None) -> None:
         self._events = events
         # under the forkserver's lock until every rank is forked: `preload` must not restart the forkserver meanwhile
         with forkserver.lock:
-            self._start_ranks(forkserver.context_held(), result_fd)
+            self._start_ranks(forkserver.context_held(), result_fd, shared)
 
-    def _start_ranks(self, context: multiprocessing.context.BaseContext, result_fd: int | None) -> None:
+    def _start_ranks(self, context: multiprocessing.context.BaseContext, result_fd: int | None,
+                     shared: Shipment | None) -> None:
         store_socket = _bind_store_socket()
         self.spec.master_port = store_socket.getsockname()[1]
         try:
-            spec_payload = pickling.dump_spec(self.spec)  # before any rank starts: args that cannot be sent
+            spec_payload = pickling.dump_spec(self.spec, shared)  # before any rank starts: args that cannot be sent
+            # every rank maps the same memory files of notebook data (the function's and the args')
+            data = {} if shared is None else {segment: FdForChild(fd) for segment, fd in shared.fds().items()}
             for rank in range(self.spec.world_size):
-                self._start_rank(context, rank, spec_payload, *((store_socket, result_fd) if rank == 0 else ()))
+                self._start_rank(context, rank, spec_payload, data,
+                                 *((store_socket, result_fd) if rank == 0 else ()))
                 if rank == 0:
                     store_socket.close()  # rank 0 has its own copy now
         except BaseException:  # a rank could not start: the ones that did must not outlive this call
@@ -118,8 +124,8 @@ class LocalEngine:
             self.close()
             raise
 
-    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, store_socket: socket.socket | None = None,
-                    result_fd: int | None = None) -> None:
+    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, data: dict[int, FdForChild],
+                    store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
         """Fork one rank, with its pipes: stdout, stderr and the message channel (rank to kernel), and a lifeline
         the kernel never writes to, whose EOF tells the rank's watchdog that the kernel is gone."""
         assert self._events is not None
@@ -139,7 +145,7 @@ class LocalEngine:
             commands_r, commands_w = multiprocessing.Pipe(duplex=False)
             self._commands.append(commands_w)
         proc = context.Process(
-            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, store_socket, result,
+            target=entry, args=(rank, channel_w, lifeline_r, out_w, err_w, spec_payload, data, store_socket, result,
                                 commands_r),
             name=f"{PROCESS_PREFIX}rank{rank}", daemon=False,
         )

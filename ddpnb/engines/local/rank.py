@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core import rundir
+from ddpnb.core import rundir, shared
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
@@ -96,13 +96,14 @@ _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its 
 
 
 def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
-          spec_payload: bytes, store_socket: socket.socket | None = None, result_fd: int | None = None,
-          commands: Connection | None = None) -> None:
+          spec_payload: bytes, data: dict[int, int], store_socket: socket.socket | None = None,
+          result_fd: int | None = None, commands: Connection | None = None) -> None:
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
     the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
     `WorkerSpec`, unpickled after the output is redirected, so that a failure to rebuild it is reported like any
-    other. Rank 0 also gets the socket for its TCPStore and the file for its result; a session's ranks get a pipe
-    for the kernel's commands."""
+    other. `data`: the memory files holding the notebook's big tensors and arrays (`core.shared`), mapped before
+    anything is unpickled. Rank 0 also gets the socket for its TCPStore and the file for its result; a session's
+    ranks get a pipe for the kernel's commands."""
     global _store_fd
     # what the forkserver imported (torch: ~200,000 objects) is never garbage: keep the garbage collector from
     # walking it at every full collection, which also copied every page it touched out of the shared memory
@@ -116,6 +117,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
     code = 0
     try:
+        shared.attach(data)
         run_function(context, spec_payload, _setup, _join_group, result_fd)
         _leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)

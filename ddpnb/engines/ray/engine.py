@@ -42,6 +42,7 @@ class RayType:
     """The ray engine before a run: Ray Train installed, a placement; the GPUs are the cluster's."""
 
     kind = EngineKind.RAY
+    maps_data = False  # ranks may be on other nodes: notebook data travels in the pickle
 
     def __init__(self) -> None:
         if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
@@ -94,7 +95,7 @@ class RayEngine:
         self._failed: set[int] = set()
         self._stacks: set[int] = set()
 
-    def start(self, events: RunEvents, result_fd: int | None) -> None:
+    def start(self, events: RunEvents, result_fd: int | None, shared: Any = None) -> None:
         import ray
 
         from ddpnb.engines.ray import cluster

@@ -1,0 +1,293 @@
+"""Notebook data for the ranks: written once into shared memory, mapped copy-on-write by every rank.
+
+Kernel side: a launch's `Shipment`, consulted by the pickler (`pickling.dumps(..., shared=)`), writes each CPU
+tensor's storage and each NumPy array of MIN_BYTES or more into an anonymous memory file (`os.memfd_create`, one
+`Segment` per launch) and leaves in the pickle only where the bytes are. The `Store` keeps what the latest launch
+sent, so that the next launch reuses what did not change. Rank side: `attach` maps each segment MAP_PRIVATE, and
+the rebuild functions below make tensors and arrays of its pages: reads share the kernel's one copy, a write
+copies only the pages written, in that rank alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from ddpnb.core.record import DataSent
+
+MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
+ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own
+KEEP_LAUNCHES = 4  # what the latest launches used is kept for reuse; older data is let go
+MAX_SEGMENTS = 8  # segments the store may hold; beyond it the oldest's blocks are let go (each one is an fd)
+CHUNK = 16 << 20  # bytes compared at a time when checking whether an array changed
+NOTE_BYTES = 100_000_000  # a launch that writes this much says so in the run's output
+
+
+# --- kernel side ---------------------------------------------------------------------------------------------------
+class Segment:
+    """One anonymous memory file, written once, at one launch. It has no name, so nothing can leak: its memory
+    goes when the last fd (the store's, a rank's) and the last mapping of it are gone."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.id = next(Segment._ids)
+        self.fd = os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC)
+        self.size = 0
+        weakref.finalize(self, os.close, self.fd)  # with the last block held in it
+
+    def append(self, data: memoryview) -> int:
+        """Write `data` at the next page; return where."""
+        offset = -(-self.size // ALIGN) * ALIGN
+        written = 0
+        while written < len(data):  # one pwrite moves at most ~2 GiB
+            written += os.pwrite(self.fd, data[written:], offset + written)
+        self.size = offset + len(data)
+        return offset
+
+    def same(self, offset: int, data: memoryview) -> bool:
+        """Whether the bytes at `offset` are `data`, compared a chunk at a time (bytearray compares with memcmp)."""
+        for start in range(0, len(data), CHUNK):
+            part = data[start:start + CHUNK]
+            buffer = bytearray(len(part))
+            if os.preadv(self.fd, [buffer], offset + start) != len(part) or buffer != part:
+                return False
+        return True
+
+
+@dataclass(eq=False)
+class Block:
+    """One tensor storage's or array's bytes in a segment, and the notebook object they were taken from."""
+
+    segment: Segment
+    offset: int
+    nbytes: int
+    source: weakref.ref  # the notebook's storage or array: its death lets the block go
+    version: int | None  # a tensor's version counter when written; None for an array (compared instead)
+    launch: int = 0  # the latest launch that used it
+
+
+class Store:
+    """What the latest launches sent, by the notebook object it came from; the kernel has one."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, Block] = {}
+        self.launches = 0  # launches committed so far
+        self.lock = threading.RLock()  # a storage may die (and `_forget`) in any thread
+
+    def find(self, key: int, source: Any) -> Block | None:
+        with self.lock:
+            block = self.blocks.get(key)
+        return block if block is not None and block.source() is source else None
+
+    def forget(self, key: int, ref: weakref.ref) -> None:
+        with self.lock:
+            if (block := self.blocks.get(key)) is not None and block.source is ref:
+                del self.blocks[key]
+
+    def keep(self, used: dict[int, Block]) -> None:
+        """Hold what a launch used, next to what the KEEP_LAUNCHES before it used (a quick evaluation launch
+        between two training launches must not cost the training data's copy), while the notebook still holds
+        each source. A segment less than half of which is still held, or beyond the MAX_SEGMENTS newest, is let go
+        whole (a later launch writes its blocks anew), so kernel memory stays under twice what those launches sent."""
+        with self.lock:
+            self.launches += 1
+            for block in used.values():
+                block.launch = self.launches
+            blocks = {**self.blocks, **used}
+            live = {key: block for key, block in blocks.items()
+                    if block.source() is not None and block.launch > self.launches - KEEP_LAUNCHES}
+            held: dict[Segment, int] = {}
+            for block in live.values():
+                held[block.segment] = held.get(block.segment, 0) + block.nbytes
+            newest = sorted(held, key=lambda segment: segment.id)[-MAX_SEGMENTS:]
+            self.blocks = {key: block for key, block in live.items()
+                           if block.segment in newest and 2 * held[block.segment] >= block.segment.size}
+
+    def held_bytes(self) -> int:
+        """The memory the store keeps for reuse: every segment it still holds a block in."""
+        with self.lock:
+            return sum(segment.size for segment in {block.segment for block in self.blocks.values()})
+
+
+store = Store()
+
+
+class Shipment:
+    """One launch's data: what the pickler wrote or reused, and the segments the ranks must map."""
+
+    def __init__(self, target: Store | None = None) -> None:
+        self.store = target or store
+        self.used: dict[int, Block] = {}
+        self.segment: Segment | None = None
+        self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `commit`
+        self.written = self.reused = 0
+        self.seconds = 0.0
+
+    # the pickler's hooks: a reduction, or None to pickle the object as usual
+    def reduce_tensor(self, tensor: Any) -> tuple[Any, ...] | None:
+        import torch
+
+        if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
+            copy = tensor.detach().cpu()  # tensor), moved to each rank's own device there (`_from_cuda`)
+            copy = torch.nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
+                else copy.requires_grad_(tensor.requires_grad)
+            self.keepalive.append(copy)
+            return _from_cuda, (copy,)
+        if not _plain_tensor(tensor, torch):
+            return None
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes < MIN_BYTES:
+            return None
+        block = self._block(storage, tensor._version, lambda: _storage_bytes(storage, nbytes))
+        return _rebuild_tensor, (block.segment.id, block.offset, nbytes, tensor.dtype, tensor.storage_offset(),
+                                 tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad,
+                                 type(tensor) is torch.nn.Parameter)
+
+    def reduce_array(self, array: Any) -> tuple[Any, ...] | None:
+        numpy = sys.modules["numpy"]
+        if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
+            return None
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        flat = array.ravel(order="K") if array.flags.forc else numpy.ascontiguousarray(array).ravel()
+        block = self._block(array, None, lambda: memoryview(flat.view(numpy.uint8)))
+        return _rebuild_array, (block.segment.id, block.offset, array.nbytes, array.dtype, array.shape, order)
+
+    def _block(self, source: Any, version: int | None, data: Any) -> Block:
+        key = id(source)
+        block = self.used.get(key)
+        if block is not None and block.source() is source:  # twice in one launch (views of one storage)
+            return block
+        began = time.perf_counter()
+        block = self.store.find(key, source)
+        if block is not None and (block.version == version if version is not None
+                                  else block.segment.same(block.offset, data())):
+            self.reused += block.nbytes
+        else:
+            if self.segment is None:
+                self.segment = Segment()
+            view = data()
+            offset = self.segment.append(view)
+            ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))
+            block = Block(self.segment, offset, len(view), ref, version)
+            self.written += block.nbytes
+        self.seconds += time.perf_counter() - began
+        self.used[key] = block
+        return block
+
+    def fds(self) -> dict[int, int]:
+        """Segment id -> fd, for every segment this launch's pickles refer to."""
+        return {block.segment.id: block.segment.fd for block in self.used.values()}
+
+    def commit(self) -> DataSent:
+        """Every rank has its fds (they are duplicated into a rank as it starts): the store now holds what this
+        launch used, for the next launch; what it used no longer is let go."""
+        sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.used), seconds=self.seconds)
+        self.store.keep(self.used)
+        self.used, self.segment, self.keepalive = {}, None, []
+        self.written = self.reused = 0
+        self.seconds = 0.0
+        return sent
+
+
+def note(sent: DataSent) -> str:
+    """The line a launch that wrote a lot prints, so users see where its time went; else ''."""
+    if sent.written < NOTE_BYTES:
+        return ""
+    reused = f"; {sent.reused / 1e9:.2f} GB reused from earlier launches" if sent.reused else ""
+    return (f"wrote {sent.written / 1e9:.2f} GB of notebook data into shared memory for the ranks in "
+            f"{sent.seconds:.2f} s{reused}; later launches reuse it while it is unchanged")
+
+
+def _plain_tensor(tensor: Any, torch: Any) -> bool:
+    """A dense CPU tensor that pickling would send as storage + offset + size + stride and nothing else."""
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout is torch.strided
+            and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
+            and tensor.grad_fn is None and not tensor.__dict__ and not tensor._backward_hooks
+            and not any(getattr(tensor, "names", None) or ()))
+
+
+def _storage_bytes(storage: Any, nbytes: int) -> memoryview:
+    """The storage's bytes in place (no numpy needed in the kernel); the caller holds the storage meanwhile."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())).cast("B")
+
+
+# --- rank side -----------------------------------------------------------------------------------------------------
+_maps: dict[int, mmap.mmap] = {}  # segment id -> its private mapping
+# (segment, offset) -> the storage rebuilt there, while anything uses it: views share it, and pages a rank wrote
+# go when the rank lets go of its tensors
+_storages: weakref.WeakValueDictionary[tuple[int, int], Any] = weakref.WeakValueDictionary()
+_device: str | None = None  # this rank's device, once set up
+_pending: list[Any] = []  # tensors from notebook CUDA tensors, waiting for the rank's device
+
+
+def attach(fds: dict[int, int]) -> None:
+    """Map every segment this rank was given, copy-on-write, and close its fd (the mapping keeps the file)."""
+    for segment_id, fd in fds.items():
+        size = os.fstat(fd).st_size
+        _maps[segment_id] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+
+
+def set_device(device: str) -> None:
+    """The rank's device is set up: tensors that were CUDA tensors in the notebook move onto it (CPU ranks keep
+    them on the CPU)."""
+    global _device
+    _device = device
+    while _pending:
+        _move(_pending.pop())
+
+
+def _segment(segment_id: int) -> mmap.mmap:
+    try:
+        return _maps[segment_id]
+    except KeyError:
+        raise RuntimeError("ddpnb: notebook data was sent through shared memory this rank was not given; "
+                           "this is a bug in ddpnb, please report it") from None
+
+
+def _rebuild_tensor(segment_id: int, offset: int, nbytes: int, dtype: Any, storage_offset: int,
+                    size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
+    import torch
+
+    key = (segment_id, offset)
+    storage = _storages.get(key)
+    if storage is None:
+        storage = torch.frombuffer(_segment(segment_id), dtype=torch.uint8, count=nbytes,
+                                   offset=offset).untyped_storage()
+        _storages[key] = storage
+    tensor = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _rebuild_array(segment_id: int, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
+    import numpy
+
+    flat = numpy.frombuffer(_segment(segment_id), dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+    return flat.reshape(shape, order=order)
+
+
+def _from_cuda(tensor: Any) -> Any:
+    """A notebook CUDA tensor, sent as a CPU copy: on each GPU rank's own device (never every rank on cuda:0),
+    on the CPU on CPU ranks. Moved in place (`.data`), so it stays the same object, Parameter or not."""
+    if _device is None:  # unpickled before the rank's device is set up (CUDA must not start before that)
+        _pending.append(tensor)
+    else:
+        _move(tensor)
+    return tensor
+
+
+def _move(tensor: Any) -> None:
+    if _device is not None and _device.startswith("cuda"):
+        tensor.data = tensor.data.to(_device)
