@@ -70,7 +70,7 @@ MUTANTS = [
     ),
     Mutant(
         "first-failure-by-time-only", "ddpnb/core/record.py",
-        (("min(self.failures, key=lambda f: (f.knock_on, f.time))", "min(self.failures, key=lambda f: f.time)"),),
+        (("min(failures, key=lambda f: (f.knock_on, f.time))", "min(failures, key=lambda f: f.time)"),),
         (FAULTS + "test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first",),
     ),
     Mutant(
