@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import pytest
@@ -80,6 +83,21 @@ class Kernel:
         self.manager.shutdown_kernel(now=True)
         left = wait_gone(tree, within=10)
         assert not left, f"still running 10 s after the kernel stopped: {[_describe(pid) for pid in left]}"
+
+
+@contextmanager
+def private_runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """DDPNB_RUNS_DIR set to a fresh directory (kernels started meanwhile inherit it), then put back."""
+    path = tmp_path_factory.mktemp("ddpnb-runs")
+    previous = os.environ.get("DDPNB_RUNS_DIR")
+    os.environ["DDPNB_RUNS_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if previous is None:
+            del os.environ["DDPNB_RUNS_DIR"]
+        else:
+            os.environ["DDPNB_RUNS_DIR"] = previous
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import pytest
 import ddpnb
 from ddpnb.core import rundir
 from ddpnb.core.run import Run
-from tests.conftest import PACKAGE_DIR, Execution, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, Execution, Kernel, private_runs_dir, wait_gone
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -49,14 +49,8 @@ KERNEL_DEATH_GRACE = 10.0  # ... and this long after the kernel itself dies
 @pytest.fixture(scope="module", autouse=True)
 def runs_dir(tmp_path_factory):
     """A private runs directory, so this module's retention checks see only its own runs (kernels inherit it)."""
-    path = tmp_path_factory.mktemp("ddpnb-runs")
-    previous = os.environ.get("DDPNB_RUNS_DIR")
-    os.environ["DDPNB_RUNS_DIR"] = str(path)
-    yield path
-    if previous is None:
-        del os.environ["DDPNB_RUNS_DIR"]
-    else:
-        os.environ["DDPNB_RUNS_DIR"] = previous
+    with private_runs_dir(tmp_path_factory) as path:
+        yield path
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h

@@ -22,6 +22,7 @@ import torch
 
 import ddpnb
 from ddpnb.views.dashboard import error_html, header_html, plots_html, summary_html
+from tests.conftest import private_runs_dir
 from tests.test_faults import assert_nothing_left, orphans_come_to_this_process, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,14 +34,8 @@ STEPS, EVERY = 40, 10
 @pytest.fixture(scope="module", autouse=True)
 def runs_dir(tmp_path_factory):
     """A private runs directory, so `resume='last'` sees only this module's runs."""
-    path = tmp_path_factory.mktemp("ddpnb-runs")
-    previous = os.environ.get("DDPNB_RUNS_DIR")
-    os.environ["DDPNB_RUNS_DIR"] = str(path)
-    yield path
-    if previous is None:
-        del os.environ["DDPNB_RUNS_DIR"]
-    else:
-        os.environ["DDPNB_RUNS_DIR"] = previous
+    with private_runs_dir(tmp_path_factory) as path:
+        yield path
 
 
 def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir=""):
