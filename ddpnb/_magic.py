@@ -1,4 +1,5 @@
-"""`%%ddp`: parse flags, define the cell in the notebook, pick its function, hand it to `ddpnb.launch`."""
+"""The magics: `%%ddp` (flags, the cell defined in the notebook, its function handed to `ddpnb.launch`) and the
+session magics (`%ddp_start`, `%%ranks`, `%ddp_restart`, `%ddp_stop`), sugar over `ddpnb.session()`."""
 
 from __future__ import annotations
 
@@ -15,15 +16,44 @@ from ddpnb import _api, _session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.spec import EngineKind, ViewKind
 
+RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
+    argument("--gpus", metavar="N|all",
+             help="one rank per GPU over NCCL: a number or 'all'. Without it, ranks run on CPU over gloo."),
+    argument("-n", "--nprocs", type=int, metavar="N",
+             help=f"number of CPU ranks over gloo when --gpus is not given (default {_api.DEFAULT_CPU_RANKS})."),
+    argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
+    argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
+             help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
+                  "Train (pip install 'ddpnb[ray]')."),
+    argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
+             help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
+                  "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
+                  "run, which 'local' asks for in any case)."),
+    argument("--placement", choices=["pack", "spread"],
+             help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
+    argument("--env", action="append", default=[], metavar="KEY=VALUE",
+             help="set an environment variable in every rank (repeatable)."),
+]
+
+
+def _rank_flags(fn: types.FunctionType) -> types.FunctionType:
+    for decorator in reversed(RANK_FLAGS):
+        fn = decorator(fn)
+    return fn
+
+
+def _check_out_and_timeout(out: str | None, timeout: float | None, example: str) -> None:
+    """-o takes a variable name, --timeout a positive number of seconds (nan too is refused)."""
+    if out is not None and not (out.isidentifier() and not keyword.iskeyword(out)):
+        raise UsageError(f"-o/--out takes a variable name, such as -o {example}, not {out!r}.")
+    if timeout is not None and not timeout > 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}.")
+
 
 @magics_class
 class DDPMagics(Magics):
     @magic_arguments()
-    @argument("--gpus", metavar="N|all",
-              help="one rank per GPU over NCCL: a number or 'all'. Without it, ranks run on CPU over gloo.")
-    @argument("-n", "--nprocs", type=int, metavar="N",
-              help=f"number of CPU ranks over gloo when --gpus is not given (default {_api.DEFAULT_CPU_RANKS}).")
-    @argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend.")
+    @_rank_flags
     @argument("--timeout", type=float, metavar="SECONDS",
               help="stop every rank after this many seconds and show where each one was (default: none).")
     @argument("-o", "--out", metavar="NAME",
@@ -34,15 +64,6 @@ class DDPMagics(Magics):
     @argument("--view", choices=[kind.value for kind in ViewKind],
               help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
                    "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).")
-    @argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
-              help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
-                   "Train (pip install 'ddpnb[ray]').")
-    @argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
-              help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
-                   "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
-                   "run, which 'local' asks for in any case).")
-    @argument("--placement", choices=["pack", "spread"],
-              help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes.")
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a rank fails (an error, a crash, --timeout), stop every rank and start them all again as "
                    "fresh processes, up to N times (default 0); ddpnb.load_checkpoint then continues from the latest "
@@ -54,8 +75,6 @@ class DDPMagics(Magics):
     @argument("--resume", metavar="last|DIR",
               help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
                    "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).")
-    @argument("--env", action="append", default=[], metavar="KEY=VALUE",
-              help="set an environment variable in every rank (repeatable).")
     @argument("--fn", metavar="NAME",
               help="the function to run (default: the function the cell defines that nothing else in it uses).")
     @line_cell_magic
@@ -76,12 +95,9 @@ class DDPMagics(Magics):
         except UsageError as exc:
             raise UsageError(f"{exc}. See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.") from None
         env = dict(_parse_env(item) for item in args.env)
-        if args.timeout is not None and not args.timeout > 0:  # nan too
-            raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout:g}.")
+        _check_out_and_timeout(args.out, args.timeout, "weights")
         if args.nprocs is not None and args.nprocs < 1:
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
-        if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
-            raise UsageError(f"-o/--out takes a variable name, such as -o weights, not {args.out!r}.")
         try:  # fail before the cell defines anything
             _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
             _api.check_options(args.view, args.engine, args.address, args.placement)
@@ -182,24 +198,6 @@ def _parse_env(item: str) -> tuple[str, str]:
     return key, value
 
 
-def _rank_flags(fn: types.FunctionType) -> types.FunctionType:
-    """The flags that say where and how many ranks run, shared by %ddp_start with %%ddp."""
-    for decorator in reversed([
-        argument("--gpus", metavar="N|all", help="one rank per GPU over NCCL: a number or 'all'."),
-        argument("-n", "--nprocs", type=int, metavar="N",
-                 help=f"number of CPU ranks over gloo (default {_api.DEFAULT_CPU_RANKS})."),
-        argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
-        argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
-                 help="'local' (default) or 'ray'."),
-        argument("--address", metavar="ADDRESS", help="with --engine ray: the cluster to use (see %%ddp?)."),
-        argument("--placement", choices=["pack", "spread"], help="with --engine ray: how ranks are placed."),
-        argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                 help="set an environment variable in every rank (repeatable)."),
-    ]):
-        fn = decorator(fn)
-    return fn
-
-
 def parse_ranks(text: str) -> list[int]:
     """'0', '0,2', '1-3', '0,2-3' -> rank numbers."""
     ranks: set[int] = set()
@@ -257,10 +255,7 @@ class SessionMagics(Magics):
                 args = parse_argstring(self.ranks, line)
             except UsageError as exc:
                 raise UsageError(f"{exc}. Example: %%ranks 0,2 -o values") from None
-            if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
-                raise UsageError(f"-o/--out takes a variable name, such as -o values, not {args.out!r}.")
-            if args.timeout is not None and not args.timeout > 0:
-                raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout:g}.")
+            _check_out_and_timeout(args.out, args.timeout, "values")
             code, out, timeout = cell, args.out, args.timeout
             selected = None if args.ranks is None else parse_ranks(args.ranks)
         code = self.shell.transform_cell(code)

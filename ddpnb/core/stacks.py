@@ -55,9 +55,7 @@ def thread_stack(thread_id: int) -> str:
     if frame is None:
         return ""
     frames = traceback.extract_stack(frame)
-    stdlib = os.path.dirname(threading.__file__)
-    user = [i for i, entry in enumerate(frames)
-            if not (is_plumbing(entry.filename) or entry.filename.startswith(stdlib))]
+    user = [i for i, entry in enumerate(frames) if not _library(entry.filename)]
     kept = frames[user[0]:] if user else frames
     return "Stack of the training thread (most recent call last):\n" + "".join(traceback.format_list(kept))
 

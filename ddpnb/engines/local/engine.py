@@ -305,7 +305,8 @@ class LocalEngine:
                 except OSError:  # the rank is gone: its exit tells the run
                     continue
         try:
-            os.write(self._wake_w, b"\0")
+            if self._wake_w >= 0:  # not after the run's end
+                os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the reader has wake-ups pending already
             pass
 
@@ -323,10 +324,9 @@ class LocalEngine:
             end.close()
         self._kernel_ends, self._conns, self._commands = [], {}, []
         for fd in (self._wake_r, self._wake_w):
-            try:
+            if fd >= 0:  # once: a second close() could close a descriptor the number was given to since
                 os.close(fd)
-            except OSError:  # closed by an earlier close()
-                continue
+        self._wake_r = self._wake_w = -1
         for proc in self._procs:
             if proc.exitcode is not None:
                 proc.close()  # its sentinel fds; the record keeps the exit code

@@ -227,6 +227,7 @@ class RayEngine:
     def collect_stacks(self, ranks: list[int]) -> None:
         import ray
 
+        self._stacks.difference_update(ranks)  # a session asks again: wait for the new ones
         self._actor.request.remote("stacks")
         deadline = time.monotonic() + STACK_WAIT
         while time.monotonic() < deadline and not set(ranks) <= self._stacks:
