@@ -37,6 +37,9 @@ def load_ipython_extension(ipython: Any) -> None:
     import atexit
     import sys
 
+    from ddpnb.core.spec import check_platform
+
+    check_platform()  # before anything Linux-only starts (the forkserver's warm-up)
     from ddpnb._magic import DDPMagics, SessionMagics
     from ddpnb.core.run import stop_all_runs
     from ddpnb.engines.local import forkserver

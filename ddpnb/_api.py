@@ -24,6 +24,7 @@ from ddpnb.core.spec import (
     Plan,
     ViewKind,
     WorkerSpec,
+    check_platform,
     local_gpu_count,
 )
 from ddpnb.engines.local import forkserver
@@ -176,6 +177,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
     `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
     global _last_record
+    check_platform()
     if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
     check_restarts(max_restarts, keep_checkpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,13 @@ class CallStyle(Named):
 
 class LaunchError(ValueError):
     """The run cannot start as asked (bad arguments, too many GPUs). Nothing was started."""
+
+
+def check_platform() -> None:
+    """ddpnb needs Linux: its ranks' memory files (`memfd_create`), the kernel's epoll reader and `/proc`."""
+    if not sys.platform.startswith("linux"):
+        raise LaunchError(f"ddpnb runs on Linux only (it uses memory files, epoll and /proc), not on {sys.platform}: "
+                          "run the Jupyter kernel in WSL2, a Linux container or a Linux VM.")
 
 
 @dataclass
