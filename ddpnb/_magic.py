@@ -181,8 +181,7 @@ class DDPMagics(Magics):
                 self.shell.user_ns[args.out] = run
                 return None
             where = self._keep_as_output(run)
-            print(f"[ddpnb] running in the background: its handle is {where} (add -o NAME to name it); "
-                  "ddpnb.runs() lists every live run")
+            print(f"[ddpnb] its handle is {where} (add -o NAME to name it); ddpnb.runs() lists every live run")
             return None
         result = run.result()
         if args.out:  # like `weights = train()`: the value has a name, so the cell shows none

@@ -9,10 +9,12 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from ddpnb._magic import DDPMagics, SessionMagics, did_you_mean, state_dict_summary
 from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord, format_duration
 from ddpnb.views.dashboard import header_html, ranks_html
-from tests.conftest import wait_gone
+from tests.conftest import Kernel, wait_gone
 
 LONG_CELL = '''%%ddp -n 2 --background {out}
 def long_run(rank):
@@ -105,7 +107,7 @@ def test_background_cell_with_o_shows_no_value(kernel):
 def test_background_cell_without_o_says_where_its_handle_is(kernel):
     launched = kernel.execute(LONG_CELL.format(out=""), cell_id="cell-no-o")
     assert launched.error is None and launched.results == []
-    where = re.search(r"its handle is (Out\[\d+\]) \(add -o NAME to name it\)", launched.stdout)
+    where = re.search(r"\[ddpnb\] its handle is (Out\[\d+\]) \(add -o NAME to name it\)", launched.stdout)
     assert where, launched.stdout
     assert where.group(1) == f"Out[{launched.count}]"
     assert _value(kernel, f"{where.group(1)} is ddpnb.runs()[0]")
@@ -126,6 +128,36 @@ def test_result_after_stop_says_stopped_by_the_user_when_and_no_value(kernel):
                      r"value", shown), shown
     assert "Fix the error" not in shown and "failed" not in shown.split("\n")[0]
     assert "Run the cell again to start afresh" in shown
+
+
+@pytest.fixture(scope="module")
+def widget_kernel(tmp_path_factory: pytest.TempPathFactory):
+    kernel = Kernel(env={"DDPNB_VIEW": "widget", "DDPNB_CPU_FALLBACK": "1",
+                         "DDPNB_RUNS_DIR": str(tmp_path_factory.mktemp("first-hour") / "runs")})
+    kernel.execute("%load_ext ddpnb")
+    yield kernel
+    kernel.shutdown()
+
+
+def test_stop_button_then_result_says_stopped_by_the_user_and_the_header_has_the_fallback_note(widget_kernel):
+    launched = widget_kernel.execute(LONG_CELL.format(out="-o clicked").replace("-n 2", "--gpus 2"), timeout=90)
+    assert launched.error is None and "GPU(s) here" not in launched.stderr
+    opened = [msg["content"] for msg in launched.outputs if msg["msg_type"] == "comm_open"]
+    states = [msg["content"]["data"].get("state", {}) for msg in launched.outputs
+              if msg["msg_type"] in ("comm_open", "comm_msg")]
+    headers = [state["value"] for state in states if str(state.get("value")).startswith('<div class="ddpnb-head"')]
+    assert headers and "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo" in headers[0]  # item 8, live
+    stop = [c["comm_id"] for c in opened if c["data"]["state"].get("description") == "Stop"]
+    _wait_running(widget_kernel, "clicked")
+    client = widget_kernel.client
+    client.shell_channel.send(client.session.msg("comm_msg", {
+        "comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}))
+    deadline = time.monotonic() + 120
+    while not _value(widget_kernel, "clicked.done") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    shown = _traceback(widget_kernel.execute("clicked.result()"))
+    assert "ddpnb: run stopped by the user at " in shown and "it has no value" in shown, shown
+    assert "Fix the error" not in shown
 
 
 # --- 7. a SyntaxError in a %%ddp cell -----------------------------------------------------------------------------
@@ -153,7 +185,7 @@ def test_cpu_fallback_note_is_in_the_run_header_not_on_stderr(kernel):
     assert run.error is None and run.results == ["'cpu'"]
     assert "GPU(s) here" not in run.stderr
     header = run.stdout.splitlines()[0]
-    assert header.startswith("[ddpnb] where on 2 ranks, backend gloo, devices cpu (")
+    assert header.startswith("[ddpnb] where on 2 ranks, backend gloo, devices cpu; 0 GPU(s) here")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo (DDPNB_CPU_FALLBACK is set)" in header
     dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo" in dashboard
@@ -231,3 +263,21 @@ def test_metrics_points_have_named_fields():
 def test_outcomes_and_states_print_as_words():
     assert str(Outcome.SUCCEEDED) == "succeeded" and f"{Outcome.TIMED_OUT}" == "timed out"
     assert str(RankState.FAILED) == "failed" and f"{RankState.STOPPED}" == "stopped"
+
+
+TUTORIALS = Path(__file__).parent.parent / "notebooks"
+
+
+@pytest.mark.slow
+def test_quickstart_tutorial_ends_cleanly_without_a_tensor_dump_or_stderr_banner(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("DDPNB_QUICK", "1")
+    nb = nbformat.read(TUTORIALS / "01_quickstart.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+            assert "tensor(" not in text, f"a tensor dump under:\n{cell.source}\n{text[:500]}"
+            assert not (out.get("name") == "stderr" and "GPU(s) here" in text), cell.source

@@ -267,12 +267,12 @@ def cell_names(traceback: str) -> str:
 
 def stopped_line(record: RunRecord) -> str:
     """A stopped run, said as what happened rather than as an error: 'run stopped by the user at 12:01:05, 12 s
-    after it started; it has no value (rank 0 had not returned when the ranks were stopped)'."""
+    after it started; it has no value (the ranks were stopped before every one had returned)'."""
     note = record.note or "stopped"
     said = note if note.startswith("stopped") else f"stopped ({note})"
     at = time.strftime("%H:%M:%S", time.localtime(record.ended or time.time()))
-    return (f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (rank 0 "
-            "had not returned when the ranks were stopped)")
+    return (f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (the "
+            "ranks were stopped before every one had returned)")
 
 
 class WorkerError(RuntimeError):

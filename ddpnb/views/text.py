@@ -28,7 +28,7 @@ class TextView:
         self.restarts_shown = 0  # earlier attempts whose restart line was written
         record = run.record
         devices = ", ".join(sorted({r.device for r in record.ranks}))
-        note = f" ({record.launch_note})" if record.launch_note else ""
+        note = f"; {record.launch_note}" if record.launch_note else ""
         self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
                        f"devices {devices}{note}; logs in {record.run_dir}\n")
         run.subscribe(self.update)
