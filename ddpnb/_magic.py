@@ -142,6 +142,8 @@ class DDPMagics(Magics):
         lists every live run. With -o NAME the cell shows no value (NAME has it); a state dict shows as one line.
         """
         __tracebackhide__ = True  # an error in the cell's own code shows the user's lines, not these
+        key = self._cell_key(line, cell)
+        self._stop_earlier_run(key)  # first, as any cell run again replaces what it did, whatever it does now
         args = _parse(self.ddp, line, "See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.")
         env = dict(_parse_env(item) for item in args.env)
         _check_out_and_timeout(args.out, args.timeout, "weights")
@@ -165,8 +167,6 @@ class DDPMagics(Magics):
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")
         if not callable(fn):
             raise UsageError(f"--fn {name}: {name} is not a function (its type is {type(fn).__name__}).")
-        key = self._cell_key(line, cell)
-        self._stop_earlier_run(key)
         try:
             run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,

@@ -69,6 +69,14 @@ def test_running_a_background_cell_again_stops_its_earlier_run(kernel):
     _stop_all(kernel)
 
 
+def test_running_the_cell_again_stops_its_earlier_run_even_when_the_new_one_cannot_start(kernel):
+    assert kernel.execute(LONG_CELL.format(out="-o job"), cell_id="cell-broken").error is None
+    broken = kernel.execute("%%ddp -n 2 --background -o job\ndef long_run(rank:\n    pass\n", cell_id="cell-broken")
+    assert broken.error["ename"] == "SyntaxError"
+    assert "[ddpnb] stopped the earlier run of this cell" in broken.stdout
+    assert _value(kernel, "[str(job.outcome), ddpnb.runs()]") == ["stopped", []]
+
+
 def test_another_cell_with_the_same_text_keeps_its_own_run(kernel):
     assert kernel.execute(LONG_CELL.format(out="-o one"), cell_id="cell-a").error is None
     other = kernel.execute(LONG_CELL.format(out="-o one"), cell_id="cell-b")
