@@ -33,7 +33,7 @@ from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
 
 __all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "attempt", "check_options", "check_restarts", "device", "last_run",
-           "launch", "log", "plan", "preload", "run", "spawn", "start"]
+           "launch", "log", "plan", "preload", "run", "runs", "spawn", "start"]
 
 VIEW_VAR = "DDPNB_VIEW"
 MAX_LINES_VAR = "DDPNB_MAX_LINES"
@@ -211,8 +211,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
               max_restarts=max_restarts,
               new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
               shared=shipment)
-    if planned.note:
-        print(f"[ddpnb] {planned.note}", file=sys.stderr)
+    run.record.launch_note = planned.note  # the views' headers say it: information, not a warning on stderr
     if resumed:
         print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
               "(ddpnb.load_checkpoint loads it)", file=sys.stderr)
@@ -301,6 +300,12 @@ def preload(*modules: str) -> list[str]:
             raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
         origins[name] = found.origin if found.has_location else None
     return forkserver.preload(origins, busy=lambda: bool(live_runs(EngineKind.LOCAL)))
+
+
+def runs() -> list[Run]:
+    """The runs of this kernel still going, oldest first: the handles of background cells and `launch`es, each
+    with `.stop()`, `.wait()`, `.result()` and a repr that says how it is now."""
+    return live_runs()
 
 
 def last_run() -> RunRecord | None:

@@ -3,17 +3,33 @@ session magics (`%ddp_start`, `%%ranks`, `%ddp_restart`, `%ddp_stop`), sugar ove
 
 from __future__ import annotations
 
+import argparse
 import ast
+import difflib
 import functools
 import keyword
+import sys
+import time
 import types
+import weakref
+from collections.abc import Mapping
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import (
+    MagicHelpFormatter,
+    argument,
+    kwds,
+    magic_arguments,
+    parse_argstring,
+)
+from IPython.utils.process import arg_split
 
 from ddpnb import _api, _session
 from ddpnb.core.pickling import NotPicklableError
+from ddpnb.core.record import Outcome, format_duration
+from ddpnb.core.run import Run
 from ddpnb.core.spec import EngineKind, ViewKind
 
 RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
@@ -42,6 +58,35 @@ def _rank_flags(fn: types.FunctionType) -> types.FunctionType:
     return fn
 
 
+class _Usage(MagicHelpFormatter):
+    """`%%ddp?` starts with 'usage: %%ddp [...]' (IPython's own prefix, '::' and one %, is reStructuredText)."""
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None = "usage: ") -> None:
+        argparse.HelpFormatter.add_usage(self, usage, actions, groups, "usage: ")
+
+
+def _parse(magic: Any, line: str, see: str) -> argparse.Namespace:
+    """The magic's flags; a bad one is a UsageError naming the close match (`--timout` -> `--timeout`) and `see`."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        raise UsageError(f"{exc}{did_you_mean(magic.parser, line)}. {see}") from None
+
+
+def did_you_mean(parser: argparse.ArgumentParser, line: str) -> str:
+    """' (did you mean --timeout?)' for the first flag of `line` the parser does not know, when one is close."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    for token in arg_split(line):
+        flag = token.partition("=")[0]
+        # argparse takes any unambiguous prefix of a flag (--time for --timeout): only the others are unknown
+        if flag.startswith("-") and not flag.lstrip("-").replace(".", "").isdigit() \
+                and not any(option.startswith(flag) for option in known):
+            close = difflib.get_close_matches(flag, known, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def _check_out_and_timeout(out: str | None, timeout: float | None, example: str) -> None:
     """-o takes a variable name, --timeout a positive number of seconds (nan too is refused)."""
     if out is not None and not (out.isidentifier() and not keyword.iskeyword(out)):
@@ -52,7 +97,13 @@ def _check_out_and_timeout(out: str | None, timeout: float | None, example: str)
 
 @magics_class
 class DDPMagics(Magics):
-    @magic_arguments()
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell, **kwargs)
+        # the run each cell started last, by cell (`_cell_key`): running the cell again stops it first
+        self._cell_runs: weakref.WeakValueDictionary[tuple[str, ...], Run] = weakref.WeakValueDictionary()
+
+    @magic_arguments("%%ddp")
+    @kwds(formatter_class=_Usage)
     @_rank_flags
     @argument("--timeout", type=float, metavar="SECONDS",
               help="stop every rank after this many seconds and show where each one was (default: none).")
@@ -80,20 +131,20 @@ class DDPMagics(Magics):
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> object:
         """Run the cell's function on every rank in fresh worker processes; show their output; return rank 0's
-        result.
+        result. The line form, `%ddp --fn NAME [flags]`, runs a function defined earlier.
 
         The cell runs in the notebook first, like any cell, so what it defines stays available; its function
         (the one nothing else in the cell uses, or --fn NAME) is then called on every rank as fn(), fn(rank) or
         fn(rank, world_size), with the process group already initialised. Set DDPNB_CPU_FALLBACK=1 to run
         --gpus notebooks on CPU ranks where there are not enough GPUs. In Jupyter the run shows as a live
         dashboard (DDPNB_VIEW=text or --view text for plain `[rank N]` lines); --background returns its handle
-        at once.
+        at once. Running a cell again first stops the run it started earlier, if that is still going; ddpnb.runs()
+        lists every live run. With -o NAME the cell shows no value (NAME has it); a state dict shows as one line.
         """
         __tracebackhide__ = True  # an error in the cell's own code shows the user's lines, not these
-        try:
-            args = parse_argstring(self.ddp, line)
-        except UsageError as exc:
-            raise UsageError(f"{exc}. See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.") from None
+        key = self._cell_key(line, cell)
+        self._stop_earlier_run(key)  # first, as any cell run again replaces what it did, whatever it does now
+        args = _parse(self.ddp, line, "See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.")
         env = dict(_parse_env(item) for item in args.env)
         _check_out_and_timeout(args.out, args.timeout, "weights")
         if args.nprocs is not None and args.nprocs < 1:
@@ -106,7 +157,10 @@ class DDPMagics(Magics):
             raise UsageError(str(exc)) from None
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
-        found = self._run_cell(cell, pick=not args.fn) if cell else None
+        try:
+            found = self._run_cell(cell, pick=not args.fn) if cell else None
+        except _SyntaxShown:
+            return None
         name = args.fn or found
         fn = self.shell.user_ns.get(name)
         if fn is None:
@@ -121,14 +175,49 @@ class DDPMagics(Magics):
                              keep_checkpoints=args.keep_checkpoints, resume=args.resume)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
+        self._cell_runs[key] = run
         if args.background:
             if args.out:
                 self.shell.user_ns[args.out] = run
-            return run
+                return None
+            where = self._keep_as_output(run)
+            print(f"[ddpnb] its handle is {where} (add -o NAME to name it); ddpnb.runs() lists every live run")
+            return None
         result = run.result()
-        if args.out:
+        if args.out:  # like `weights = train()`: the value has a name, so the cell shows none
             self.shell.user_ns[args.out] = result
+            return None
+        summary = state_dict_summary(result)
+        if summary is not None:  # not ~60 lines of tensors: one line, and the dict itself as the cell's value
+            from IPython.display import display
+
+            display({"text/plain": f"{summary} (the dict is {self._keep_as_output(result)})"}, raw=True)
+            return None
         return result
+
+    def _cell_key(self, line: str, cell: str | None) -> tuple[str, ...]:
+        """Which cell this is, so that running it again stops its earlier run: the front end's cell ID where it
+        sends one (JupyterLab, Notebook 7, VS Code: the cell stays the same cell when edited), else its text."""
+        info = getattr(getattr(self.shell.displayhook, "exec_result", None), "info", None)
+        cell_id = getattr(info, "cell_id", None)
+        if cell_id:
+            return ("id", cell_id) if cell is not None else ("id", cell_id, line)  # two %ddp lines: two runs
+        return ("text", line, cell or "")
+
+    def _stop_earlier_run(self, key: tuple[str, ...]) -> None:
+        earlier = self._cell_runs.pop(key, None)
+        if earlier is None or earlier.done:
+            return
+        started = earlier.record.started
+        earlier.stop(Outcome.STOPPED, "stopped because its cell was run again")
+        print(f"[ddpnb] stopped the earlier run of this cell (started {format_duration(time.time() - started)} "
+              "ago)")
+
+    def _keep_as_output(self, value: object) -> str:
+        """Make `value` the cell's value (`_`, `Out[N]`) without displaying it; say where it is."""
+        hook = self.shell.displayhook
+        hook.update_user_ns(value)
+        return f"Out[{hook.prompt_count}]" if hook.do_full_cache else "`_`"
 
     def _run_cell(self, cell: str, pick: bool) -> str | None:
         """Run the cell's code in the notebook, as a cell of its own would run (IPython's `!cmd` and `%magic`
@@ -136,7 +225,14 @@ class DDPMagics(Magics):
         __tracebackhide__ = True
         cell = self.shell.transform_cell(cell)
         filename = self.shell.compile.cache(cell, self._cell_number())
-        tree = ast.parse(cell, filename)  # a SyntaxError shows its line, as any cell's would
+        try:
+            tree = ast.parse(cell, filename)
+        except SyntaxError as exc:  # shown as a plain cell shows one: its line, no frames of IPython or ddpnb
+            self.shell.showsyntaxerror(filename)
+            building = getattr(self.shell.displayhook, "exec_result", None)
+            if building is not None:  # ... and the cell still counts as failed (Run All stops here)
+                building.error_in_exec = exc
+            raise _SyntaxShown from None
         if pick and not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign)
                             for node in tree.body):
             raise UsageError(NO_FUNCTION)  # before the cell runs: nothing it does happens twice
@@ -153,6 +249,39 @@ def _cell_number(shell: object) -> int:
     building = getattr(shell.displayhook, "exec_result", None)  # type: ignore[attr-defined]
     count = getattr(building, "execution_count", None)
     return count if isinstance(count, int) else shell.execution_count  # type: ignore[attr-defined]
+
+
+class _SyntaxShown(Exception):
+    """The cell's SyntaxError was shown already: `%%ddp` ends without another word."""
+
+
+def state_dict_summary(value: object) -> str | None:
+    """'state dict: 62 tensors, 11.2 M parameters (float32), 44.7 MB' for a non-empty mapping whose values are
+    all tensors (a model's state_dict()); None for any other value."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, Mapping) or not value \
+            or not all(isinstance(tensor, torch.Tensor) for tensor in value.values()):
+        return None
+    tensors = list(value.values())
+    count = sum(tensor.numel() for tensor in tensors)
+    size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    dtypes = ", ".join(sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}))
+    return (f"state dict: {len(tensors)} tensor{'s' * (len(tensors) != 1)}, {_count(count)} parameters ({dtypes}), "
+            f"{_size(size)}")
+
+
+def _count(number: int) -> str:
+    for limit, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if number >= limit:
+            return f"{number / limit:.1f} {unit}"
+    return str(number)
+
+
+def _size(size: int) -> str:
+    for limit, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if size >= limit:
+            return f"{size / limit:.1f} {unit}"
+    return f"{size} bytes"
 
 
 NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"
@@ -216,17 +345,15 @@ def parse_ranks(text: str) -> list[int]:
 class SessionMagics(Magics):
     """%ddp_start, %%ranks / %ranks, %ddp_restart and %ddp_stop: sugar over `ddpnb.session()`."""
 
-    @magic_arguments()
+    @magic_arguments("%ddp_start")
+    @kwds(formatter_class=_Usage)
     @_rank_flags
     @line_magic
     def ddp_start(self, line: str) -> None:
         """Start ranks that keep their state across cells: `%%ranks` cells then run on every rank, in each rank's
         own namespace (`rank`, `world_size` and `ddpnb` defined, the process group up). One session per kernel;
         `%%ddp` cells keep starting fresh ranks of their own."""
-        try:
-            args = parse_argstring(self.ddp_start, line)
-        except UsageError as exc:
-            raise UsageError(f"{exc}. See %ddp_start? for every flag, e.g. %ddp_start -n 2.") from None
+        args = _parse(self.ddp_start, line, "See %ddp_start? for every flag, e.g. %ddp_start -n 2.")
         env = dict(_parse_env(item) for item in args.env)
         try:
             _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
@@ -234,7 +361,8 @@ class SessionMagics(Magics):
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
 
-    @magic_arguments()
+    @magic_arguments("%%ranks")
+    @kwds(formatter_class=_Usage)
     @argument("ranks", nargs="?", default=None, help="the ranks to run on: 0, 0,2 or 1-3 (default: every rank).")
     @argument("-o", "--out", metavar="NAME", help="also bind the per-rank values to NAME in the notebook.")
     @argument("--timeout", type=float, metavar="SECONDS",
@@ -251,10 +379,7 @@ class SessionMagics(Magics):
         if cell is None:  # the line form: the whole line is the expression, on every rank
             code, selected, out, timeout = line, None, None, None
         else:
-            try:
-                args = parse_argstring(self.ranks, line)
-            except UsageError as exc:
-                raise UsageError(f"{exc}. Example: %%ranks 0,2 -o values") from None
+            args = _parse(self.ranks, line, "Example: %%ranks 0,2 -o values")
             _check_out_and_timeout(args.out, args.timeout, "values")
             code, out, timeout = cell, args.out, args.timeout
             selected = None if args.ranks is None else parse_ranks(args.ranks)

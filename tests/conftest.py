@@ -44,8 +44,16 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def execute(self, code: str, timeout: float = 120) -> Execution:
-        msg_id = self.client.execute(code)
+    def execute(self, code: str, timeout: float = 120, cell_id: str | None = None) -> Execution:
+        """`cell_id`: the cell's ID in the request's metadata, as JupyterLab sends it (jupyter_client does not)."""
+        if cell_id is None:
+            msg_id = self.client.execute(code)
+        else:
+            request = self.client.session.msg("execute_request", {
+                "code": code, "silent": False, "store_history": True, "user_expressions": {},
+                "allow_stdin": False, "stop_on_error": True}, metadata={"cellId": cell_id})
+            self.client.shell_channel.send(request)
+            msg_id = request["header"]["msg_id"]
         result = Execution()
         deadline = time.monotonic() + timeout
         while True:

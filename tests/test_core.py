@@ -172,8 +172,9 @@ def test_run_record_keeps_exit_codes_durations_metrics_and_logs():
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
     assert record.exit_codes == {0: 0, 1: 0}
     assert all(r.state is ddpnb.RankState.FINISHED and r.duration > 0 for r in record.ranks)
-    assert record.metrics("loss", rank=1) == [(s, 1.0 / (s + 1)) for s in range(5)]
-    assert record.metrics("rank_value", rank=1)[-1] == (4, 1.0)
+    assert [(p.step, p.value) for p in record.metrics("loss", rank=1)] == [(s, 1.0 / (s + 1)) for s in range(5)]
+    last = record.metrics("rank_value", rank=1)[-1]
+    assert (last.step, last.value) == (4, 1.0) and record.started <= last.time <= record.ended
     assert all(r.log_path.exists() for r in record.ranks)
 
 

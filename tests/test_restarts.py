@@ -143,7 +143,7 @@ def test_a_failed_rank_restarts_the_group_from_the_last_checkpoint(how, uninterr
     for rank in (0, 1):  # each attempt's own logs; attempt 0's ends with how the rank ended
         assert f"\n[ddpnb] rank {rank} " in (record.run_dir / f"rank{rank}.attempt0.log").read_text()
     assert f"\n[ddpnb] rank 1 failed: {cause}" in (record.run_dir / "rank1.attempt0.log").read_text()
-    assert [step for step, _ in record.metrics("loss", attempt=1)] == list(range(20, STEPS))
+    assert [point.step for point in record.metrics("loss", attempt=1)] == list(range(20, STEPS))
     shown = capsys.readouterr().out
     restart_line = next(line for line in shown.splitlines() if line.startswith("[ddpnb] attempt 0 failed"))
     assert cause in restart_line and "restart 1 of 1" in restart_line

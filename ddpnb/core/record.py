@@ -26,7 +26,35 @@ class OutputLine(NamedTuple):
     text: str
 
 
-class RankState(enum.Enum):
+class Point(NamedTuple):
+    """One logged value of a metric (`RunRecord.metrics`): the step given to `ddpnb.log` (or None), when the rank
+    logged it (`time.time()`), and the value."""
+
+    step: int | None
+    time: float
+    value: float
+
+
+def format_duration(seconds: float) -> str:
+    """How long something took, one way in every view: '0.4 s', '12 s', '4 min 05 s', '1 h 02 min'."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
+
+
+class _Worded(enum.Enum):
+    """States and outcomes print as their words: `str(Outcome.TIMED_OUT)` is 'timed out'."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RankState(_Worded):
     STARTING = "starting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -34,7 +62,7 @@ class RankState(enum.Enum):
     STOPPED = "stopped"  # ended by ddpnb because of another rank, a timeout, an interrupt or stop()
 
 
-class Outcome(enum.Enum):
+class Outcome(_Worded):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -100,7 +128,7 @@ class RankRecord:
     node: str = ""  # Ray: the ID of the node the rank runs on
     stack: str = ""  # Python stacks dumped at a stall (timeout)
     stalled_state: RankState | None = None  # the rank's state when its stack was dumped
-    metrics: dict[str, list[tuple[int | None, float, float]]] = field(default_factory=dict)
+    metrics: dict[str, list[Point]] = field(default_factory=dict)
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
 
@@ -184,6 +212,7 @@ class RunRecord:
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
     data: DataSent | None = None  # notebook data sent through shared memory (local engine)
+    launch_note: str = ""  # how the request was read (a CPU fallback), said in every view's header
 
     @property
     def first_failure(self) -> Failure | None:
@@ -198,20 +227,21 @@ class RunRecord:
     def duration(self) -> float:
         return (self.ended or time.time()) - self.started
 
-    def metrics(self, name: str, rank: int = 0, attempt: int | None = None) -> list[tuple[int | None, float]]:
-        """(step, value) pairs logged with `ddpnb.log(name=...)` on one rank: those of one attempt, or of every
-        attempt in turn (after a restart the steps since the checkpoint it loaded come again)."""
+    def metrics(self, name: str, rank: int = 0, attempt: int | None = None) -> list[Point]:
+        """The values logged with `ddpnb.log(name=...)` on one rank, as `Point(step, time, value)`: those of one
+        attempt, or of every attempt in turn (after a restart the steps since the checkpoint it loaded come
+        again)."""
         records = [*(a.ranks[rank] for a in self.attempts), self.ranks[rank]]
         if attempt is not None:
             records = records[attempt:attempt + 1]
-        return [(step, value) for record in records for step, _, value in record.metrics.get(name, [])]
+        return [point for record in records for point in record.metrics.get(name, [])]
 
     def summary_table(self) -> str:
-        rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>7}  last line"]
+        rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  last line"]
         for r in self.ranks:
             rows.append(
                 f"{r.rank:>4}  {r.state.value:<9} {describe_exit(r.exitcode):<22} "
-                f"{r.duration:>6.1f}s  {r.last_line[:60]}"
+                f"{format_duration(r.duration):>10}  {r.last_line[:60]}"
             )
         return "\n".join(rows)
 
@@ -235,6 +265,16 @@ def cell_names(traceback: str) -> str:
     return re.sub(r'File "([^"]+)", line (\d+)', cell, traceback)
 
 
+def stopped_line(record: RunRecord) -> str:
+    """A stopped run, said as what happened rather than as an error: 'run stopped by the user at 12:01:05, 12 s
+    after it started; it has no value (the ranks were stopped before every one had returned)'."""
+    note = record.note or "stopped"
+    said = note if note.startswith("stopped") else f"stopped ({note})"
+    at = time.strftime("%H:%M:%S", time.localtime(record.ended or time.time()))
+    return (f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (the "
+            "ranks were stopped before every one had returned)")
+
+
 class WorkerError(RuntimeError):
     """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack."""
 
@@ -246,6 +286,7 @@ class WorkerError(RuntimeError):
         headline = (
             f"rank {first.rank} failed first: {first.summary}"
             if first
+            else stopped_line(record) if record.outcome is Outcome.STOPPED
             else f"run {record.outcome.value}: {record.note}"
         )
         if record.attempts:  # every attempt's first failure, the last one's first
@@ -272,6 +313,8 @@ class WorkerError(RuntimeError):
             if len(own) < len(others):
                 parts.append("\nthen, as a consequence:")
                 parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others if f.knock_on)
+        elif record.outcome is Outcome.STOPPED:
+            parts.append(f"ddpnb: {stopped_line(record)}.")
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
         if record.attempts:
@@ -306,7 +349,7 @@ class RunInterrupted(KeyboardInterrupt):
         self.record = record
         self.starting = starting  # before every rank had started: nothing ran, nothing is kept
         super().__init__("ddpnb: interrupted while the ranks were starting; none is running" if starting else
-                         f"ddpnb: run interrupted after {record.duration:.1f} s; every rank was stopped")
+                         f"ddpnb: run interrupted after {format_duration(record.duration)}; every rank was stopped")
 
     def report(self) -> str:
         if self.starting:

@@ -32,12 +32,14 @@ from ddpnb.core.record import (
     Failure,
     Outcome,
     OutputLine,
+    Point,
     RankRecord,
     RankState,
     RunInterrupted,
     RunRecord,
     WorkerError,
     describe_exit,
+    format_duration,
     is_knock_on,
 )
 from ddpnb.core.shared import Shipment
@@ -143,7 +145,7 @@ class Run:
         """One line: the outcome so far, the time, and each rank's state."""
         record = self.record
         ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
-        return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks})"
+        return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks})"
 
     @property
     def nodes(self) -> dict[int, str]:
@@ -151,8 +153,9 @@ class Run:
         return {r.rank: r.node for r in self.record.ranks if r.node}
 
     def __repr__(self) -> str:
-        return (f"<ddpnb run of {self.record.world_size} ranks ({self.record.backend}): {self.status}; "
-                f".wait() .result() .stop()>")
+        record = self.record  # read when shown, so a handle displayed again later says how the run is now
+        return (f"<ddpnb run of {record.function or 'a function'} on {record.world_size} ranks ({record.backend}): "
+                f"{self.status}; .wait() .result() .stop()>")
 
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
@@ -261,7 +264,7 @@ class Run:
         self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
         if isinstance(message, msg.Metric):
             for name, value in message.values.items():
-                record.metrics.setdefault(name, []).append((message.step, message.time, value))
+                record.metrics.setdefault(name, []).append(Point(message.step, message.time, value))
         elif isinstance(message, msg.Output):
             self.output(rank, Stream(message.stream), message.data)
         elif isinstance(message, msg.Progress):
@@ -554,6 +557,8 @@ def _next_step(record: RunRecord) -> str:
         return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
     if record.outcome is Outcome.INTERRUPTED:
         return "Every rank was stopped; run the cell again when ready."
+    if record.outcome is Outcome.STOPPED:
+        return "Run the cell again to start afresh; the kernel and its variables are unchanged."
     first = record.first_failure
     if first and first.summary.startswith("killed by"):
         return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
@@ -576,8 +581,9 @@ def _preload_hint(imported: msg.Imported) -> str:
 
 
 def live_runs(kind: EngineKind | None = None) -> list[Run]:
-    """The runs of this kernel still going (of one engine)."""
-    return [run for run in list(_live_runs) if kind is None or run.engine.kind is kind]
+    """The runs of this kernel still going (of one engine), oldest first."""
+    return sorted((run for run in list(_live_runs) if kind is None or run.engine.kind is kind),
+                  key=lambda run: run.record.started)
 
 
 def stop_all_runs() -> None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit
+from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit, format_duration
 from ddpnb.core.run import TICK, Run
 from ddpnb.core.spec import Stream
 
@@ -136,20 +136,12 @@ def _devices(record: RunRecord) -> str:
     return f"{len(devices)} × {'/'.join(kinds)}"
 
 
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
 def header_html(record: RunRecord) -> str:
     attempt = [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"] \
         if record.max_restarts else []
+    note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
-                       _devices(record), *attempt, _duration(record.duration)])
+                       _devices(record), *note, *attempt, format_duration(record.duration)])
     return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), _RUN_COLOURS[record.outcome])}'
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
@@ -201,7 +193,7 @@ def ranks_html(record: RunRecord) -> str:
             f'<td><span class="ddpnb-swatch" style="background:{_rank_colour(rank.rank)}"></span>{rank.rank}</td>'
             f'<td style="color:{colour};font-weight:600">{html.escape(state)}</td>'
             f'<td>{html.escape(rank.device)}</td><td class="ddpnb-mono">{rank.pid or "–"}</td>'
-            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank)}</td><td>{_duration(rank.duration)}</td>'
+            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank)}</td><td>{format_duration(rank.duration)}</td>'
             f'<td class="ddpnb-last"><div class="ddpnb-mono" title="{html.escape(last)}">{html.escape(last[:160])}'
             f'</div></td></tr>')
     rows.append("</tbody></table>")
@@ -441,7 +433,7 @@ def summary_html(record: RunRecord, lines: Sequence[OutputLine]) -> str:
 
 
 def summary_text(record: RunRecord) -> str:
-    text = f"[ddpnb] run {record.outcome.value} in {record.duration:.1f} s\n{record.summary_table()}"
+    text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{record.summary_table()}"
     return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, OutputLine
+from ddpnb.core.record import Attempt, Outcome, OutputLine, format_duration
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 
@@ -28,8 +28,9 @@ class TextView:
         self.restarts_shown = 0  # earlier attempts whose restart line was written
         record = run.record
         devices = ", ".join(sorted({r.device for r in record.ranks}))
+        note = f"; {record.launch_note}" if record.launch_note else ""
         self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
-                       f"devices {devices}; logs in {record.run_dir}\n")
+                       f"devices {devices}{note}; logs in {record.run_dir}\n")
         run.subscribe(self.update)
 
     def update(self) -> None:
@@ -76,7 +77,7 @@ class TextView:
             self.out.write(f"[ddpnb] {self.skipped} lines not shown here (limit {self.max_lines}, "
                            f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n")
         again = f" after {record.attempt} restart{'s' if record.attempt > 1 else ''}" if record.attempt else ""
-        self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {record.duration:.1f} s\n")
+        self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {format_duration(record.duration)}\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
             self.out.write(record.summary_table() + "\n")
         if record.hint:
