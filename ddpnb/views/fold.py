@@ -6,6 +6,7 @@ Shared by the text view, the dashboard's all-ranks log and a session's output. P
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -51,12 +52,22 @@ def single(line: OutputLine) -> FoldedLine:
     return FoldedLine(line.seq, [line.rank], line.stream, line.text)
 
 
+class _Same:
+    """The pending lines of one text, oldest first, and for each rank the first of them it may still join: a rank
+    joins the oldest open line it is not in, so the lines it is in come before that one."""
+
+    def __init__(self) -> None:
+        self.lines: deque[FoldedLine] = deque()
+        self.first = 0  # the number of lines[0] among every line of this text so far
+        self.next_for: dict[int, int] = {}  # rank -> the number of the first line it is not in
+
+
 class Folder:
     """Folds identical lines from different ranks that arrive within `window` seconds of the first.
 
     A line is released once its window has closed, or at once when every rank has printed it; lines come out in
-    the order of their first printing. A rank printing the same text twice starts a second line (a loop that
-    prints the same text each step is not folded into one). `enabled=False` passes every line straight through.
+    the order of their first printing. A rank printing the same text twice makes two lines, each joined by the
+    other ranks' copies in turn. `enabled=False` passes every line straight through.
     """
 
     def __init__(self, world_size: int, window: float = FOLD_WINDOW, enabled: bool = True) -> None:
@@ -64,22 +75,27 @@ class Folder:
         self.window = window
         self.enabled = enabled and world_size > 1
         self._pending: list[FoldedLine] = []  # in order of first printing
-        self._open: dict[tuple[Stream, str], list[FoldedLine]] = {}  # the pending lines of each text, oldest first
+        self._open: dict[tuple[Stream, str], _Same] = {}
 
     def add(self, lines: Iterable[OutputLine], now: float) -> list[FoldedLine]:
         """Take new lines (arrived at `now`, a monotonic time); return the lines ready to show."""
         if not self.enabled:
             return [single(line) for line in lines]
         for line in lines:
-            same = self._open.setdefault((line.stream, line.text), [])
-            joined = next((folded for folded in same if line.rank not in folded.ranks
-                           and now - folded.opened < self.window), None)
-            if joined is not None:
-                joined.ranks.append(line.rank)
+            same = self._open.get((line.stream, line.text))
+            if same is None:
+                same = self._open[(line.stream, line.text)] = _Same()
+            number = max(same.next_for.get(line.rank, 0), same.first)
+            while number - same.first < len(same.lines) and now - same.lines[number - same.first].opened >= self.window:
+                number += 1  # closed: too late to join
+            if number - same.first < len(same.lines):
+                same.lines[number - same.first].ranks.append(line.rank)
             else:
                 folded = FoldedLine(line.seq, [line.rank], line.stream, line.text, now)
-                same.append(folded)
+                same.lines.append(folded)
                 self._pending.append(folded)
+                number = same.first + len(same.lines) - 1
+            same.next_for[line.rank] = number + 1
         return self.ready(now)
 
     def ready(self, now: float) -> list[FoldedLine]:
@@ -97,10 +113,12 @@ class Folder:
 
     def _release(self, count: int) -> list[FoldedLine]:
         released, self._pending = self._pending[:count], self._pending[count:]
-        for folded in released:
+        for folded in released:  # a text's lines are released in their order: each is its text's oldest
             key = (folded.stream, folded.text)
-            self._open[key].remove(folded)
-            if not self._open[key]:
+            same = self._open[key]
+            same.lines.popleft()
+            same.first += 1
+            if not same.lines:
                 del self._open[key]
             folded.ranks.sort()
         return released
