@@ -108,6 +108,19 @@ def test_a_folded_line_in_the_log_panel_names_every_rank():
     assert "[rank 3]" in dashboard.line_html(3, Stream.STDOUT, "mine")
 
 
+def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
+    record = _record(4)
+    for rank in record.ranks:
+        rank.lines = 2
+    folder = Folder(4)
+    lines = folder.add([_line(rank + 1, rank, "epoch 1 done") for rank in range(4)], now=0.0)
+    lines += folder.add([_line(5, 2, "rank 2 only")], now=0.0) + folder.flush()
+    html = dashboard.summary_html(record, lines)
+    assert "[ranks 0-3]</span><span class=\"ddpnb-text\">epoch 1 done" in html
+    assert "[rank 2]</span><span class=\"ddpnb-text\">rank 2 only" in html
+    assert "last 5 of 8 lines" in html  # the folded line stands for four printed lines
+
+
 @pytest.mark.parametrize("world_size, band", [(7, False), (8, True), (32, True)])
 def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_size, band):
     record = _record(world_size)

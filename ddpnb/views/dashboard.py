@@ -409,6 +409,11 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
             f'{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
 
+def _printed(lines: Iterable[OutputLine | FoldedLine]) -> int:
+    """How many printed lines these are: a folded line is one per rank that printed it."""
+    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
+
+
 def _any_line_html(line: OutputLine | FoldedLine) -> str:
     ranks = line.ranks if isinstance(line, FoldedLine) else ()
     return line_html(line.rank, line.stream, line.text, ranks)
@@ -460,7 +465,7 @@ def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine]) ->
     latest lines, folded or not."""
     tail = lines[-SUMMARY_LOG_LINES:]
     total = sum(r.lines for r in record.ranks)
-    note = (f"last {len(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
+    note = (f"last {_printed(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
             else f"no output · logs in {_log_location(record)}")
     logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
             f'</summary>{log_html((_any_line_html(line) for line in tail), note)}</details>')
@@ -608,7 +613,7 @@ class Dashboard:
             lines = self._per_rank[rank]
             total = sum(ranks[rank].lines for ranks in [*(a.ranks for a in record.attempts), record.ranks])
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
-        shown = len(lines)
+        shown = _printed(line for line, _ in lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
                 else f"{total:,} lines · also in {where}")
         return log_html((html_line for _, html_line in lines), note)
