@@ -290,17 +290,12 @@ def logged(rank):
 @pytest.mark.slow
 def test_tensorboard_flag_writes_every_ranks_points_that_tensorboard_reads_back(text_kernel, tmp_path):
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
-
     run = text_kernel.execute(TENSORBOARD_CELL.format(directory=tmp_path / "tb"), timeout=240)
     assert run.error is None, run.text
     (run_dir,) = (tmp_path / "tb").iterdir()  # one run: DIR/<run name>
     assert sorted(path.name for path in run_dir.iterdir()) == ["rank0", "rank1", "rank2"]
-    for rank in range(3):
-        reader = EventAccumulator(str(run_dir / f"rank{rank}"))
-        reader.Reload()
-        points = [(event.step, float(tensor_util.make_ndarray(event.tensor_proto))) for event in reader.Tensors("loss")]
+    for rank in range(3):  # read by TensorBoard's own reader (EventAccumulator)
+        points = _tensorboard_points(run_dir / f"rank{rank}", "loss")
         assert points == [(step, pytest.approx(1.0 / (step + 1) + rank)) for step in range(6)], points
 
 
@@ -341,3 +336,51 @@ def test_numpy_is_a_dependency_and_the_metrics_extras_are_in_the_test_extra():
     extras = project["optional-dependencies"]
     assert extras["tensorboard"] == ["tensorboard>=2.14"] and any(dep.startswith("pandas") for dep in extras["pandas"])
     assert any("tensorboard" in dep and "pandas" in dep for dep in extras["test"] if dep.startswith("ddpnb["))
+
+
+def _logs_then_waits(rank, marker):
+    import os
+    import time
+
+    import ddpnb
+
+    for step in range(3):
+        ddpnb.log(step=step, loss=float(step))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker) and time.monotonic() < deadline:  # until the test has read the points
+        time.sleep(0.05)
+    return rank
+
+
+def _tensorboard_points(path: Path, name: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not path.exists():
+        return []
+    reader = EventAccumulator(str(path))
+    reader.Reload()
+    if name not in reader.Tags()["scalars"]:
+        return []
+    return [(event.step, event.value) for event in reader.Scalars(name)]
+
+
+@pytest.mark.slow
+def test_tensorboard_files_fill_while_the_run_goes(tmp_path):
+    pytest.importorskip("tensorboard")
+    import time
+
+    marker = tmp_path / "read"
+    run = ddpnb.launch(_logs_then_waits, nprocs=2, view="none", args=(str(marker),), tensorboard=tmp_path / "tb")
+    try:
+        files = tmp_path / "tb" / run.record.run_dir.name
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(len(_tensorboard_points(files / f"rank{rank}", "loss")) < 3
+                                                  for rank in (0, 1)):
+            time.sleep(0.2)
+        assert not run.done  # read back while the ranks still run
+        for rank in (0, 1):
+            assert _tensorboard_points(files / f"rank{rank}", "loss") == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    finally:
+        marker.touch()
+        run.wait(60)
+    assert run.outcome is ddpnb.Outcome.SUCCEEDED
