@@ -384,3 +384,24 @@ def test_tensorboard_files_fill_while_the_run_goes(tmp_path):
         marker.touch()
         run.wait(60)
     assert run.outcome is ddpnb.Outcome.SUCCEEDED
+
+
+def _fails_in_the_first_attempt(rank):
+    import ddpnb
+
+    attempt = ddpnb.attempt()
+    for step in range(2):
+        ddpnb.log(step=step, loss=float(attempt))
+    if attempt == 0 and rank == 1:
+        raise ValueError("fails once")
+    return rank
+
+
+@pytest.mark.slow
+def test_tensorboard_writes_each_attempt_of_a_restarted_run_as_its_own_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    ddpnb.run(_fails_in_the_first_attempt, nprocs=2, max_restarts=1, view="none", tensorboard=tmp_path)
+    files = tmp_path / ddpnb.last_run().run_dir.name
+    assert _tensorboard_points(files / "rank1.attempt0", "loss") == [(0, 0.0), (1, 0.0)]
+    for rank in (0, 1):
+        assert _tensorboard_points(files / f"rank{rank}.attempt1", "loss") == [(0, 1.0), (1, 1.0)]

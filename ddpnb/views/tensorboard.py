@@ -45,15 +45,15 @@ def check(directory: str | os.PathLike[str]) -> Path:
 
 
 class TensorBoardWriter:
-    """Writes `run`'s metrics under `directory/<run name>/rank<N>` as they arrive, every attempt's into its rank's
-    file (after a restart the steps since the checkpoint come again, and TensorBoard keeps the newer ones).
-    A point logged without a step gets its index in its series."""
+    """Writes `run`'s metrics under `directory/<run name>/rank<N>` as they arrive; with restarts allowed, each
+    attempt in `rank<N>.attempt<K>`, as its logs are named (the steps since the checkpoint come again). A point
+    logged without a step gets its index in its series."""
 
     def __init__(self, run: Run, directory: Path) -> None:
         self.run: Run | None = run
         self.record = run.record
         self.directory = directory / run.record.run_dir.name
-        self._writers: dict[int, Any] = {}  # rank -> its EventFileWriter
+        self._writers: dict[tuple[int, int], Any] = {}  # (attempt, rank) -> its EventFileWriter
         self._written: dict[tuple[int, int, str], int] = {}  # (attempt, rank, name) -> points written
         self._lock = threading.RLock()  # TensorBoard's writer is not thread-safe: its thread, and wait()'s
         self._closed = False
@@ -118,13 +118,14 @@ class TensorBoardWriter:
             from tensorboard.compat.proto.event_pb2 import Event
             from tensorboard.compat.proto.summary_pb2 import Summary
 
-            writer = self._writers.get(rank.rank)
+            writer = self._writers.get((attempt, rank.rank))
             if writer is None:
                 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+                subdir = f"rank{rank.rank}.attempt{attempt}" if self.record.max_restarts else f"rank{rank.rank}"
                 # flushed here once a FLUSH_INTERVAL; its own queue and timer only need to stay out of the way
-                writer = self._writers[rank.rank] = EventFileWriter(
-                    str(self.directory / f"rank{rank.rank}"), max_queue_size=QUEUE, flush_secs=3600)
+                writer = self._writers[(attempt, rank.rank)] = EventFileWriter(
+                    str(self.directory / subdir), max_queue_size=QUEUE, flush_secs=3600)
             for index, (step, at, value) in enumerate(new, done):
                 writer.add_event(Event(wall_time=at, step=index if step is None else step,
                                        summary=Summary(value=[Summary.Value(tag=name, simple_value=value)])))
