@@ -302,8 +302,11 @@ def test_tensorboard_flag_writes_every_ranks_points_that_tensorboard_reads_back(
 MANY_CELL = '''%%ddp -n 8
 def many(rank):
     import ddpnb
+    import torch.distributed as dist
     for step in range(5):
         ddpnb.log(step=step, loss=float(step + rank))
+    dist.barrier()
+    print("all logged", flush=True)
     return rank
 '''
 
@@ -323,6 +326,8 @@ def test_eight_ranks_logging_loss_plot_a_band_not_eight_lines():
         assert svg.count('<tr data-rank="') == 8 and 'data-state="finished"' in svg
         assert re.findall(r'<polyline data-rank="(\d+)"', svg) == ["0"]  # rank 0's line, not one per rank
         assert svg.count('<polygon class="ddpnb-band"') == 1 and svg.count('class="ddpnb-median"') == 1
+        # the all-ranks log (the summary keeps its last lines): the eight copies folded into one
+        assert svg.count("[ranks 0-7]</span><span class=\"ddpnb-text\">all logged") == 1, svg
     finally:
         kernel.shutdown()
 

@@ -27,7 +27,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in runs)
 
 
-@dataclass(eq=False)  # identity: two printings of one text are two lines
+@dataclass(eq=False, slots=True)  # identity: two printings of one text are two lines
 class FoldedLine:
     """A line to show and every rank that printed it (one rank when nothing folded)."""
 
@@ -56,6 +56,8 @@ class _Same:
     """The pending lines of one text, oldest first, and for each rank the first of them it may still join: a rank
     joins the oldest open line it is not in, so the lines it is in come before that one."""
 
+    __slots__ = ("lines", "first", "next_for")
+
     def __init__(self) -> None:
         self.lines: deque[FoldedLine] = deque()
         self.first = 0  # the number of lines[0] among every line of this text so far
@@ -82,9 +84,15 @@ class Folder:
         if not self.enabled:
             return [single(line) for line in lines]
         for line in lines:
-            same = self._open.get((line.stream, line.text))
-            if same is None:
-                same = self._open[(line.stream, line.text)] = _Same()
+            key = (line.stream, line.text)
+            same = self._open.get(key)
+            if same is None:  # a text not waiting already: the usual case, made short
+                folded = FoldedLine(line.seq, [line.rank], line.stream, line.text, now)
+                same = self._open[key] = _Same()
+                same.lines.append(folded)
+                same.next_for[line.rank] = 1
+                self._pending.append(folded)
+                continue
             number = max(same.next_for.get(line.rank, 0), same.first)
             while number - same.first < len(same.lines) and now - same.lines[number - same.first].opened >= self.window:
                 number += 1  # closed: too late to join
