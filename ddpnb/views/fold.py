@@ -56,8 +56,6 @@ class _Same:
     """The pending lines of one text, oldest first, and for each rank the first of them it may still join: a rank
     joins the oldest open line it is not in, so the lines it is in come before that one."""
 
-    __slots__ = ("lines", "first", "next_for")
-
     def __init__(self) -> None:
         self.lines: deque[FoldedLine] = deque()
         self.first = 0  # the number of lines[0] among every line of this text so far
