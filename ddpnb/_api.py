@@ -31,6 +31,7 @@ from ddpnb.engines.local import forkserver
 from ddpnb.engines.local.forkserver import PreloadError
 from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
+from ddpnb.views import tensorboard as board
 
 __all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "attempt", "check_options", "check_restarts", "device", "last_run",
            "launch", "log", "plan", "preload", "run", "runs", "spawn", "start"]
@@ -110,7 +111,8 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
            backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
            args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
            placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
-           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None) -> Run:
+           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
+           tensorboard: str | os.PathLike[str] | None = None) -> Run:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
     The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
@@ -127,10 +129,15 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     the run directory, or under `checkpoint_dir/<run name>`, keeping the newest `keep_checkpoints`;
     `ddpnb.load_checkpoint` reads the latest complete one. `resume='last'` (or a run directory) starts from the
     latest checkpoint of an earlier run that was stopped or failed.
+
+    `fold=False` shows every rank's copy of a line the ranks all print (by default the text view and the
+    dashboard's all-ranks log show it once, as `[ranks 0-3] ...`). `tensorboard=DIR` writes every rank's metrics
+    as TensorBoard event files in `DIR/<run name>/rank<N>` while the run goes (`pip install tensorboard`).
     """
     return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args, view=view,
                  foreground=False, engine=engine, address=address, placement=placement, max_restarts=max_restarts,
-                 checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints, resume=resume)
+                 checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints, resume=resume, fold=fold,
+                 tensorboard=tensorboard)
 
 
 def function_name(fn: Any) -> str:
@@ -173,7 +180,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None,
           max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None,
-          interactive: bool = False) -> Run:
+          interactive: bool = False, fold: bool = True, tensorboard: str | os.PathLike[str] | None = None) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
     `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
     global _last_record
@@ -191,6 +198,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     shipment = shared.Shipment() if engine_type.maps_data else None
     payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
+    board_dir = check_tensorboard(tensorboard) if tensorboard is not None else None
     if checkpoint_dir is not None:
         try:
             Path(checkpoint_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -224,13 +232,15 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     if chosen_view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard
 
-        Dashboard(run, foreground=foreground)
+        Dashboard(run, foreground=foreground, fold=fold)
     elif chosen_view is ViewKind.TEXT:
         from ddpnb.views.text import TextView
 
-        TextView(run, max_lines())
+        TextView(run, max_lines(), fold=fold)
         if not foreground:
             print("[ddpnb] running in the background: its output shows here when you call .wait() or .result()")
+    if board_dir is not None:
+        board.TensorBoardWriter(run, board_dir)
     return run
 
 
@@ -238,34 +248,37 @@ def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | 
         backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
         args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
         placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
-        keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None) -> Any:
+        keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
+        tensorboard: str | os.PathLike[str] | None = None) -> Any:
     """Run `fn` on every rank, show their output here, and return rank 0's return value.
 
     `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
     `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
-    `view`, `engine`, `address`, `placement`, restarts and checkpoints: see `launch`. Raises `WorkerError` if a
-    rank fails (in the last attempt), with that rank's own traceback.
+    `view`, `engine`, `address`, `placement`, restarts, checkpoints, `fold`, `tensorboard`: see `launch`. Raises
+    `WorkerError` if a rank fails (in the last attempt), with that rank's own traceback.
     """
     handle = start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
                    view=view, foreground=True, engine=engine, address=address, placement=placement,
                    max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
-                   resume=resume)
+                   resume=resume, fold=fold, tensorboard=tensorboard)
     return handle.result()
 
 
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn") -> Run | None:
+          daemon: bool = False, start_method: str = "spawn", *, fold: bool = True,
+          tensorboard: str | os.PathLike[str] | None = None) -> Run | None:
     """Drop-in for `torch.multiprocessing.spawn`: calls `fn(rank, *args)` on `nprocs` ranks.
 
     Unlike mp.spawn it works with functions defined in a notebook and streams their output. Ranks use one
     GPU each (device set, NCCL) when the machine has `nprocs` GPUs, else CPU ranks over gloo. `join=False`
     returns the `Run`, whose `join()` waits like mp.spawn's context. `daemon` and `start_method` are accepted for
-    compatibility and ignored: ranks are always fresh processes that ddpnb stops.
+    compatibility and ignored: ranks are always fresh processes that ddpnb stops. `fold`, `tensorboard`: see
+    `launch`.
     """
     del daemon, start_method
     gpus = nprocs if nprocs <= local_gpu_count() else None
     handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style=CallStyle.SPAWN,
-                   foreground=join)
+                   foreground=join, fold=fold, tensorboard=tensorboard)
     if not join:
         return handle
     handle.result()
@@ -339,6 +352,12 @@ def device() -> str:
 def attempt() -> int:
     """In a rank: which attempt of the run this is, 0 until a restart (`max_restarts`); 0 outside a worker."""
     return rank_context.attempt()
+
+
+def check_tensorboard(directory: str | os.PathLike[str]) -> Path:
+    """Refuse `tensorboard=` without TensorBoard installed, or with a directory that cannot be created (`%%ddp`
+    calls it before the cell runs)."""
+    return board.check(directory)
 
 
 def check_restarts(max_restarts: int, keep_checkpoints: int, resume: str | os.PathLike[str] | None = None) -> None:

@@ -49,6 +49,9 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
              help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
     argument("--env", action="append", default=[], metavar="KEY=VALUE",
              help="set an environment variable in every rank (repeatable)."),
+    argument("--no-fold", action="store_true",
+             help="show every rank's copy of a line the ranks all print (by default it shows once, as "
+                  "[ranks 0-3] ...); the log files have every copy either way."),
 ]
 
 
@@ -126,6 +129,9 @@ class DDPMagics(Magics):
     @argument("--resume", metavar="last|DIR",
               help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
                    "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).")
+    @argument("--tensorboard", metavar="DIR",
+              help="write every rank's ddpnb.log metrics as TensorBoard event files in DIR/<run name>/rank<N> while "
+                   "the run goes (pip install tensorboard); tensorboard --logdir DIR shows them.")
     @argument("--fn", metavar="NAME",
               help="the function to run (default: the function the cell defines that nothing else in it uses).")
     @line_cell_magic
@@ -153,6 +159,8 @@ class DDPMagics(Magics):
             _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
             _api.check_options(args.view, args.engine, args.address, args.placement)
             _api.check_restarts(args.max_restarts, args.keep_checkpoints, args.resume)
+            if args.tensorboard is not None:
+                _api.check_tensorboard(args.tensorboard)
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
         if not cell and not args.fn:
@@ -172,7 +180,8 @@ class DDPMagics(Magics):
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
                              engine=args.engine, address=args.address, placement=args.placement,
                              max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
-                             keep_checkpoints=args.keep_checkpoints, resume=args.resume)
+                             keep_checkpoints=args.keep_checkpoints, resume=args.resume, fold=not args.no_fold,
+                             tensorboard=args.tensorboard)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         self._cell_runs[key] = run
@@ -357,7 +366,8 @@ class SessionMagics(Magics):
         env = dict(_parse_env(item) for item in args.env)
         try:
             _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
-                                      engine=args.engine, address=args.address, placement=args.placement)
+                                      engine=args.engine, address=args.address, placement=args.placement,
+                                      fold=not args.no_fold)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
 

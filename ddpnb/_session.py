@@ -23,6 +23,7 @@ from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
+from ddpnb.views.fold import Folder
 
 GRACE = 5.0  # seconds the other ranks get to answer once one rank failed or was interrupted
 START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first session imports torch once)
@@ -89,9 +90,10 @@ class Session:
 
     def __init__(self, *, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
                  env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-                 placement: str | None = None) -> None:
+                 placement: str | None = None, fold: bool = True) -> None:
         self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
                        "address": address, "placement": placement}
+        self._fold = fold  # the same line from every rank shows once (`views.fold`)
         self._number = 0
         self.state = SessionState.STOPPED
         self.run: Run | None = None
@@ -191,52 +193,57 @@ class Session:
         command = msg.Command(self._next(), kind, **fields)
         payload = dumps(command)  # here, before anything is sent: an object that cannot travel is the caller's error
         seen = run.lines_since(0)[2]
+        folder = Folder(len(selected), enabled=self._fold)  # a command's output, folded across its ranks
         run.send(selected, payload)
         answers: dict[int, msg.Reply] = {}
         began = time.monotonic()
         ending_at: float | None = None  # a rank failed or was interrupted: the others answer by then, or are stuck
         interrupted = False
-        while len(answers) < len(selected):
-            try:
-                reply = run.replies.get(timeout=0.1)
-            except queue.Empty:
-                reply = None
-            except KeyboardInterrupt:
-                if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
-                    self._break(selected, answers, "a second interrupt ended the wait")
-                interrupted = True
-                run.interrupt([rank for rank in selected if rank not in answers])
-                ending_at = time.monotonic() + GRACE
-                continue
-            finally:
-                seen = self._show_output(run, seen)
-            if reply is not None and reply.command == command.number:
-                answers[reply.rank] = reply
-                if reply.exc_type and ending_at is None:
+        try:
+            while len(answers) < len(selected):
+                try:
+                    reply = run.replies.get(timeout=0.1)
+                except queue.Empty:
+                    reply = None
+                except KeyboardInterrupt:
+                    if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
+                        self._break(selected, answers, "a second interrupt ended the wait")
+                    interrupted = True
+                    run.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = time.monotonic() + GRACE
-            if run.done:
-                self._died(run)
-            now = time.monotonic()
-            if timeout is not None and ending_at is None and now - began > timeout:
-                run.interrupt([rank for rank in selected if rank not in answers])
-                ending_at = now + GRACE
-            if ending_at is not None and now > ending_at and len(answers) < len(selected):
-                cause = "an interrupt" if interrupted or timeout is not None and now - began > timeout else "a failure"
-                self._break(selected, answers, f"within {GRACE:g} s of {cause}")
-        self._show_output(run, seen)
+                    continue
+                finally:
+                    seen = self._show_output(run, seen, folder)
+                if reply is not None and reply.command == command.number:
+                    answers[reply.rank] = reply
+                    if reply.exc_type and ending_at is None:
+                        ending_at = time.monotonic() + GRACE
+                if run.done:
+                    self._died(run)
+                now = time.monotonic()
+                if timeout is not None and ending_at is None and now - began > timeout:
+                    run.interrupt([rank for rank in selected if rank not in answers])
+                    ending_at = now + GRACE
+                if ending_at is not None and now > ending_at and len(answers) < len(selected):
+                    timed_out = timeout is not None and now - began > timeout
+                    cause = "an interrupt" if interrupted or timed_out else "a failure"
+                    self._break(selected, answers, f"within {GRACE:g} s of {cause}")
+        finally:  # however the wait ended, every line read is shown, those still waiting to be folded too
+            self._show_output(run, seen, folder, final=True)
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
         if failed:
             self._raise(failed, selected)
         return PerRank(selected, [None if answers[r].payload is None else pickle.loads(answers[r].payload)
                                   for r in selected])
 
-    def _show_output(self, run: Run, seen: int) -> int:
-        lines, skipped, count = run.lines_since(seen)
+    def _show_output(self, run: Run, seen: int, folder: Folder, final: bool = False) -> int:
+        new, skipped, count = run.lines_since(seen)
         if skipped:
             print(f"[ddpnb] {skipped} lines not shown here; every line is in the logs: {run.record.run_dir}")
+        lines = folder.add(new, time.monotonic()) + (folder.flush() if final else [])
         for line in lines:
             stream = sys.stderr if line.stream is Stream.STDERR else sys.stdout
-            stream.write(f"[rank {line.rank}] {line.text}\n")
+            stream.write(f"{line.tag} {line.text}\n")
         if lines:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -301,11 +308,11 @@ def _named(ranks: Iterable[int]) -> str:
 
 def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
             env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-            placement: str | None = None) -> Session:
+            placement: str | None = None, fold: bool = True) -> Session:
     """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Same flags as `ddpnb.run`;
     `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
     return Session(gpus=gpus, nprocs=nprocs, backend=backend, env=env, engine=engine, address=address,
-                   placement=placement)
+                   placement=placement, fold=fold)
 
 
 def current_session() -> Session | None:

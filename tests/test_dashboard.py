@@ -336,13 +336,13 @@ def test_many_ranks_plot_rank_zero_and_the_spread():
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, float(step + rank.rank)) for step in range(5)]
     svg = _dashboard.plots_html(record)
-    assert svg.count("<polyline") == 1 and "<polygon" in svg and "min–max of all ranks" in svg
+    assert svg.count("<polyline data-rank=") == 1 and "<polygon" in svg and "min–max of all ranks" in svg
 
 
 def test_static_summary_escapes_what_the_ranks_print():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
-    record.ranks[0].last_line = "<script>alert(1)</script>"
+    record.ranks[0].last_line = record.ranks[0].last_text = "<script>alert(1)</script>"
     html = _dashboard.summary_html(record, [OutputLine(1, 0, Stream.STDOUT, "<b>not bold</b>")])
     assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
 

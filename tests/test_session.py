@@ -117,7 +117,8 @@ def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives
 def test_interrupting_a_cell_raises_keyboard_interrupt_in_the_ranks_and_keeps_their_state(session_kernel):
     session_kernel.execute("%%ranks\nstate = [rank]")
     cell = Cell(session_kernel, "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
-    cell.read_until(lambda seen: seen.stdout.count("sleeping") == 2)
+    # both ranks are asleep: their lines, folded into one when they came together
+    cell.read_until(lambda seen: "[ranks 0,1] sleeping" in seen.stdout or seen.stdout.count("sleeping") == 2)
     session_kernel.manager.interrupt_kernel()
     result = cell.finish(timeout=ENDS_WITHIN)
     assert result.error is not None and result.error["ename"] == "SessionError", result.text

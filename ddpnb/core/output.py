@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import re
 import threading
 from collections import deque
 from typing import Any
@@ -12,6 +13,20 @@ from ddpnb.core.spec import Stream
 
 MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
 KEEP_LINES = 2000  # lines a run keeps for its views; every line is in the rank's log file
+
+
+# the counters tqdm ends its bar with: "[00:01<00:02, 9.50it/s]", "[1:02:03, 2.1s/it, loss=0.3]"
+_BAR_TAIL = re.compile(r"\[(?:\d+:)?\d\d:\d\d(?:<(?:(?:\d+:)?\d\d:\d\d|\?))?, [^\]]*/[^\]]*\]\s*$")
+
+
+def is_progress_line(line: str) -> bool:
+    """A tqdm bar's line (its final state, which a rank writes once as a line: see `rank.progress`)."""
+    return _BAR_TAIL.search(line[-200:]) is not None
+
+
+def last_text(lines: list[str]) -> str | None:
+    """The latest of `lines` that is not a progress bar's, or None if all are."""
+    return next((line for line in reversed(lines) if not is_progress_line(line)), None)
 
 
 class LineDecoder:

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ddpnb.core.messages import Progress
 from ddpnb.core.spec import EngineKind, Stream
@@ -124,6 +124,7 @@ class RankRecord:
     ended: float | None = None
     lines: int = 0
     last_line: str = ""
+    last_text: str = ""  # the latest line that is not a progress bar's (the dashboard shows bars on their own)
     log_path: Path | None = None
     node: str = ""  # Ray: the ID of the node the rank runs on
     stack: str = ""  # Python stacks dumped at a stall (timeout)
@@ -235,6 +236,39 @@ class RunRecord:
         if attempt is not None:
             records = records[attempt:attempt + 1]
         return [point for record in records for point in record.metrics.get(name, [])]
+
+    def metrics_frame(self) -> Any:
+        """Every point `ddpnb.log` sent, from every rank and attempt, as a pandas DataFrame in long format: one row
+        per point, columns `rank`, `attempt`, `step` (nullable Int64: None where logged without a step), `time`
+        (seconds since the run started), `name` and `value`. Needs pandas (`pip install pandas`); e.g.
+        `frame.pivot_table(index="step", columns="rank", values="value")` for one name per rank."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("RunRecord.metrics_frame needs pandas, which ddpnb does not install: "
+                              "pip install pandas (record.metrics(name, rank) gives one series without it)") from None
+        columns: dict[str, list[Any]] = {"rank": [], "attempt": [], "step": [], "time": [], "name": [], "value": []}
+        for attempt, ranks in [*((a.number, a.ranks) for a in self.attempts), (self.attempt, self.ranks)]:
+            for rank in ranks:
+                for name, points in list(rank.metrics.items()):
+                    points = points[:]  # a copy: a running run's reader appends to the record's list
+                    if not points:
+                        continue
+                    steps, times, values = zip(*points)
+                    columns["rank"] += [rank.rank] * len(points)
+                    columns["attempt"] += [attempt] * len(points)
+                    columns["step"] += steps
+                    columns["time"] += [at - self.started for at in times]
+                    columns["name"] += [name] * len(points)
+                    columns["value"] += values
+        return pd.DataFrame({
+            "rank": pd.Series(columns["rank"], dtype="int64"),
+            "attempt": pd.Series(columns["attempt"], dtype="int64"),
+            "step": pd.Series(columns["step"], dtype="Int64"),
+            "time": pd.Series(columns["time"], dtype="float64"),
+            "name": pd.Series(columns["name"], dtype="object"),
+            "value": pd.Series(columns["value"], dtype="float64"),
+        })
 
     def summary_table(self) -> str:
         rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  last line"]

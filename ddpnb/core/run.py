@@ -26,7 +26,7 @@ from typing import Any
 from ddpnb.core import checkpoints, pickling, rundir
 from ddpnb.core import messages as msg
 from ddpnb.core.engine import Engine
-from ddpnb.core.output import LineBuffer, LineDecoder
+from ddpnb.core.output import LineBuffer, LineDecoder, last_text
 from ddpnb.core.record import (
     Attempt,
     Failure,
@@ -257,6 +257,9 @@ class Run:
         self._lines.add(rank, stream, lines)
         record.lines += len(lines)
         record.last_line = lines[-1]
+        # a rank with tqdm bars writes each bar's final state as a line; the dashboard shows the bar already
+        text = last_text(lines) if record.progress else lines[-1]
+        record.last_text = record.last_text if text is None else text
 
     def message(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]

@@ -9,12 +9,14 @@ replaces the widget when the run ends: a saved notebook then reads well without 
 Plots are SVG written here (no plotting library): a few kilobytes per redraw, no rasterising in the kernel while
 ranks train on the same CPUs, crisp at any zoom, themed by JupyterLab's CSS variables, and the same markup works
 in the static summary. The log panel holds the last `LOG_LINES` lines per view; every line is in the rank's log.
+Its all-ranks view folds the same line from several ranks into one (`views.fold`); each rank's view is as printed.
 """
 
 from __future__ import annotations
 
 import html
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -25,13 +27,14 @@ from ddpnb.core import checkpoints
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit, format_duration
 from ddpnb.core.run import TICK, Run
 from ddpnb.core.spec import Stream
+from ddpnb.views.fold import FoldedLine, Folder, rank_ranges
 
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
 MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
 PLOT_SIZE = (400, 160)  # one metric's plot, in pixels
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
-MANY_RANKS = 8  # above this, plots show rank 0 and the min-max band of all ranks
+MANY_RANKS = 8  # from this many ranks up, plots show rank 0, the median and the min-max band; rows are compact
 SUMMARY_LOG_LINES = 30
 
 RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -67,6 +70,10 @@ STYLE = """<style>
 .ddpnb .ddpnb-ranks tbody tr,.ddpnb .ddpnb-ranks tbody tr:nth-child(odd),
 .ddpnb .ddpnb-ranks tbody tr:nth-child(even){background:transparent}
 .ddpnb .ddpnb-ranks td.ddpnb-last{width:99%}
+.ddpnb-ranks-scroll{max-height:400px;overflow-y:auto}
+.ddpnb .ddpnb-ranks.ddpnb-compact th{position:sticky;top:0;background:var(--jp-layout-color1,#fff);padding:1px 6px}
+.ddpnb .ddpnb-ranks.ddpnb-compact td{padding:0 6px;line-height:1.3}
+.ddpnb-compact .ddpnb-bar{height:6px;width:80px}
 .ddpnb .ddpnb-last div{white-space:nowrap;overflow:hidden;text-overflow:ellipsis;max-width:300px;
   color:var(--jp-ui-font-color2,#616161)}
 .ddpnb-swatch{display:inline-block;width:9px;height:9px;border-radius:2px;margin-right:6px}
@@ -146,8 +153,8 @@ def header_html(record: RunRecord) -> str:
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
 
-def _progress_html(rank: RankRecord) -> str:
-    bars = rank.active_progress[-2:]
+def _progress_html(rank: RankRecord, compact: bool = False) -> str:
+    bars = rank.active_progress[-1:] if compact else rank.active_progress[-2:]  # compact: the innermost bar
     if not bars:
         return '<span class="ddpnb-muted">–</span>'
     parts = []
@@ -180,23 +187,28 @@ def _gpu_memory_html(rank: RankRecord) -> str:
 
 
 def ranks_html(record: RunRecord) -> str:
+    """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls."""
     gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
-    rows = [('<table class="ddpnb-ranks"><thead><tr><th>rank</th><th>state</th><th>device</th><th>PID</th>'
+    compact = record.world_size >= MANY_RANKS
+    table = '<div class="ddpnb-ranks-scroll"><table class="ddpnb-ranks ddpnb-compact">' if compact else \
+        '<table class="ddpnb-ranks">'
+    rows = [(f'{table}<thead><tr><th>rank</th><th>state</th><th>device</th><th>PID</th>'
              f'{"<th>GPU memory</th>" if gpus else ""}'
              '<th>progress</th><th>time</th><th>latest output</th></tr></thead><tbody>')]
     for rank in record.ranks:
         state = rank_state(rank)
         colour = _RANK_COLOURS[rank.state]
-        last = rank.last_line[:MAX_LINE_CHARS]
+        last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
         rows.append(
             f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}">'
             f'<td><span class="ddpnb-swatch" style="background:{_rank_colour(rank.rank)}"></span>{rank.rank}</td>'
             f'<td style="color:{colour};font-weight:600">{html.escape(state)}</td>'
             f'<td>{html.escape(rank.device)}</td><td class="ddpnb-mono">{rank.pid or "–"}</td>'
-            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank)}</td><td>{format_duration(rank.duration)}</td>'
+            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank, compact)}</td>'
+            f'<td>{format_duration(rank.duration)}</td>'
             f'<td class="ddpnb-last"><div class="ddpnb-mono" title="{html.escape(last)}">{html.escape(last[:160])}'
             f'</div></td></tr>')
-    rows.append("</tbody></table>")
+    rows.append("</tbody></table></div>" if compact else "</tbody></table>")
     return "".join(rows)
 
 
@@ -222,12 +234,14 @@ def plots_html(record: RunRecord) -> str:
     if not names:
         return ('<div class="ddpnb-muted">No metrics yet: send them from the ranks with '
                 '<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>')
-    many = record.world_size > MANY_RANKS
+    many = record.world_size >= MANY_RANKS
     shown = [0] if many else [r.rank for r in record.ranks]
     legend = "".join(f'<span><span class="ddpnb-swatch" style="background:{_rank_colour(r)}"></span>rank {r}</span>'
                      for r in shown)
     if many:
-        legend += '<span><span class="ddpnb-swatch" style="background:#1f77b4;opacity:.25"></span>min–max of all ranks</span>'
+        legend += ('<span><span class="ddpnb-swatch" style="background:#1f77b4;opacity:.25"></span>'
+                   'min–max of all ranks</span>'
+                   '<span><span class="ddpnb-swatch" style="background:#7f7f7f"></span>median</span>')
     plots = [_plot(record, name, shown, many) for name in names]
     return f'<div class="ddpnb-legend">{legend}</div><div class="ddpnb-plots">{"".join(plots)}</div>'
 
@@ -254,12 +268,14 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
         first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
         restarts.extend(x for x, _ in first[:1])
     band_points: list[tuple[float, float, float]] = []
+    median: list[tuple[float, float]] = []
     if band and by_step:
         spread: dict[float, list[float]] = {}
         for points in series.values():
             for x, y in xy(points):
                 spread.setdefault(x, []).append(y)
         band_points = [(x, min(ys), max(ys)) for x, ys in sorted(spread.items())]
+        median = [(x, statistics.median(ys)) for x, ys in sorted(spread.items())]
     drawn_lines = [*lines.values(), *(points for attempt in earlier for points in attempt.values())]
     all_x = [x for points in drawn_lines for x, _ in points] + [x for x, _, _ in band_points]
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
@@ -304,8 +320,11 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
     if band_points:
         thinned = thin(band_points, MAX_POINTS)
         outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
-        svg.append(f'<polygon fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
-                   f'points="{_points(outline)}"/>')
+        svg.append(f'<polygon class="ddpnb-band" fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
+                   f'points="{_points(outline)}"><title>min–max of all ranks</title></polygon>')
+        svg.append(f'<polyline class="ddpnb-median" fill="none" stroke="#7f7f7f" stroke-width="1.2" '
+                   f'stroke-dasharray="4,2" points="{_points((sx(x), sy(y)) for x, y in thin(median, MAX_POINTS))}">'
+                   '<title>median of all ranks</title></polyline>')
     for number, attempt in enumerate(earlier):
         for rank, points in attempt.items():
             if len(points) > 1:
@@ -372,9 +391,24 @@ def _tick_label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def line_html(rank: int, stream: Stream, text: str) -> str:
-    return (f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" style="color:{_rank_colour(rank)}">'
-            f'[rank {rank}]</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
+def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -> str:
+    """One log line; `ranks`: every rank that printed it, when folded (`[ranks 0-3]`, in a neutral colour)."""
+    if len(ranks) > 1:
+        tag, colour = f"[ranks {rank_ranges(ranks)}]", _GREY
+    else:
+        tag, colour = f"[rank {rank}]", _rank_colour(rank)
+    return (f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" style="color:{colour}">'
+            f'{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
+
+
+def _printed(lines: Iterable[OutputLine | FoldedLine]) -> int:
+    """How many printed lines these are: a folded line is one per rank that printed it."""
+    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
+
+
+def _any_line_html(line: OutputLine | FoldedLine) -> str:
+    ranks = line.ranks if isinstance(line, FoldedLine) else ()
+    return line_html(line.rank, line.stream, line.text, ranks)
 
 
 def log_html(lines: Iterable[str], note: str) -> str:
@@ -418,14 +452,15 @@ def resume_html(record: RunRecord) -> str:
             f'<code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or <code>--resume last</code>)</div>')
 
 
-def summary_html(record: RunRecord, lines: Sequence[OutputLine]) -> str:
-    """The static record of a finished run: what the cell keeps once the live dashboard is gone."""
+def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine]) -> str:
+    """The static record of a finished run: what the cell keeps once the live dashboard is gone; `lines`: the
+    latest lines, folded or not."""
     tail = lines[-SUMMARY_LOG_LINES:]
     total = sum(r.lines for r in record.ranks)
-    note = (f"last {len(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
+    note = (f"last {_printed(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
             else f"no output · logs in {_log_location(record)}")
     logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
-            f'</summary>{log_html((line_html(line.rank, line.stream, line.text) for line in tail), note)}</details>')
+            f'</summary>{log_html((_any_line_html(line) for line in tail), note)}</details>')
     hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
             f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{resume_html(record)}{logs}'
@@ -446,7 +481,7 @@ class Dashboard:
     button is then disabled and says to interrupt the kernel instead.
     """
 
-    def __init__(self, run: Run, *, foreground: bool) -> None:
+    def __init__(self, run: Run, *, foreground: bool, fold: bool = True) -> None:
         import ipywidgets as widgets
         from IPython import get_ipython
         from IPython.display import display
@@ -456,8 +491,9 @@ class Dashboard:
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
         self._seen = 0  # sequence number of the last line taken from the record
-        self._all: deque[tuple[OutputLine, str]] = deque(maxlen=LOG_LINES)  # a line cut for the panel, its HTML
-        self._per_rank = [deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]
+        self._all: deque[tuple[FoldedLine, str]] = deque(maxlen=LOG_LINES)  # a line cut for the panel, its HTML
+        self._per_rank = [deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]  # as printed
+        self._folder = Folder(self.record.world_size, enabled=fold)
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
         self._lines_changed = True
@@ -472,7 +508,7 @@ class Dashboard:
         self.ranks = widgets.HTML()
         self.plots = widgets.HTML()
         options = [("all ranks", -1)] + [(f"rank {r}", r) for r in range(self.record.world_size)]
-        picker_type = widgets.ToggleButtons if self.record.world_size <= MANY_RANKS else widgets.Dropdown
+        picker_type = widgets.ToggleButtons if self.record.world_size < MANY_RANKS else widgets.Dropdown
         self.log_picker = picker_type(options=options, value=-1, layout=widgets.Layout(width="auto"))
         if picker_type is widgets.ToggleButtons:
             self.log_picker.style.button_width = "auto"
@@ -547,13 +583,15 @@ class Dashboard:
         run = self.run
         if run is None:
             return
+        done = run.done  # before reading: the lines read after it are the last ones
         new, _, self._seen = run.lines_since(self._seen)
+        new = [line._replace(text=line.text[:MAX_LINE_CHARS]) for line in new]
         for line in new:
-            line = line._replace(text=line.text[:MAX_LINE_CHARS])
-            entry = (line, line_html(line.rank, line.stream, line.text))
-            self._all.append(entry)
-            self._per_rank[line.rank].append(entry)
-        if new:
+            self._per_rank[line.rank].append((line, line_html(line.rank, line.stream, line.text)))
+        folded = self._folder.add(new, time.monotonic()) + (self._folder.flush() if done else [])
+        for line in folded:
+            self._all.append((line, _any_line_html(line)))
+        if new or folded:
             self._lines_changed = True
 
     def _log_value(self) -> str:
@@ -567,7 +605,7 @@ class Dashboard:
             lines = self._per_rank[rank]
             total = sum(ranks[rank].lines for ranks in [*(a.ranks for a in record.attempts), record.ranks])
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
-        shown = len(lines)
+        shown = _printed(line for line, _ in lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
                 else f"{total:,} lines · also in {where}")
         return log_html((html_line for _, html_line in lines), note)

@@ -2,21 +2,24 @@
 
 Used wherever no widget front end exists (terminal IPython, scripts, nbconvert/nbclient, CI). It reads the run's
 record when the run's reader has news (output at most five times a second); it never slows the workers, and it
-shows at most `max_lines` lines, saying how many it skipped (every line is in the rank's log file).
+shows at most `max_lines` lines, saying how many it skipped (every line is in the rank's log file). The same
+line from several ranks shows once, `[ranks 0-3] ...` (`views.fold`), unless `fold=False`.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, OutputLine, format_duration
+from ddpnb.core.record import Attempt, Outcome, format_duration
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
+from ddpnb.views.fold import FoldedLine, Folder
 
 
 class TextView:
-    def __init__(self, run: Run, max_lines: int) -> None:
+    def __init__(self, run: Run, max_lines: int, fold: bool = True) -> None:
         self.run = run
         self.out = sys.stdout
         self.err = sys.stderr
@@ -27,6 +30,7 @@ class TextView:
         self.summarised = False
         self.restarts_shown = 0  # earlier attempts whose restart line was written
         record = run.record
+        self.folder = Folder(record.world_size, enabled=fold)
         devices = ", ".join(sorted({r.device for r in record.ranks}))
         note = f"; {record.launch_note}" if record.launch_note else ""
         self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
@@ -35,33 +39,39 @@ class TextView:
 
     def update(self) -> None:
         run = self.run
+        done = run.done  # before reading: the lines read after it are the last ones
         new, skipped_by_window, self.seen = run.lines_since(self.seen)
         self.skipped += skipped_by_window
-        shown = new[: max(0, self.max_lines - self.shown)]
-        self.shown += len(shown)
-        self.skipped += len(new) - len(shown)
+        now = time.monotonic()
         # a restart's line goes where it happened: after the last line of the attempt it ended, once read
         for attempt in run.record.attempts[self.restarts_shown:]:
             if attempt.last_line > self.seen:
                 break
-            before = [line for line in shown if line.seq <= attempt.last_line]
-            self._write(before)
-            shown = shown[len(before):]
+            before = [line for line in new if line.seq <= attempt.last_line]
+            new = new[len(before):]
+            self._write(self._limit(self.folder.add(before, now) + self.folder.flush()))
             self._restarted(attempt)
-        self._write(shown)
+        self._write(self._limit(self.folder.add(new, now) + (self.folder.flush() if done else [])))
         self.out.flush()
         self.err.flush()
-        if run.done and not self.summarised:
+        if done and not self.summarised:
             self.summarised = True
             self._summary()
 
-    def _write(self, shown: list[OutputLine]) -> None:
+    def _limit(self, lines: list[FoldedLine]) -> list[FoldedLine]:
+        """The first `max_lines` lines shown; the rest counted (a folded line counts once per rank)."""
+        shown = lines[: max(0, self.max_lines - self.shown)]
+        self.shown += len(shown)
+        self.skipped += sum(len(line.ranks) for line in lines[len(shown):])
+        return shown
+
+    def _write(self, shown: list[FoldedLine]) -> None:
         """One write per run of same-stream lines: a busy run redraws in a few writes, in the ranks' order."""
         start = 0
         for end in range(1, len(shown) + 1):
             if end == len(shown) or shown[end].stream is not shown[start].stream:
                 stream = self.err if shown[start].stream is Stream.STDERR else self.out
-                stream.write("".join(f"[rank {line.rank}] {line.text}\n" for line in shown[start:end]))
+                stream.write("".join(f"{line.tag} {line.text}\n" for line in shown[start:end]))
                 start = end
 
     def _restarted(self, attempt: Attempt) -> None:
