@@ -33,6 +33,10 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
              help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
     argument("--env", action="append", default=[], metavar="KEY=VALUE",
              help="set an environment variable in every rank (repeatable)."),
+    argument("--stall", metavar="SECONDS",
+             help="when no rank has made progress (output, a metric, a progress tick) for this long, mark the run "
+                  "stalled and say where each rank is; it goes on (default: adapted to the run, at least 60 s; 0: "
+                  "off)."),
 ]
 
 
@@ -102,6 +106,7 @@ class DDPMagics(Magics):
             _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
             _api.check_options(args.view, args.engine, args.address, args.placement)
             _api.check_restarts(args.max_restarts, args.keep_checkpoints, args.resume)
+            stall = _api.stall_seconds(args.stall)
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
         if not cell and not args.fn:
@@ -118,7 +123,7 @@ class DDPMagics(Magics):
                              timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
                              engine=args.engine, address=args.address, placement=args.placement,
                              max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
-                             keep_checkpoints=args.keep_checkpoints, resume=args.resume)
+                             keep_checkpoints=args.keep_checkpoints, resume=args.resume, stall=stall)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         if args.background:
@@ -230,7 +235,8 @@ class SessionMagics(Magics):
         env = dict(_parse_env(item) for item in args.env)
         try:
             _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
-                                      engine=args.engine, address=args.address, placement=args.placement)
+                                      engine=args.engine, address=args.address, placement=args.placement,
+                                      stall=_api.stall_seconds(args.stall))
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
 

@@ -89,9 +89,9 @@ class Session:
 
     def __init__(self, *, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
                  env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-                 placement: str | None = None) -> None:
+                 placement: str | None = None, stall: float | None = None) -> None:
         self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
-                       "address": address, "placement": placement}
+                       "address": address, "placement": placement, "stall": stall}
         self._number = 0
         self.state = SessionState.STOPPED
         self.run: Run | None = None
@@ -301,11 +301,12 @@ def _named(ranks: Iterable[int]) -> str:
 
 def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
             env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-            placement: str | None = None) -> Session:
+            placement: str | None = None, stall: float | None = None) -> Session:
     """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Same flags as `ddpnb.run`;
-    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
+    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up. `stall`:
+    seconds a command may go without progress on any rank before the session says where each rank is."""
     return Session(gpus=gpus, nprocs=nprocs, backend=backend, env=env, engine=engine, address=address,
-                   placement=placement)
+                   placement=placement, stall=stall)
 
 
 def current_session() -> Session | None:

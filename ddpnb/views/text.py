@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, OutputLine
+from ddpnb.core.record import Attempt, Outcome, OutputLine, Stall
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 
@@ -26,6 +26,8 @@ class TextView:
         self.skipped = 0
         self.summarised = False
         self.restarts_shown = 0  # earlier attempts whose restart line was written
+        self.stall_shown: Stall | None = None  # the stall whose lines were written
+        self.resume_shown: Stall | None = None  # ... and whose end was
         record = run.record
         devices = ", ".join(sorted({r.device for r in record.ranks}))
         self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
@@ -48,6 +50,7 @@ class TextView:
             shown = shown[len(before):]
             self._restarted(attempt)
         self._write(shown)
+        self._stall()
         self.out.flush()
         self.err.flush()
         if run.done and not self.summarised:
@@ -62,6 +65,20 @@ class TextView:
                 stream = self.err if shown[start].stream is Stream.STDERR else self.out
                 stream.write("".join(f"[rank {line.rank}] {line.text}\n" for line in shown[start:end]))
                 start = end
+
+    def _stall(self) -> None:
+        """A stall's lines once, where it was found; one line when progress resumes."""
+        stall = self.run.record.stall
+        if stall is None:
+            return
+        if stall is not self.stall_shown:
+            self.stall_shown = stall
+            self.out.write(stall_lines(stall))
+        if not stall.ongoing and stall is not self.resume_shown:
+            self.resume_shown = stall
+            assert stall.resumed is not None
+            self.out.write(f"[ddpnb] progress resumed: no longer stalled, after {stall.resumed - stall.since:.1f} s "
+                           "without progress\n")
 
     def _restarted(self, attempt: Attempt) -> None:
         self.restarts_shown += 1
@@ -86,3 +103,11 @@ class TextView:
             self.out.write(f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
                            f"(or --resume {record.run_dir})\n")
         self.out.flush()
+
+
+def stall_lines(stall: Stall) -> str:
+    """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's."""
+    lines = [f"[ddpnb] {stall.headline()}"]
+    lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
+    lines.append("[ddpnb]   the run goes on; run.stacks() (or the dashboard's Stacks button) shows every stack")
+    return "\n".join(lines) + "\n"
