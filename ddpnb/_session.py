@@ -23,6 +23,7 @@ from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
+from ddpnb.views.text import stall_lines
 
 GRACE = 5.0  # seconds the other ranks get to answer once one rank failed or was interrupted
 START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first session imports torch once)
@@ -93,6 +94,7 @@ class Session:
         self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
                        "address": address, "placement": placement, "stall": stall}
         self._number = 0
+        self._stall_said: object = None  # the run's stall whose lines were printed
         self.state = SessionState.STOPPED
         self.run: Run | None = None
         self._start()
@@ -237,7 +239,11 @@ class Session:
         for line in lines:
             stream = sys.stderr if line.stream is Stream.STDERR else sys.stdout
             stream.write(f"[rank {line.rank}] {line.text}\n")
-        if lines:
+        stall = run.record.stall
+        if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
+            self._stall_said = stall
+            sys.stdout.write(stall_lines(stall).replace("run.stacks()", "session.run.stacks()"))
+        if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()
         return count
