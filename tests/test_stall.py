@@ -276,11 +276,11 @@ def test_flight_recorder_dumps_say_each_ranks_last_collective_and_who_is_behind(
     read = flight.collect(tmp_path, [0, 1, 2], since=0.0, wait=0)
     assert read == dumps
     assert flight.summarise(read, [0, 1, 2]) == [
-        "NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); rank 1 #11 all_reduce "
-        "(completed); rank 2 #12 all_reduce (started); behind: rank 1 (#11 of #12)"]
+        ("NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); rank 1 #11 all_reduce "
+        "(completed); rank 2 #12 all_reduce (started); behind: rank 1 (#11 of #12)")]
     assert flight.summarise({0: dumps[0]}, [0, 1]) == [
-        "NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); no rank is behind; "
-        "no entry from rank 1"]
+        ("NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); no rank is behind; "
+        "no entry from rank 1")]
     assert flight.collect(tmp_path, [0], since=time.time() + 60, wait=0) == {}  # an old dump is not this stall's
 
 
@@ -297,3 +297,28 @@ def test_flight_recorder_is_asked_through_each_ranks_pipe(tmp_path):
     finally:
         os.close(reader)
     flight.request(tmp_path, [0])  # nobody reads the pipe now: refused at once, not blocking
+
+
+SESSION_CELL = '''%%ranks
+import time, torch, torch.distributed as dist
+if rank == 1:
+    time.sleep(8)
+dist.all_reduce(torch.ones(1))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_session_command_that_stalls_says_where_each_rank_is_and_idle_time_is_no_stall(kernel):
+    started = kernel.execute("%ddp_start -n 2 --stall 2", timeout=180)
+    assert "session of 2 ranks" in started.stdout, started.text
+    try:
+        time.sleep(4)  # a session between commands makes no progress, and is not stalled
+        assert kernel.execute("print(ddpnb._session.current().run.record.stall)").stdout.strip() == "None"
+        executed = kernel.execute(SESSION_CELL, timeout=120)
+        assert executed.error is None, executed.error
+        cell = f"Cell In[{executed.count}]"
+        assert (f"rank 1 is in time.sleep ({cell}, line 3); rank 0 waits in all_reduce ({cell}, line 4)"
+                in executed.stdout), executed.text
+    finally:
+        kernel.execute("%ddp_stop")
