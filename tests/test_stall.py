@@ -322,3 +322,35 @@ def test_session_command_that_stalls_says_where_each_rank_is_and_idle_time_is_no
                 in executed.stdout), executed.text
     finally:
         kernel.execute("%ddp_stop")
+
+
+def _gpus() -> int:
+    from ddpnb.core.spec import local_gpu_count
+
+    return local_gpu_count()
+
+
+def nccl_rank_1_falls_behind(rank):
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(1, device=ddpnb.device())
+    dist.all_reduce(tensor)  # collective #1, on every rank
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(30)  # never issues #2 while the stall is looked at
+    dist.all_reduce(tensor)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_gpus() < 2, reason="the NCCL flight recorder needs an NCCL run: 2 GPUs")
+def test_nccl_stall_reads_every_ranks_flight_recorder_and_names_who_is_behind():
+    run = ddpnb.launch(nccl_rank_1_falls_behind, gpus=2, stall=5, view="none")
+    assert _wait_for(lambda: run.record.stalled, 120), run.status
+    recorded = run.record.stall.diagnosis.flight
+    assert len(recorded) == 1 and recorded[0].endswith("behind: rank 1 (#1 of #2)"), recorded
+    assert "rank 0 #2 all_reduce" in recorded[0]
+    assert all((run.record.run_dir / f"{flight.STEM}{rank}").exists() for rank in (0, 1))
+    assert run.wait(120).outcome is Outcome.SUCCEEDED

@@ -49,6 +49,7 @@ from ddpnb.core.stall import StallWatch, diagnose
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
+_NO_PROGRESS = frozenset({msg.Stacks, msg.GpuMemory})  # sent by a stuck rank too
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
@@ -109,7 +110,8 @@ class Run:
         self._answers: list[msg.Reply] = []
         self._sent_at = 0.0  # when the latest session command was sent
         self._stall_setting = stall
-        self._watch = StallWatch(spec.world_size, stall)  # each rank's latest activity, stamped with `_clock`
+        self._watch = StallWatch(spec.world_size, stall)
+        self._active = self._watch.active  # each rank's latest activity, stamped with `_clock`
         self._clock = time.monotonic()  # the reader's clock, read once a pass (`tick`): a message stores it
         self._stalled_latest = 0.0  # the run's latest activity when the ongoing stall began
         self._awaiting: set[int] = set()  # sessions: the ranks whose answer to a command is awaited
@@ -264,7 +266,7 @@ class Run:
     def _add_lines(self, rank: int, stream: Stream, lines: list[str]) -> None:
         record = self.record.ranks[rank]
         self._news = True
-        self._watch.active[rank] = self._clock
+        self._active[rank] = self._clock
         self._lines.add(rank, stream, lines)
         record.lines += len(lines)
         record.last_line = lines[-1]
@@ -273,8 +275,8 @@ class Run:
         record = self.record.ranks[rank]
         self._news = True
         self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
-        if not isinstance(message, (msg.Stacks, msg.GpuMemory)):  # sent while stuck too: no progress
-            self._watch.active[rank] = self._clock
+        if type(message) not in _NO_PROGRESS:
+            self._active[rank] = self._clock
         if isinstance(message, msg.Metric):
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
@@ -442,7 +444,7 @@ class Run:
         else:
             stacks = self._take_stacks(running)
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if nccl else []
-        return diagnose(self.record.ranks, stacks, self._watch.active, self._returned, recorded)
+        return diagnose(self.record.ranks, stacks, self._active, self._returned, recorded)
 
     def _take_stacks(self, ranks: list[int]) -> dict[int, str]:
         """`ranks`' stacks now, leaving the record's as they were (those are what a timeout found)."""
@@ -503,6 +505,7 @@ class Run:
         record.failures = []
         record.stall = record.at_timeout = None
         self._watch = StallWatch(self.spec.world_size, self._stall_setting)
+        self._active = self._watch.active
         record.ranks = self._rank_records(record.attempt)
         self._decoders = {}
         self._payload, self._saved = None, False

@@ -53,7 +53,7 @@ class StallWatch:
 
     def idle(self, now: float) -> None:
         """Time that is nobody's progress to make (a session between commands): it starts no stall."""
-        self.active = [now] * len(self.active)
+        self.active[:] = [now] * len(self.active)  # in place: the run stores into this list
         self.latest = now
 
 
