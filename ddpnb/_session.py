@@ -242,7 +242,8 @@ class Session:
         stall = run.record.stall
         if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
             self._stall_said = stall
-            sys.stdout.write(stall_lines(stall).replace("run.stacks()", "session.run.stacks()"))
+            sys.stdout.write(stall_lines(stall).replace("the run goes on; run.stacks()", "the command goes on; "
+                                                        "session.run.stacks()"))
         if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()

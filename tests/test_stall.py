@@ -72,6 +72,7 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
         assert summary == (f'rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
                            f'ranks 0, 2 wait in all_reduce (File "{HERE}", line {reduce_line})'), summary
         assert stall.threshold == 3 and run.outcome is Outcome.RUNNING  # marked, not stopped
+        assert run.status.endswith(f", stalled: {summary}")
         quiet = {where.rank: where.quiet for where in stall.diagnosis.ranks}
         assert set(quiet) == {0, 1, 2} and all(seconds >= 3 for seconds in quiet.values()), quiet
         assert found_after < 10

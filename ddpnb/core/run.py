@@ -158,7 +158,8 @@ class Run:
         """One line: the outcome so far, the time, and each rank's state."""
         record = self.record
         ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
-        return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks})"
+        stalled = f", stalled: {record.stall.diagnosis.summary()}" if record.stalled and record.stall else ""
+        return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks}){stalled}"
 
     @property
     def nodes(self) -> dict[int, str]:
@@ -363,7 +364,9 @@ class Run:
         taken: dict[int, str] = {}
         collected = threading.Event()
         self._stack_requests.append((list(ranks), taken, collected))
-        collected.wait(wait)
+        deadline = time.monotonic() + wait
+        while not collected.wait(0.1) and not self._done.is_set() and time.monotonic() < deadline:
+            continue  # a run that ends meanwhile sends no stacks
         return {rank: taken.get(rank, "") for rank in ranks}
 
     def tick(self) -> None:

@@ -428,9 +428,11 @@ def stall_html(record: RunRecord) -> str:
                 f'({html.escape(stall.diagnosis.summary())}), then progress resumed</div>')
     lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*stall.diagnosis.rank_lines(),
                                                                     *stall.diagnosis.flight])
+    tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
+            else f"still stalled when the run ended ({record.outcome.value})")
     return (f'<div class="ddpnb-stall" data-stall="ongoing"><div class="ddpnb-stall-title">'
             f'{html.escape(stall.headline())}</div><div class="ddpnb-mono">{lines}</div>'
-            '<div class="ddpnb-muted">the run goes on; Stacks (or run.stacks()) shows every rank\'s stack</div></div>')
+            f'<div class="ddpnb-muted">{html.escape(tail)}</div></div>')
 
 
 def stacks_html(stacks: dict[int, str]) -> str:

@@ -109,5 +109,5 @@ def stall_lines(stall: Stall) -> str:
     """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's."""
     lines = [f"[ddpnb] {stall.headline()}"]
     lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
-    lines.append("[ddpnb]   the run goes on; run.stacks() (or the dashboard's Stacks button) shows every stack")
+    lines.append("[ddpnb]   the run goes on; run.stacks() gives every rank's stack now")
     return "\n".join(lines) + "\n"
