@@ -158,7 +158,7 @@ class Run:
         """One line: the outcome so far, the time, and each rank's state."""
         record = self.record
         ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
-        stalled = f", stalled: {record.stall.diagnosis.summary()}" if record.stalled and record.stall else ""
+        stalled = f", stalled: {record.stall.diagnosis.summary()}" if record.stall and record.stalled else ""
         return f"{record.outcome.value} after {record.duration:.1f} s (ranks {ranks}){stalled}"
 
     @property
@@ -427,9 +427,8 @@ class Run:
         if self.spec.interactive and not self._awaiting:  # a session between commands: waiting is its job
             watch.idle(now)
             return
-        running = [r for r in record.ranks if r.state in _RUNNING and r.rank not in self._returned]
         threshold = watch.threshold()
-        if quiet <= threshold or not running:
+        if quiet <= threshold or not any(r.state in _RUNNING and r.rank not in self._returned for r in record.ranks):
             return
         self._stalled_latest = watch.latest
         record.stall = Stall(since=time.time() - quiet, threshold=threshold, diagnosis=self._diagnose())
