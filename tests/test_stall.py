@@ -289,6 +289,7 @@ def test_flight_recorder_is_asked_through_each_ranks_pipe(tmp_path):
     env = flight.environment(tmp_path)
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == str(flight.ENTRIES)
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / flight.STEM)
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"]
     pipe = tmp_path / f"{flight.STEM}0.pipe"  # what torch's monitor thread creates and reads
     os.mkfifo(pipe)
     reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)

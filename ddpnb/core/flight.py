@@ -26,8 +26,12 @@ DUMP_WAIT = 3.0  # seconds the ranks get to write their dumps (torch's monitor r
 def environment(run_dir: str | os.PathLike[str]) -> dict[str, str]:
     """What an NCCL run's ranks need in their environment for the kernel to dump their flight recorders."""
     stem = str(Path(run_dir) / STEM)
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+    nccl = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
             "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    # newer torch reads the backend-neutral names first (TORCH_FR_*), falling back to the NCCL ones
+    neutral = {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_FR_DUMP_TEMP_FILE": stem,
+               "TORCH_FR_DEBUG_INFO_PIPE_FILE": stem}
+    return {**nccl, **neutral}
 
 
 def request(run_dir: str | os.PathLike[str], ranks: list[int]) -> float:
