@@ -49,7 +49,6 @@ from ddpnb.core.stall import StallWatch, diagnose
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
-_NO_PROGRESS = frozenset({msg.Stacks, msg.GpuMemory})  # sent by a stuck rank too
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
@@ -276,14 +275,15 @@ class Run:
         record = self.record.ranks[rank]
         self._news = True
         self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
-        if type(message) not in _NO_PROGRESS:
-            self._active[rank] = self._clock
+        # progress is stamped in its branches (output in `_add_lines`); a stuck rank sends GPU memory and stacks too
         if isinstance(message, msg.Metric):
+            self._active[rank] = self._clock
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append((message.step, message.time, value))
         elif isinstance(message, msg.Output):
             self.output(rank, Stream(message.stream), message.data)
         elif isinstance(message, msg.Progress):
+            self._active[rank] = self._clock
             record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
             record.gpu_memory = (message.reserved, message.peak)
@@ -297,12 +297,15 @@ class Run:
             self.record.hint = _preload_hint(message)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
+            self._active[rank] = self._clock
         elif isinstance(message, msg.Returned):
+            self._active[rank] = self._clock
             self._returned.add(rank)
             if rank == 0:
                 self._payload, self._saved = message.payload, message.saved
         elif isinstance(message, msg.Reply):
             self._awaiting.discard(rank)
+            self._active[rank] = self._clock
             self._turn = True  # an answer is what the session waits for: announce it at once
             self._answers.append(message)  # released at the end of this read pass, after the output read with it
         elif isinstance(message, msg.Failed):
