@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpnb import engines
-from ddpnb.core import checkpoints, pickling, rundir, shared
+from ddpnb.core import checkpoints, flight, pickling, rundir, shared
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
@@ -26,6 +26,7 @@ from ddpnb.core.spec import (
     WorkerSpec,
     check_platform,
     local_gpu_count,
+    stall_seconds,
 )
 from ddpnb.engines.local import forkserver
 from ddpnb.engines.local.forkserver import PreloadError
@@ -34,7 +35,7 @@ from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 
 __all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "attempt", "check_options", "check_restarts", "device", "last_run",
-           "launch", "log", "plan", "preload", "run", "runs", "spawn", "start"]
+           "launch", "log", "plan", "preload", "run", "runs", "spawn", "stall_seconds", "start"]
 
 VIEW_VAR = "DDPNB_VIEW"
 MAX_LINES_VAR = "DDPNB_MAX_LINES"
@@ -112,7 +113,7 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
            args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
            placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
            keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
-           tensorboard: str | os.PathLike[str] | None = None) -> Run:
+           tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Run:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
     The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
@@ -133,11 +134,15 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     `fold=False` shows every rank's copy of a line the ranks all print (by default the text view and the
     dashboard's all-ranks log show it once, as `[ranks 0-3] ...`). `tensorboard=DIR` writes every rank's metrics
     as TensorBoard event files in `DIR/<run name>/rank<N>` while the run goes (`pip install tensorboard`).
+
+    `stall=S`: when no rank has made progress (output, a metric, a progress tick) for S seconds, the run is marked
+    stalled, with where each rank is, and goes on (default: adapted to the run; 0: never). `run.stacks()` gives
+    every rank's stack at any time.
     """
     return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args, view=view,
                  foreground=False, engine=engine, address=address, placement=placement, max_restarts=max_restarts,
                  checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints, resume=resume, fold=fold,
-                 tensorboard=tensorboard)
+                 tensorboard=tensorboard, stall=stall)
 
 
 def function_name(fn: Any) -> str:
@@ -180,7 +185,8 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
           foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None,
           max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None,
-          interactive: bool = False, fold: bool = True, tensorboard: str | os.PathLike[str] | None = None) -> Run:
+          interactive: bool = False, fold: bool = True, tensorboard: str | os.PathLike[str] | None = None,
+          stall: float | None = None) -> Run:
     """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
     `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
     global _last_record
@@ -188,6 +194,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     if timeout is not None and not timeout > 0:  # nan too
         raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
     check_restarts(max_restarts, keep_checkpoints)
+    stall = stall_seconds(stall)
     call_style = CallStyle(call_style)
     _check_callable(fn, tuple(args), call_style)
     kind = engines.kind_of(engine)
@@ -207,6 +214,8 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
                               "directory you can write to.") from None
     run_dir = rundir.new_run_dir()
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
+    if planned.backend == "nccl" and kind is EngineKind.LOCAL:  # the kernel can dump it at a stall or timeout
+        environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
     spec = WorkerSpec(
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
@@ -218,7 +227,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn),
               max_restarts=max_restarts,
               new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
-              shared=shipment)
+              shared=shipment, stall=stall)
     run.record.launch_note = planned.note  # the views' headers say it: information, not a warning on stderr
     if resumed:
         print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
@@ -249,36 +258,36 @@ def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | 
         args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
         placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
         keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
-        tensorboard: str | os.PathLike[str] | None = None) -> Any:
+        tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Any:
     """Run `fn` on every rank, show their output here, and return rank 0's return value.
 
     `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
     `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
-    `view`, `engine`, `address`, `placement`, restarts, checkpoints, `fold`, `tensorboard`: see `launch`. Raises
-    `WorkerError` if a rank fails (in the last attempt), with that rank's own traceback.
+    `view`, `engine`, `address`, `placement`, restarts, checkpoints, `fold`, `tensorboard`, `stall`: see `launch`.
+    Raises `WorkerError` if a rank fails (in the last attempt), with that rank's own traceback.
     """
     handle = start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
                    view=view, foreground=True, engine=engine, address=address, placement=placement,
                    max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
-                   resume=resume, fold=fold, tensorboard=tensorboard)
+                   resume=resume, fold=fold, tensorboard=tensorboard, stall=stall)
     return handle.result()
 
 
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
           daemon: bool = False, start_method: str = "spawn", *, fold: bool = True,
-          tensorboard: str | os.PathLike[str] | None = None) -> Run | None:
+          tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Run | None:
     """Drop-in for `torch.multiprocessing.spawn`: calls `fn(rank, *args)` on `nprocs` ranks.
 
     Unlike mp.spawn it works with functions defined in a notebook and streams their output. Ranks use one
     GPU each (device set, NCCL) when the machine has `nprocs` GPUs, else CPU ranks over gloo. `join=False`
     returns the `Run`, whose `join()` waits like mp.spawn's context. `daemon` and `start_method` are accepted for
-    compatibility and ignored: ranks are always fresh processes that ddpnb stops. `fold`, `tensorboard`: see
-    `launch`.
+    compatibility and ignored: ranks are always fresh processes that ddpnb stops. `fold`, `tensorboard`, `stall`:
+    see `launch`.
     """
     del daemon, start_method
     gpus = nprocs if nprocs <= local_gpu_count() else None
     handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style=CallStyle.SPAWN,
-                   foreground=join, fold=fold, tensorboard=tensorboard)
+                   foreground=join, fold=fold, tensorboard=tensorboard, stall=stall)
     if not join:
         return handle
     handle.result()

@@ -52,6 +52,10 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
     argument("--no-fold", action="store_true",
              help="show every rank's copy of a line the ranks all print (by default it shows once, as "
                   "[ranks 0-3] ...); the log files have every copy either way."),
+    argument("--stall", metavar="SECONDS",
+             help="when no rank has made progress (output, a metric, a progress tick) for this long, mark the run "
+                  "stalled and say where each rank is; it goes on (default: adapted to the run, at least 60 s; 0: "
+                  "off)."),
 ]
 
 
@@ -161,6 +165,7 @@ class DDPMagics(Magics):
             _api.check_restarts(args.max_restarts, args.keep_checkpoints, args.resume)
             if args.tensorboard is not None:
                 _api.check_tensorboard(args.tensorboard)
+            stall = _api.stall_seconds(args.stall)
         except _api.LaunchError as exc:
             raise UsageError(str(exc)) from None
         if not cell and not args.fn:
@@ -181,7 +186,7 @@ class DDPMagics(Magics):
                              engine=args.engine, address=args.address, placement=args.placement,
                              max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
                              keep_checkpoints=args.keep_checkpoints, resume=args.resume, fold=not args.no_fold,
-                             tensorboard=args.tensorboard)
+                             tensorboard=args.tensorboard, stall=stall)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         self._cell_runs[key] = run
@@ -367,7 +372,7 @@ class SessionMagics(Magics):
         try:
             _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
                                       engine=args.engine, address=args.address, placement=args.placement,
-                                      fold=not args.no_fold)
+                                      fold=not args.no_fold, stall=_api.stall_seconds(args.stall))
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
 

@@ -24,6 +24,7 @@ from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
 from ddpnb.views.fold import Folder
+from ddpnb.views.text import stall_lines
 
 GRACE = 5.0  # seconds the other ranks get to answer once one rank failed or was interrupted
 START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first session imports torch once)
@@ -90,11 +91,12 @@ class Session:
 
     def __init__(self, *, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
                  env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-                 placement: str | None = None, fold: bool = True) -> None:
+                 placement: str | None = None, fold: bool = True, stall: float | None = None) -> None:
         self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
-                       "address": address, "placement": placement}
+                       "address": address, "placement": placement, "stall": stall}
         self._fold = fold  # the same line from every rank shows once (`views.fold`)
         self._number = 0
+        self._stall_said: object = None  # the run's stall whose lines were printed
         self.state = SessionState.STOPPED
         self.run: Run | None = None
         self._start()
@@ -244,7 +246,12 @@ class Session:
         for line in lines:
             stream = sys.stderr if line.stream is Stream.STDERR else sys.stdout
             stream.write(f"{line.tag} {line.text}\n")
-        if lines:
+        stall = run.record.stall
+        if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
+            self._stall_said = stall
+            sys.stdout.write(stall_lines(stall).replace("the run goes on; run.stacks()", "the command goes on; "
+                                                        "session.run.stacks()"))
+        if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()
         return count
@@ -308,11 +315,12 @@ def _named(ranks: Iterable[int]) -> str:
 
 def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
             env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-            placement: str | None = None, fold: bool = True) -> Session:
+            placement: str | None = None, fold: bool = True, stall: float | None = None) -> Session:
     """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Same flags as `ddpnb.run`;
-    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
+    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up. `stall`:
+    seconds a command may go without progress on any rank before the session says where each rank is."""
     return Session(gpus=gpus, nprocs=nprocs, backend=backend, env=env, engine=engine, address=address,
-                   placement=placement, fold=fold)
+                   placement=placement, fold=fold, stall=stall)
 
 
 def current_session() -> Session | None:

@@ -181,6 +181,77 @@ class Attempt:
 
 
 @dataclass(frozen=True)
+class RankWhere:
+    """Where one rank is, in a few words, from its stack (`core.stall.locate`)."""
+
+    rank: int
+    quiet: float  # seconds since the rank's last output, metric, progress tick or message
+    waits_in: str = ""  # the collective or store wait it is blocked in ("all_reduce"); "" outside one
+    call: str = ""  # outside one: the call on its line ("time.sleep"), where the line says
+    at: str = ""  # its line: "Cell In[4], line 6" or 'File "train.py", line 6'; "" where no stack came
+    ended: str = ""  # a rank no longer in its function: "returned", "finished", "failed", "stopped"
+
+    def phrase(self, plural: bool = False) -> str:
+        """'waits in all_reduce (Cell In[4], line 7)', 'is in time.sleep (...)', 'is at ...' ('wait'/'are')."""
+        at = f" ({self.at})" if self.at else ""
+        if self.ended:
+            return f"{'have' if plural else 'has'} {self.ended}"
+        if self.waits_in:
+            return f"{'wait' if plural else 'waits'} in {self.waits_in}{at}"
+        if self.call:
+            return f"{'are' if plural else 'is'} in {self.call}{at}"
+        return f"{'are' if plural else 'is'} at {self.at}" if self.at else "sent no stack"
+
+
+@dataclass
+class Diagnosis:
+    """Where every rank is, at a stall or at the timeout: one phrase per rank, and the stacks it came from."""
+
+    taken: float  # time.time()
+    ranks: list[RankWhere]
+    stacks: dict[int, str] = field(default_factory=dict)
+    flight: list[str] = field(default_factory=list)  # NCCL runs: the flight recorder's summary (`core.flight`)
+
+    def summary(self) -> str:
+        """One line, ranks grouped by where they are, those not waiting first: 'rank 1 is in time.sleep (Cell
+        In[4], line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'."""
+        groups: dict[tuple[str, str, str, str], list[int]] = {}
+        for where in self.ranks:
+            groups.setdefault((where.ended, where.waits_in, where.call, where.at), []).append(where.rank)
+        first = {where.rank: where for where in self.ranks}
+        order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
+        return "; ".join(f"{named(ranks)} {first[ranks[0]].phrase(len(ranks) > 1)}" for _, ranks in order)
+
+    def rank_lines(self) -> list[str]:
+        """One line per rank with its time since its last activity."""
+        return [f"rank {w.rank}: {w.phrase()}, {format_duration(w.quiet)} since its last activity" for w in self.ranks]
+
+
+@dataclass
+class Stall:
+    """No rank made progress for `threshold` seconds: the run goes on, marked stalled, until one does."""
+
+    since: float  # time.time() of the last progress of any rank
+    threshold: float  # seconds (--stall, or adapted to the run: `core.stall.StallWatch`)
+    diagnosis: Diagnosis
+    resumed: float | None = None  # when a rank made progress again
+
+    @property
+    def ongoing(self) -> bool:
+        return self.resumed is None
+
+    def headline(self) -> str:
+        quiet = self.diagnosis.taken - self.since
+        return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {self.threshold:g} s): "
+                f"{self.diagnosis.summary()}")
+
+
+def named(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 0, 2'"""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
+@dataclass(frozen=True)
 class DataSent:
     """What a launch sent the ranks through shared memory (`core.shared`) rather than in a pickle."""
 
@@ -214,6 +285,13 @@ class RunRecord:
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
     data: DataSent | None = None  # notebook data sent through shared memory (local engine)
     launch_note: str = ""  # how the request was read (a CPU fallback), said in every view's header
+    stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
+    at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
+
+    @property
+    def stalled(self) -> bool:
+        """No rank has made progress for the stall threshold, and the run is still going."""
+        return self.stall is not None and self.stall.ongoing and self.outcome is Outcome.RUNNING
 
     @property
     def first_failure(self) -> Failure | None:
@@ -351,6 +429,10 @@ class WorkerError(RuntimeError):
             parts.append(f"ddpnb: {stopped_line(record)}.")
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
+            if record.at_timeout is not None:  # where each rank was, one line each, before the stacks
+                parts.append(f"where each rank was: {record.at_timeout.summary()}")
+                parts.extend(f"  {line}" for line in record.at_timeout.rank_lines())
+                parts.extend(f"  {line}" for line in record.at_timeout.flight)
         if record.attempts:
             parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
                          "the earlier ones, each ended by stopping every rank and starting them all again:")

@@ -23,12 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddpnb.core import checkpoints, pickling, rundir
+from ddpnb.core import checkpoints, flight, pickling, rundir
 from ddpnb.core import messages as msg
 from ddpnb.core.engine import Engine
 from ddpnb.core.output import LineBuffer, LineDecoder, last_text
 from ddpnb.core.record import (
     Attempt,
+    Diagnosis,
     Failure,
     Outcome,
     OutputLine,
@@ -37,6 +38,7 @@ from ddpnb.core.record import (
     RankState,
     RunInterrupted,
     RunRecord,
+    Stall,
     WorkerError,
     describe_exit,
     format_duration,
@@ -44,8 +46,11 @@ from ddpnb.core.record import (
 )
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
+from ddpnb.core.stall import StallWatch, diagnose
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
+STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
+_RUNNING = (RankState.STARTING, RankState.RUNNING)
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
@@ -57,10 +62,12 @@ class Run:
 
     def __init__(self, spec: WorkerSpec, devices: list[str], engine: Engine, timeout: float | None = None,
                  function: str = "", max_restarts: int = 0,
-                 new_engine: Callable[[WorkerSpec], Engine] | None = None, shared: Shipment | None = None) -> None:
+                 new_engine: Callable[[WorkerSpec], Engine] | None = None, shared: Shipment | None = None,
+                 stall: float | None = None) -> None:
         """`engine` runs the first attempt; `new_engine(spec)` makes the engine of each restart (up to
         `max_restarts`), with the attempt's own spec. `timeout` bounds each attempt. `shared`: the notebook data
-        the ranks map (`core.shared`); the caller commits it after `start`."""
+        the ranks map (`core.shared`); the caller commits it after `start`. `stall`: seconds without progress
+        that mark the run stalled (None: adapted to the run, `core.stall`; 0: never)."""
         self.spec = spec
         self.engine = engine
         self.shared = shared  # the notebook data the ranks map (`core.shared`); the caller commits it after `start`
@@ -91,7 +98,7 @@ class Run:
         self._stop_requested: tuple[Outcome, str] | None = None
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._serving = False
-        self._stack_requests: list[tuple[list[int], threading.Event]] = []
+        self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
         self._done = threading.Event()
         self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
         self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
@@ -103,6 +110,12 @@ class Run:
         self.replies: queue.SimpleQueue[msg.Reply] = queue.SimpleQueue()  # sessions: the ranks' answers
         self._answers: list[msg.Reply] = []
         self._sent_at = 0.0  # when the latest session command was sent
+        self._stall_setting = stall
+        self._watch = StallWatch(spec.world_size, stall)
+        self._active = self._watch.active  # each rank's latest activity, stamped with `_clock`
+        self._clock = time.monotonic()  # the reader's clock, read once a pass (`tick`): a message stores it
+        self._stalled_latest = 0.0  # the run's latest activity when the ongoing stall began
+        self._awaiting: set[int] = set()  # sessions: the ranks whose answer to a command is awaited
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -119,6 +132,7 @@ class Run:
             self.engine.start(self, self._result_fd, self.shared)
             # the duration and the timeout count from the first rank's start, not from the forkserver's first import
             self.record.started = self._attempt_started = self.record.ranks[0].started
+            self._watch.idle(time.monotonic())  # the ranks' start is no quiet spell of theirs
             _live_runs.add(self)
             self._serving = True
             threading.Thread(target=self._serve, name=f"ddpnb-{self.engine.kind}-run", daemon=True).start()
@@ -145,7 +159,8 @@ class Run:
         """One line: the outcome so far, the time, and each rank's state."""
         record = self.record
         ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
-        return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks})"
+        stalled = f", stalled: {record.stall.diagnosis.summary()}" if record.stall and record.stalled else ""
+        return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks}){stalled}"
 
     @property
     def nodes(self) -> dict[int, str]:
@@ -254,6 +269,7 @@ class Run:
     def _add_lines(self, rank: int, stream: Stream, lines: list[str]) -> None:
         record = self.record.ranks[rank]
         self._news = True
+        self._active[rank] = self._clock
         self._lines.add(rank, stream, lines)
         record.lines += len(lines)
         record.last_line = lines[-1]
@@ -265,12 +281,15 @@ class Run:
         record = self.record.ranks[rank]
         self._news = True
         self._turn = self._turn or isinstance(message, (msg.Started, msg.Returned, msg.Failed))
+        # progress is stamped in its branches (output in `_add_lines`); a stuck rank sends GPU memory and stacks too
         if isinstance(message, msg.Metric):
+            self._active[rank] = self._clock
             for name, value in message.values.items():
                 record.metrics.setdefault(name, []).append(Point(message.step, message.time, value))
         elif isinstance(message, msg.Output):
             self.output(rank, Stream(message.stream), message.data)
         elif isinstance(message, msg.Progress):
+            self._active[rank] = self._clock
             record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
             record.gpu_memory = (message.reserved, message.peak)
@@ -284,11 +303,15 @@ class Run:
             self.record.hint = _preload_hint(message)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
+            self._active[rank] = self._clock
         elif isinstance(message, msg.Returned):
+            self._active[rank] = self._clock
             self._returned.add(rank)
             if rank == 0:
                 self._payload, self._saved = message.payload, message.saved
         elif isinstance(message, msg.Reply):
+            self._awaiting.discard(rank)
+            self._active[rank] = self._clock
             self._turn = True  # an answer is what the session waits for: announce it at once
             self._answers.append(message)  # released at the end of this read pass, after the output read with it
         elif isinstance(message, msg.Failed):
@@ -332,31 +355,43 @@ class Run:
     def send(self, ranks: list[int], command: bytes) -> None:
         """Deliver a session command to `ranks`; their `Reply` messages arrive in `replies`."""
         self._sent_at = time.monotonic()
+        self._awaiting.update(ranks)
         self.engine.send(ranks, command)
 
     def interrupt(self, ranks: list[int]) -> None:
         self.engine.interrupt(ranks)
 
+    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+        """Every running rank's Python stack now, from the user's code down: `{rank: text}` (local ranks: every
+        thread's; Ray: the training thread's). The run goes on; `{}` once it has ended."""
+        if self.done:
+            return {}
+        return self.collect_stacks([r.rank for r in self.record.ranks if r.state in _RUNNING], wait)
+
     def collect_stacks(self, ranks: list[int], wait: float) -> dict[int, str]:
-        """Each of `ranks`' stacks now, from the user's code down (a session asks from its own thread)."""
-        for rank in ranks:
-            self.record.ranks[rank].stack = ""
+        """Each of `ranks`' stacks now, from the user's code down (asked from any thread but the reader's)."""
+        taken: dict[int, str] = {}
         collected = threading.Event()
-        self._stack_requests.append((list(ranks), collected))
-        collected.wait(wait)
-        return {rank: self.record.ranks[rank].stack for rank in ranks}
+        self._stack_requests.append((list(ranks), taken, collected))
+        deadline = time.monotonic() + wait
+        while not collected.wait(0.1) and not self._done.is_set() and time.monotonic() < deadline:
+            continue  # a run that ends meanwhile sends no stacks
+        return {rank: taken.get(rank, "") for rank in ranks}
 
     def tick(self) -> None:
+        self._clock = time.monotonic()
         self._release_answers()
-        while self._stack_requests:  # asked for by another thread (a session): collected in the reader's thread
-            ranks, collected = self._stack_requests.pop(0)
-            self.engine.collect_stacks(ranks)
+        while self._stack_requests:  # asked for by another thread: collected in the reader's thread
+            ranks, taken, collected = self._stack_requests.pop(0)
+            taken.update(self._take_stacks(ranks))
             collected.set()
         if self._stop_requested and self._stop_reason is None:
             self._begin_stop(*self._stop_requested)
         elif self.timeout and self._stop_reason is None and time.time() - self._attempt_started > self.timeout:
-            self._collect_stacks()
+            self.record.at_timeout = self._diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.timeout:g} s timeout (--timeout)")
+        elif self._watch.enabled and self._stop_reason is None:
+            self._check_stall()
         if self._escalate_at is not None and time.monotonic() > self._escalate_at:
             after = self.engine.escalate()
             self._escalate_at = None if after is None else time.monotonic() + after
@@ -387,9 +422,50 @@ class Run:
         after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
         self._escalate_at = None if after is None else time.monotonic() + after
 
-    def _collect_stacks(self) -> None:
-        running = [r.rank for r in self.record.ranks if r.state in (RankState.STARTING, RankState.RUNNING)]
-        self.engine.collect_stacks(running)
+    # --- the stall doctor ----------------------------------------------------------------------------------------
+    def _check_stall(self) -> None:
+        """Mark the run stalled once no rank made progress for the threshold, and unmark it when one does."""
+        watch, record, now = self._watch, self.record, self._clock
+        quiet = watch.update(now)
+        stall = record.stall
+        if stall is not None and stall.ongoing:
+            if watch.latest > self._stalled_latest:  # a rank made progress again
+                stall.resumed = time.time()
+                self._news = self._turn = True
+            return
+        if self.spec.interactive and not self._awaiting:  # a session between commands: waiting is its job
+            watch.idle(now)
+            return
+        threshold = watch.threshold()
+        if quiet <= threshold or not any(r.state in _RUNNING and r.rank not in self._returned for r in record.ranks):
+            return
+        self._stalled_latest = watch.latest
+        record.stall = Stall(since=time.time() - quiet, threshold=threshold, diagnosis=self._diagnose())
+        self._news = self._turn = True
+
+    def _diagnose(self, keep: bool = False) -> Diagnosis:
+        """Where every rank is now: its stack (`keep`: left in the record, as a timeout's report shows them) and,
+        on NCCL runs, its flight recorder."""
+        running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
+        nccl = self.record.backend == "nccl" and self.record.engine is EngineKind.LOCAL
+        asked = flight.request(self.spec.run_dir, running) if nccl else 0.0  # dumped while the stacks come
+        if keep:
+            self.engine.collect_stacks(running)
+            stacks = {rank: self.record.ranks[rank].stack for rank in running}
+        else:
+            stacks = self._take_stacks(running)
+        recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if nccl else []
+        return diagnose(self.record.ranks, stacks, self._active, self._returned, recorded)
+
+    def _take_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """`ranks`' stacks now, leaving the record's as they were (those are what a timeout found)."""
+        records = self.record.ranks
+        kept = {rank: (records[rank].stack, records[rank].stalled_state) for rank in ranks}
+        self.engine.collect_stacks(ranks)
+        taken = {rank: records[rank].stack for rank in ranks}
+        for rank, (stack, state) in kept.items():
+            records[rank].stack, records[rank].stalled_state = stack, state
+        return taken
 
     def _serve(self) -> None:
         """The reader thread: serve each attempt until the last one ends, then conclude the run."""
@@ -403,6 +479,8 @@ class Run:
                 if not self._restart():
                     return
         finally:  # whatever failed above (a full disk), release everything and let `wait()` return
+            for _, _, collected in self._stack_requests:  # no stacks will come now
+                collected.set()
             self._release_answers()
             self._release()
             self._conclude()
@@ -436,6 +514,9 @@ class Run:
         # what is one attempt's starts afresh; the record, the lines, the directory's lock and the views stay
         record.attempt += 1
         record.failures = []
+        record.stall = record.at_timeout = None
+        self._watch = StallWatch(self.spec.world_size, self._stall_setting)
+        self._active = self._watch.active
         record.ranks = self._rank_records(record.attempt)
         self._decoders = {}
         self._payload, self._saved = None, False
@@ -457,6 +538,7 @@ class Run:
                 rank.state = RankState.STOPPED
             return False
         self._attempt_started = record.ranks[0].started
+        self._watch.idle(time.monotonic())
         self._serving = True
         self._announce()  # the views show the new attempt at once
         return True

@@ -72,6 +72,20 @@ class WorkerSpec:
     keep_checkpoints: int = 3  # complete checkpoints kept; older ones are deleted after each save
 
 
+def stall_seconds(stall: object) -> float | None:
+    """--stall / `stall=`: seconds without progress that mark a run stalled; None (adapt to the run) or 0 (off)."""
+    if stall is None:
+        return None
+    try:
+        seconds = float(stall) if not isinstance(stall, bool) else -1.0
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):  # nan too
+        raise LaunchError(f"stall takes a number of seconds without progress after which the run is marked stalled "
+                          f"(0 turns this off; leave it out to adapt to the run), not {stall!r}: e.g. --stall 120.")
+    return seconds
+
+
 CPU_FALLBACK_VAR = "DDPNB_CPU_FALLBACK"
 DEFAULT_CPU_RANKS = 2
 

@@ -67,6 +67,8 @@ COLLECTIVES = frozenset({
     "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
     "batch_isend_irecv", "wait",
 })
+# what a rank waits in on the run's store (torch's own store barriers and waits; `store.get` blocks until set)
+STORE_WAITS = frozenset({"_store_based_barrier", "store_based_barrier", "synchronize", "get_all", "wait_for_workers"})
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 
 
@@ -77,6 +79,23 @@ def _library(filename: str) -> bool:
 
 
 _STDLIB = os.path.dirname(threading.__file__) + os.sep
+
+
+def frames_of(stack: str) -> list[tuple[str, int, str]]:
+    """The (file, line, function) frames of the first thread in `stack` that runs the user's code, oldest first
+    (faulthandler's dump lists them newest first, a traceback oldest first); [] when no thread does."""
+    for block in stack.split("\n\n"):
+        frames = [(file, int(line), name) for file, line, name in _FRAME.findall(block)]
+        if "most recent call first" in block:
+            frames.reverse()
+        if any(not _library(file) for file, _, _ in frames):
+            return frames
+    return []
+
+
+def is_library(filename: str) -> bool:
+    """A frame of ddpnb, the standard library or an installed package: not where the user's code is."""
+    return _library(filename)
 
 
 def where(stack: str) -> str:

@@ -103,6 +103,10 @@ STYLE = """<style>
 .ddpnb-error pre{margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto;
   color:var(--jp-content-font-color1,#212121)}
 .ddpnb-error-title{font-weight:600;color:var(--jp-error-color1,#d32f2f)}
+.ddpnb-stall{border-left:3px solid var(--jp-warn-color1,#f57c00);background:var(--jp-warn-color3,#fff3e0);
+  padding:4px 10px;margin:4px 0}
+.ddpnb-stall-title{font-weight:600;color:var(--jp-warn-color1,#f57c00)}
+.ddpnb-stacks pre{margin:2px 0 6px;white-space:pre;max-height:320px;overflow:auto}
 .ddpnb-section{font-weight:600;font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161);
   text-transform:uppercase;letter-spacing:.04em;margin:6px 0 2px}
 .ddpnb .widget-toggle-buttons .widget-toggle-button{font-size:var(--jp-ui-font-size0,12px)}
@@ -112,7 +116,9 @@ STYLE = """<style>
 # --- pure renderers: record -> HTML ------------------------------------------------------------------------------
 
 def overall_state(record: RunRecord) -> str:
-    """The run's state in the words the rank rows use: 'running', 'finished', 'failed', 'stopped', ..."""
+    """The run's state in the words the rank rows use: 'running', 'stalled', 'finished', 'failed', ..."""
+    if record.stalled:
+        return "stalled"
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
 
 
@@ -149,7 +155,8 @@ def header_html(record: RunRecord) -> str:
     note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
                        _devices(record), *note, *attempt, format_duration(record.duration)])
-    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), _RUN_COLOURS[record.outcome])}'
+    colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
+    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), colour)}'
             f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
 
 
@@ -436,6 +443,33 @@ def error_html(record: RunRecord) -> str:
     return "".join(parts)
 
 
+def stall_html(record: RunRecord) -> str:
+    """The stall banner: where each rank is while no rank makes progress; one line once progress resumed."""
+    stall = record.stall
+    if stall is None:
+        return ""
+    if not stall.ongoing:
+        assert stall.resumed is not None
+        return (f'<div class="ddpnb-muted" data-stall="resumed">stalled for {stall.resumed - stall.since:.0f} s '
+                f'({html.escape(stall.diagnosis.summary())}), then progress resumed</div>')
+    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*stall.diagnosis.rank_lines(),
+                                                                    *stall.diagnosis.flight])
+    tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
+            else f"still stalled when the run ended ({record.outcome.value})")
+    return (f'<div class="ddpnb-stall" data-stall="ongoing"><div class="ddpnb-stall-title">'
+            f'{html.escape(stall.headline())}</div><div class="ddpnb-mono">{lines}</div>'
+            f'<div class="ddpnb-muted">{html.escape(tail)}</div></div>')
+
+
+def stacks_html(stacks: dict[int, str]) -> str:
+    """Every rank's stack, as `Run.stacks()` gave them."""
+    if not stacks:
+        return '<div class="ddpnb-muted">no rank is running: no stacks</div>'
+    return '<div class="ddpnb-stacks"><div class="ddpnb-section">stacks</div>' + "".join(
+        f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono">'
+        f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
+
+
 def _log_location(record: RunRecord) -> str:
     attempt = f".attempt{record.attempt}" if record.max_restarts else ""
     return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempt}.log</code>"
@@ -463,7 +497,8 @@ def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine]) ->
             f'</summary>{log_html((_any_line_html(line) for line in tail), note)}</details>')
     hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record) if metric_names(record) else ""}{error_html(record)}{resume_html(record)}{logs}'
+            f'{plots_html(record) if metric_names(record) else ""}{stall_html(record)}{error_html(record)}'
+            f'{resume_html(record)}{logs}'
             f'{hint}</div>')
 
 
@@ -505,6 +540,14 @@ class Dashboard:
                      else "Stop every rank of this run"),
             layout=widgets.Layout(width="auto", height="26px"))
         self.stop_button.on_click(self._on_stop)
+        self.stacks_button = widgets.Button(
+            description="Stacks", icon="list", disabled=foreground,
+            tooltip=("Interrupt the kernel, or run with --background, to ask: this cell is waiting for the run"
+                     if foreground else "Show where every rank is now (its Python stack)"),
+            layout=widgets.Layout(width="auto", height="26px"))
+        self.stacks_button.on_click(self._on_stacks)
+        self.stacks = widgets.HTML(layout=widgets.Layout(display="none"))
+        self.stall = widgets.HTML()
         self.ranks = widgets.HTML()
         self.plots = widgets.HTML()
         options = [("all ranks", -1)] + [(f"rank {r}", r) for r in range(self.record.world_size)]
@@ -518,9 +561,9 @@ class Dashboard:
         log_bar = widgets.HBox([widgets.HTML('<div class="ddpnb-section">output</div>'), self.log_picker],
                                layout=widgets.Layout(align_items="center", gap="10px"))
         self.widget = widgets.VBox(
-            [widgets.HTML(STYLE), widgets.HBox([self.header, self.stop_button],
+            [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
-             self.ranks, self.error, self.plots, log_bar, self.log],
+             self.ranks, self.stall, self.error, self.plots, log_bar, self.log, self.stacks],
             layout=widgets.Layout(padding="2px 4px"))
         self.widget.add_class("ddpnb")
         self._render()
@@ -553,8 +596,9 @@ class Dashboard:
                 return
             self._finished = True
             self._render()
-            self.stop_button.disabled = True
-            self.stop_button.layout.display = "none"
+            for button in (self.stop_button, self.stacks_button):
+                button.disabled = True
+                button.layout.display = "none"
             if self._display is not None:
                 self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all]),
                                       "text/plain": summary_text(self.record)}, raw=True)
@@ -566,6 +610,7 @@ class Dashboard:
             self._take_lines()
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
+            self.stall.value = stall_html(record)
             signature = metrics_signature(record)
             if signature != self._metrics_seen and (time.monotonic() - self._plotted >= PLOT_INTERVAL
                                                     or self._finished):  # the final state is drawn whole
@@ -621,3 +666,17 @@ class Dashboard:
         run = self.run
         if run is not None:  # stop() waits for the ranks to exit; the kernel must not wait with it
             threading.Thread(target=run.stop, name="ddpnb-stop", daemon=True).start()
+
+    def _on_stacks(self, button: Any) -> None:
+        run = self.run
+        if run is None:
+            return
+        button.disabled, button.description = True, "Collecting…"
+
+        def show() -> None:  # stacks() waits for the ranks' dumps: not in the kernel's thread
+            self.stacks.value = stacks_html(run.stacks())
+            self.stacks.layout.display = None
+            button.description = "Stacks"
+            button.disabled = self._finished
+
+        threading.Thread(target=show, name="ddpnb-stacks", daemon=True).start()

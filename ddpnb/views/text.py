@@ -12,7 +12,7 @@ import sys
 import time
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, format_duration
+from ddpnb.core.record import Attempt, Outcome, Stall, format_duration
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.views.fold import FoldedLine, Folder
@@ -29,6 +29,8 @@ class TextView:
         self.skipped = 0
         self.summarised = False
         self.restarts_shown = 0  # earlier attempts whose restart line was written
+        self.stall_shown: Stall | None = None  # the stall whose lines were written
+        self.resume_shown: Stall | None = None  # ... and whose end was
         record = run.record
         self.folder = Folder(record.world_size, enabled=fold)
         devices = ", ".join(sorted({r.device for r in record.ranks}))
@@ -52,6 +54,7 @@ class TextView:
             self._write(self._limit(self.folder.add(before, now) + self.folder.flush()))
             self._restarted(attempt)
         self._write(self._limit(self.folder.add(new, now) + (self.folder.flush() if done else [])))
+        self._stall()
         self.out.flush()
         self.err.flush()
         if done and not self.summarised:
@@ -73,6 +76,20 @@ class TextView:
                 stream = self.err if shown[start].stream is Stream.STDERR else self.out
                 stream.write("".join(f"{line.tag} {line.text}\n" for line in shown[start:end]))
                 start = end
+
+    def _stall(self) -> None:
+        """A stall's lines once, where it was found; one line when progress resumes."""
+        stall = self.run.record.stall
+        if stall is None:
+            return
+        if stall is not self.stall_shown:
+            self.stall_shown = stall
+            self.out.write(stall_lines(stall))
+        if not stall.ongoing and stall is not self.resume_shown:
+            self.resume_shown = stall
+            assert stall.resumed is not None
+            self.out.write(f"[ddpnb] progress resumed: no longer stalled, after {format_duration(stall.resumed - stall.since)} "
+                           "without progress\n")
 
     def _restarted(self, attempt: Attempt) -> None:
         self.restarts_shown += 1
@@ -97,3 +114,11 @@ class TextView:
             self.out.write(f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
                            f"(or --resume {record.run_dir})\n")
         self.out.flush()
+
+
+def stall_lines(stall: Stall) -> str:
+    """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's."""
+    lines = [f"[ddpnb] {stall.headline()}"]
+    lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
+    lines.append("[ddpnb]   the run goes on; run.stacks() gives every rank's stack now")
+    return "\n".join(lines) + "\n"
