@@ -38,6 +38,7 @@ from ddpnb.core.record import (
     RunRecord,
     WorkerError,
     describe_exit,
+    flag_stragglers,
     is_knock_on,
 )
 from ddpnb.core.shared import Shipment
@@ -268,6 +269,11 @@ class Run:
             record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
             record.gpu_memory = (message.reserved, message.peak)
+        elif isinstance(message, msg.StepTimes):
+            record.step_times.append(message)
+            flag_stragglers(self.record.ranks)
+        elif isinstance(message, msg.Hardware):
+            record.hardware.append(message)
         elif isinstance(message, msg.Stacks):
             record.stack, record.stalled_state = message.text, record.state
         elif isinstance(message, msg.Placed):
