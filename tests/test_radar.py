@@ -10,7 +10,7 @@ import pytest
 
 import ddpnb
 from ddpnb.core import messages as msg
-from ddpnb.core.record import RankRecord, flag_stragglers
+from ddpnb.core.record import RankRecord, RankState, flag_stragglers
 from ddpnb.rank import radar
 from ddpnb.views import dashboard
 
@@ -45,9 +45,17 @@ def ddp_loop_with_a_slow_rank(rank: int, steps: int, slow: int) -> dict[str, flo
 
 
 def test_rank_with_twice_the_compute_is_the_only_straggler():
-    ddpnb.run(ddp_loop_with_a_slow_rank, nprocs=4, args=(400, 3), view="none", timeout=120)
-    record = ddpnb.last_run()
+    run = ddpnb.launch(ddp_loop_with_a_slow_rank, nprocs=4, args=(400, 3), view="none", timeout=120)
+    record = run.record
+    live = ""
+    deadline = time.monotonic() + 100
+    while not run.done and time.monotonic() < deadline and not live:
+        if record.ranks[3].straggler and record.ranks[3].state is RankState.RUNNING:
+            live = dashboard.ranks_html(record)  # the dashboard's row while the run goes on
+        time.sleep(0.05)
+    run.result()
     computes = {r.rank: r.compute_per_step for r in record.ranks}
+    assert 'data-rank="3" data-state="running" data-straggler=' in live, f"not flagged live: {computes}"
     assert all(c is not None for c in computes.values()), f"a rank reported no compute: {computes}"
     flagged = {r.rank: r.straggler for r in record.ranks if r.straggler}
     assert list(flagged) == [3], f"expected only rank 3 flagged; flagged {flagged}, compute per step {computes}"

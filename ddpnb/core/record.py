@@ -146,14 +146,17 @@ class RankRecord:
 def flag_stragglers(ranks: list[RankRecord]) -> None:
     """Flag each rank whose compute per step is at least STRAGGLER_RATIO times the median of the other ranks'."""
     computes = {r.rank: c for r in ranks if (c := r.compute_per_step) is not None}
+    ordered = sorted(computes.values())
     for rank in ranks:
-        others = [c for other, c in computes.items() if other != rank.rank]
         mine = computes.get(rank.rank)
-        if mine is None or not others:
-            rank.slower_by = None
+        rank.slower_by = None
+        if mine is None or len(ordered) < 2:
             continue
+        others = list(ordered)
+        others.remove(mine)
         median = statistics.median(others)
-        rank.slower_by = mine / median - 1 if median > 0 and mine >= STRAGGLER_RATIO * median else None
+        if median > 0 and mine >= STRAGGLER_RATIO * median:
+            rank.slower_by = mine / median - 1
 
 
 def sparkline(values: list[float], top: float | None = None) -> str:

@@ -47,6 +47,7 @@ from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
+RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
 
 _live_runs: set[Run] = set()
 
@@ -102,6 +103,8 @@ class Run:
         self.replies: queue.SimpleQueue[msg.Reply] = queue.SimpleQueue()  # sessions: the ranks' answers
         self._answers: list[msg.Reply] = []
         self._sent_at = 0.0  # when the latest session command was sent
+        self._radar_due = False  # compute reports arrived since the last straggler verdict
+        self._radar_at = 0.0
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -271,7 +274,7 @@ class Run:
             record.gpu_memory = (message.reserved, message.peak)
         elif isinstance(message, msg.StepTimes):
             record.step_times.append(message)
-            flag_stragglers(self.record.ranks)
+            self._radar_due = True  # judged in `tick`, at most once a RADAR_INTERVAL however many ranks report
         elif isinstance(message, msg.Hardware):
             record.hardware.append(message)
         elif isinstance(message, msg.Stacks):
@@ -348,6 +351,7 @@ class Run:
 
     def tick(self) -> None:
         self._release_answers()
+        self._judge_stragglers()
         while self._stack_requests:  # asked for by another thread (a session): collected in the reader's thread
             ranks, collected = self._stack_requests.pop(0)
             self.engine.collect_stacks(ranks)
@@ -363,6 +367,11 @@ class Run:
         if self._turn or (self._news and time.monotonic() - self._last_news >= self.engine.announce_every):
             self._announce()  # output at most once an `announce_every`, however it floods in; a turn at once
             self._last_news = time.monotonic()
+
+    def _judge_stragglers(self, now: bool = False) -> None:
+        if self._radar_due and (now or time.monotonic() - self._radar_at >= RADAR_INTERVAL):
+            self._radar_due, self._radar_at = False, time.monotonic()
+            flag_stragglers(self.record.ranks)
 
     # --- stopping and ending -----------------------------------------------------------------------------------
     def _release_answers(self) -> None:
@@ -410,6 +419,7 @@ class Run:
     def _end_attempt(self) -> None:
         """The attempt's ranks are gone: close its engine, and end its logs with how each rank ended."""
         try:
+            self._judge_stragglers(now=True)  # the last reports count too
             self.engine.close()
             for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
                 if decoder.partial or decoder.partial_cut:
@@ -440,7 +450,7 @@ class Run:
         self._decoders = {}
         self._payload, self._saved = None, False
         self._close_result_file()
-        self._returned, self._stopping = set(), {}
+        self._returned, self._stopping, self._radar_due = set(), {}, False
         self._stop_reason, self._stop_note, self._escalate_at = None, "", None
         self.spec = replace(self.spec, attempt=record.attempt, master_port=0)
         try:
