@@ -66,28 +66,35 @@ def test_rank_with_twice_the_compute_is_the_only_straggler():
     assert rows.count("data-straggler=") == 1 and 'data-rank="3" data-state="finished" data-straggler=' in rows
 
 
-def waits_in_all_reduce_while_rank_0_sleeps(rank: int) -> None:
-    """Rank 0 sleeps before each all_reduce; the others wait in it, which must not count as their compute."""
+def waits_while_rank_0_sleeps(rank: int, where: str) -> None:
+    """Rank 0 sleeps each step before its collective; rank 1 waits for it, in `dist.all_reduce` or in DDP's
+    reducer (inside `backward()`, in C++), which must not count as rank 1's compute."""
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     import ddpnb
 
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
     for step in range(12):
         if rank == 0:
             time.sleep(0.1)
-        dist.all_reduce(torch.ones(4))
+        if where == "all_reduce":
+            dist.all_reduce(torch.ones(4))
+        else:
+            model(torch.ones(2, 8)).sum().backward()
         ddpnb.log(step=step)
 
 
-def test_time_waiting_in_a_collective_is_not_compute():
-    ddpnb.run(waits_in_all_reduce_while_rank_0_sleeps, nprocs=2, view="none", timeout=60)
+@pytest.mark.parametrize("where", ["all_reduce", "ddp"])
+def test_time_waiting_in_a_collective_is_not_compute(where):
+    ddpnb.run(waits_while_rank_0_sleeps, nprocs=2, args=(where,), view="none", timeout=60)
     record = ddpnb.last_run()
     waiter = record.ranks[1]
     walls = sum(t.wall for t in waiter.step_times)
     computes = sum(t.compute for t in waiter.step_times)
     assert walls > 0.5, f"rank 1 reported too little: {list(waiter.step_times)}"
-    # rank 1 spends ~0.1 s a step blocked in all_reduce: its compute is a small part of its wall time
+    # rank 1 spends ~0.1 s a step blocked waiting for rank 0: its compute is a small part of its wall time
     assert computes < 0.25 * walls, f"rank 1's wait was counted as compute: {computes:.3f} s of {walls:.3f} s"
     assert record.ranks[1].straggler == ""
 

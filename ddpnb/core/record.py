@@ -159,15 +159,15 @@ def flag_stragglers(ranks: list[RankRecord]) -> None:
             rank.slower_by = mine / median - 1
 
 
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
 def sparkline(values: list[float], top: float | None = None) -> str:
     """'▁▃▇█': each value as a block, the tallest at `top` (else the largest value)."""
     top = top if top is not None else max(values, default=0.0)
     if not values or top <= 0:
         return ""
     return "".join(_BLOCKS[min(len(_BLOCKS) - 1, max(0, round(v / top * (len(_BLOCKS) - 1))))] for v in values)
-
-
-_BLOCKS = "▁▂▃▄▅▆▇█"
 
 
 def size_text(count: float) -> str:
