@@ -53,6 +53,32 @@ class GpuMemory:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """The rank's own compute over its latest `steps` (counted by `ddpnb.log(step=...)`), a few times a second:
+    `wall` seconds went by, of which its thread was busy `compute` (on a CPU, or ready and waiting for one);
+    the rest it slept, which is where it waits in collectives (`rank.radar`)."""
+
+    rank: int
+    steps: int
+    wall: float
+    compute: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the rank's process uses, sampled by the rank itself once a second (`rank.radar.sample_hardware`);
+    the GPU fields come from NVML on GPU runs where `nvidia-ml-py` is installed, else None."""
+
+    rank: int
+    time: float
+    cpu: float  # percent of one core over the last interval, every thread of the process
+    rss: int  # resident memory, bytes
+    gpu_util: float | None = None  # percent
+    gpu_memory: int | None = None  # bytes in use on the device (every process's)
+    gpu_power: float | None = None  # watts
+
+
+@dataclass(frozen=True)
 class Returned:
     """The function returned. Only rank 0 carries its value: cloudpickled in `payload`, or, when it holds tensors,
     `saved` with torch.save in the run's result file (see `rank.main._dump_result`)."""
@@ -123,10 +149,10 @@ class Reply:
     traceback: str = ""
 
 
-Message = Started | Metric | Progress | GpuMemory | Returned | Failed | Imported | Stacks | Output | Placed | Reply
+Message = Started | Metric | Progress | GpuMemory | StepTimes | Hardware | Returned | Failed | Imported | Stacks | Output | Placed | Reply
 
-KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, Returned, Failed,
-                                                          Imported, Stacks, Output, Placed, Reply)}
+KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, StepTimes, Hardware,
+                                                          Returned, Failed, Imported, Stacks, Output, Placed, Reply)}
 
 
 class CommandKind(enum.Enum):

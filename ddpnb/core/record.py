@@ -5,16 +5,22 @@ from __future__ import annotations
 import enum
 import re
 import signal
+import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ddpnb.core.messages import Progress
+from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import EngineKind, Stream
 
 KEEP_CLOSED_BARS = 4
+STRAGGLER_RATIO = 1.25  # compute per step, against the median of the other ranks', that flags a rank
+RECENT_REPORTS = 20  # StepTimes reports per rank the radar compares (about the last ten seconds)
+MIN_STEPS = 3  # steps a rank must have reported before it is compared
+HARDWARE_HISTORY = 120  # hardware samples kept per rank (two minutes at one a second)
 
 
 class OutputLine(NamedTuple):
@@ -132,6 +138,21 @@ class RankRecord:
     metrics: dict[str, list[Point]] = field(default_factory=dict)
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
+    step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))
+    slower_by: float | None = None  # a straggler: its compute per step over the others' median, less one (0.38)
+    hardware: deque[Hardware] = field(default_factory=lambda: deque(maxlen=HARDWARE_HISTORY))
+
+    @property
+    def compute_per_step(self) -> float | None:
+        """Seconds of the rank's own compute per step over its recent reports (None before MIN_STEPS)."""
+        times = list(self.step_times)
+        steps = sum(t.steps for t in times)
+        return sum(t.compute for t in times) / steps if steps >= MIN_STEPS else None
+
+    @property
+    def straggler(self) -> str:
+        """'38% slower compute' for a flagged rank, else ''."""
+        return f"{self.slower_by:.0%} slower compute" if self.slower_by is not None else ""
 
     @property
     def duration(self) -> float:
@@ -149,6 +170,58 @@ class RankRecord:
         """The bars to show: the open ones (outer loop first), else the last one that closed."""
         bars = list(self.progress.values())
         return [bar for bar in bars if not bar.closed] or bars[-1:]
+
+
+def flag_stragglers(ranks: list[RankRecord]) -> None:
+    """Flag each rank whose compute per step is at least STRAGGLER_RATIO times the median of the other ranks'."""
+    computes = {r.rank: c for r in ranks if (c := r.compute_per_step) is not None}
+    ordered = sorted(computes.values())
+    for rank in ranks:
+        mine = computes.get(rank.rank)
+        rank.slower_by = None
+        if mine is None or len(ordered) < 2:
+            continue
+        others = list(ordered)
+        others.remove(mine)
+        median = statistics.median(others)
+        if median > 0 and mine >= STRAGGLER_RATIO * median:
+            rank.slower_by = mine / median - 1
+
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], top: float | None = None) -> str:
+    """'▁▃▇█': each value as a block, the tallest at `top` (else the largest value)."""
+    top = top if top is not None else max(values, default=0.0)
+    if not values or top <= 0:
+        return ""
+    return "".join(_BLOCKS[min(len(_BLOCKS) - 1, max(0, round(v / top * (len(_BLOCKS) - 1))))] for v in values)
+
+
+def size_text(count: float) -> str:
+    """Bytes as '512.0 MiB', '1.2 GiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
+    """The rank's latest CPU, memory and GPU use as text, each with a sparkline of its last `points` samples
+    (CPU on 100% of one core; the others on their own largest); '' where there is no sample."""
+    samples = list(rank.hardware)[-points:]
+    if not samples:
+        return "", "", ""
+    last = samples[-1]
+    cpu = f"{last.cpu:.0f}% {sparkline([s.cpu for s in samples], max(100.0, *(s.cpu for s in samples)))}"
+    rss = f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples])}"
+    gpu = ""
+    if last.gpu_util is not None:
+        gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
+               f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W")
+    return cpu, rss, gpu
 
 
 def root_cause(failures: list[Failure]) -> Failure | None:
@@ -349,13 +422,33 @@ class RunRecord:
         })
 
     def summary_table(self) -> str:
-        rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  last line"]
-        for r in self.ranks:
+        radar = radar_columns(self.ranks)
+        rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  {radar[0]}last line"]
+        for r, extra in zip(self.ranks, radar[1:]):
             rows.append(
                 f"{r.rank:>4}  {r.state.value:<9} {describe_exit(r.exitcode):<22} "
-                f"{format_duration(r.duration):>10}  {r.last_line[:60]}"
+                f"{format_duration(r.duration):>10}  {extra}{r.last_line[:60]}"
             )
         return "\n".join(rows)
+
+
+def radar_columns(ranks: list[RankRecord]) -> list[str]:
+    """The summary table's compute and hardware columns, header first, each padded; none where no rank has data."""
+    hardware = [hardware_text(r) for r in ranks]
+    cells = [[_compute_text(r) for r in ranks], *([h[i] for h in hardware] for i in range(3))]
+    names = ["compute/step", "cpu", "rss", "gpu"]
+    shown = [(name, column) for name, column in zip(names, cells) if any(column)]
+    widths = [max(len(name), *(len(cell) for cell in column)) for name, column in shown]
+    header = "".join(f"{name:<{width}}  " for (name, _), width in zip(shown, widths))
+    return [header, *("".join(f"{column[i]:<{width}}  " for (_, column), width in zip(shown, widths))
+                      for i in range(len(ranks)))]
+
+
+def _compute_text(rank: RankRecord) -> str:
+    compute = rank.compute_per_step
+    if compute is None:
+        return ""
+    return f"{compute * 1000:.1f} ms" + (f" ({rank.straggler})" if rank.straggler else "")
 
 
 def _shorten(text: str, limit: int = 150) -> str:

@@ -41,6 +41,7 @@ from ddpnb.core.record import (
     Stall,
     WorkerError,
     describe_exit,
+    flag_stragglers,
     format_duration,
     is_knock_on,
 )
@@ -53,6 +54,7 @@ STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
+RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
 
 _live_runs: set[Run] = set()
 
@@ -116,6 +118,8 @@ class Run:
         self._clock = time.monotonic()  # the reader's clock, read once a pass (`tick`): a message stores it
         self._stalled_latest = 0.0  # the run's latest activity when the ongoing stall began
         self._awaiting: set[int] = set()  # sessions: the ranks whose answer to a command is awaited
+        self._radar_due = False  # compute reports arrived since the last straggler verdict
+        self._radar_at = 0.0
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -293,6 +297,11 @@ class Run:
             record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
             record.gpu_memory = (message.reserved, message.peak)
+        elif isinstance(message, msg.StepTimes):
+            record.step_times.append(message)
+            self._radar_due = True  # judged in `tick`, at most once a RADAR_INTERVAL however many ranks report
+        elif isinstance(message, msg.Hardware):
+            record.hardware.append(message)
         elif isinstance(message, msg.Stacks):
             record.stack, record.stalled_state = message.text, record.state
         elif isinstance(message, msg.Placed):
@@ -381,6 +390,7 @@ class Run:
     def tick(self) -> None:
         self._clock = time.monotonic()
         self._release_answers()
+        self._judge_stragglers()
         while self._stack_requests:  # asked for by another thread: collected in the reader's thread
             ranks, taken, collected = self._stack_requests.pop(0)
             taken.update(self._take_stacks(ranks))
@@ -398,6 +408,11 @@ class Run:
         if self._turn or (self._news and time.monotonic() - self._last_news >= self.engine.announce_every):
             self._announce()  # output at most once an `announce_every`, however it floods in; a turn at once
             self._last_news = time.monotonic()
+
+    def _judge_stragglers(self, now: bool = False) -> None:
+        if self._radar_due and (now or time.monotonic() - self._radar_at >= RADAR_INTERVAL):
+            self._radar_due, self._radar_at = False, time.monotonic()
+            flag_stragglers(self.record.ranks)
 
     # --- stopping and ending -----------------------------------------------------------------------------------
     def _release_answers(self) -> None:
@@ -488,6 +503,7 @@ class Run:
     def _end_attempt(self) -> None:
         """The attempt's ranks are gone: close its engine, and end its logs with how each rank ended."""
         try:
+            self._judge_stragglers(now=True)  # the last reports count too
             self.engine.close()
             for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
                 if decoder.partial or decoder.partial_cut:
@@ -521,7 +537,7 @@ class Run:
         self._decoders = {}
         self._payload, self._saved = None, False
         self._close_result_file()
-        self._returned, self._stopping = set(), {}
+        self._returned, self._stopping, self._radar_due = set(), {}, False
         self._stop_reason, self._stop_note, self._escalate_at = None, "", None
         self.spec = replace(self.spec, attempt=record.attempt, master_port=0)
         try:

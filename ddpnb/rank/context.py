@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ddpnb.core.messages import Message
 from ddpnb.core.spec import WorkerSpec
+from ddpnb.rank.radar import StepClock
 
 
 class Link(Protocol):
@@ -33,12 +34,17 @@ class RankContext:
     store_uses: int = 0  # process groups made on it so far (each gets its own key prefix)
     suggests_preload: bool = True  # rank 0 reports slow imports (`ddpnb.preload` applies to this engine)
     spec: WorkerSpec | None = None  # the run's spec, once unpickled (its attempt, its checkpoint directories)
+    clock: StepClock = field(default_factory=StepClock)  # the straggler radar's compute per step
 
     def send(self, message: Message) -> None:
         self.link.send(message)
 
     def send_metric(self, step: int | None, values: dict[str, float]) -> None:
         self.link.send_metric(step, values)
+        if step is not None:
+            times = self.clock.tick(self.rank, step)
+            if times is not None:
+                self.link.send(times)
 
 
 _current: RankContext | None = None

@@ -17,7 +17,7 @@ from ddpnb.core import shared
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_traceback
 from ddpnb.rank import context as ctx
-from ddpnb.rank import group, progress
+from ddpnb.rank import group, progress, radar
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
 
@@ -46,6 +46,8 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         if context.device.startswith("cuda"):
             threading.Thread(target=progress.report_gpu_memory, args=(context,), name="ddpnb-gpu-memory",
                              daemon=True).start()
+        threading.Thread(target=radar.sample_hardware, args=(rank, context.device, context.send),
+                         name="ddpnb-hardware", daemon=True).start()
         join_group(context, spec)
         fn = _load_function(context, spec.fn_payload)
         value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))

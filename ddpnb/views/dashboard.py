@@ -24,7 +24,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord, describe_exit, format_duration
+from ddpnb.core.record import (
+    Outcome,
+    OutputLine,
+    RankRecord,
+    RankState,
+    RunRecord,
+    describe_exit,
+    format_duration,
+    hardware_text,
+    size_text,
+)
 from ddpnb.core.run import TICK, Run
 from ddpnb.core.spec import Stream
 from ddpnb.views.fold import FoldedLine, Folder, rank_ranges
@@ -178,12 +188,7 @@ def _progress_html(rank: RankRecord, compact: bool = False) -> str:
     return "".join(parts)
 
 
-def _bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
+_bytes = size_text
 
 
 def _gpu_memory_html(rank: RankRecord) -> str:
@@ -193,25 +198,53 @@ def _gpu_memory_html(rank: RankRecord) -> str:
     return f'<td title="held by PyTorch now; peak {_bytes(peak)}">{_bytes(reserved)}</td>'
 
 
+def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
+    """The straggler radar's and the hardware sampler's columns: header cells, then each rank's cells; a column
+    only where some rank has data for it."""
+    hardware = [hardware_text(r) for r in record.ranks]
+    computes = [r.compute_per_step for r in record.ranks]
+    columns: list[tuple[str, list[str]]] = []
+    if any(c is not None for c in computes):
+        head = '<th title="the rank\'s own busy time per step, its waits in collectives left out">compute/step</th>'
+        columns.append((head, [_compute_html(r) for r in record.ranks]))
+    for index, name in enumerate(("CPU", "memory", "GPU")):
+        if any(h[index] for h in hardware):
+            columns.append((f"<th>{name}</th>", [f'<td class="ddpnb-mono">{html.escape(h[index]) or "–"}</td>'
+                                                 for h in hardware]))
+    return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
+                                                  for i in range(len(record.ranks))]
+
+
+def _compute_html(rank: RankRecord) -> str:
+    compute = rank.compute_per_step
+    if compute is None:
+        return '<td class="ddpnb-muted">–</td>'
+    flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{rank.straggler}</span>'
+            if rank.straggler else "")
+    return f'<td class="ddpnb-mono">{compute * 1000:.1f} ms{flag}</td>'
+
+
 def ranks_html(record: RunRecord) -> str:
     """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls."""
     gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
     compact = record.world_size >= MANY_RANKS
     table = '<div class="ddpnb-ranks-scroll"><table class="ddpnb-ranks ddpnb-compact">' if compact else \
         '<table class="ddpnb-ranks">'
+    radar_head, radar_cells = _radar_html(record)
     rows = [(f'{table}<thead><tr><th>rank</th><th>state</th><th>device</th><th>PID</th>'
-             f'{"<th>GPU memory</th>" if gpus else ""}'
+             f'{"<th>GPU memory</th>" if gpus else ""}{radar_head}'
              '<th>progress</th><th>time</th><th>latest output</th></tr></thead><tbody>')]
-    for rank in record.ranks:
+    for rank, radar in zip(record.ranks, radar_cells):
         state = rank_state(rank)
         colour = _RANK_COLOURS[rank.state]
         last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
+        straggler = f' data-straggler="{rank.straggler}"' if rank.straggler else ""
         rows.append(
-            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}">'
+            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{straggler}>'
             f'<td><span class="ddpnb-swatch" style="background:{_rank_colour(rank.rank)}"></span>{rank.rank}</td>'
             f'<td style="color:{colour};font-weight:600">{html.escape(state)}</td>'
             f'<td>{html.escape(rank.device)}</td><td class="ddpnb-mono">{rank.pid or "–"}</td>'
-            f'{_gpu_memory_html(rank) if gpus else ""}<td>{_progress_html(rank, compact)}</td>'
+            f'{_gpu_memory_html(rank) if gpus else ""}{radar}<td>{_progress_html(rank, compact)}</td>'
             f'<td>{format_duration(rank.duration)}</td>'
             f'<td class="ddpnb-last"><div class="ddpnb-mono" title="{html.escape(last)}">{html.escape(last[:160])}'
             f'</div></td></tr>')
