@@ -37,11 +37,13 @@ from ddpnb.core.record import (
     RunInterrupted,
     RunRecord,
     WorkerError,
+    cell_names,
     describe_exit,
     is_knock_on,
 )
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
+from ddpnb.core.stacks import CrashDump
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
 EAGER = 1.0  # seconds after a session command during which the engine reads without pausing (a quick answer)
@@ -75,6 +77,7 @@ class Run:
         self._attempt_started = 0.0  # the timeout counts from here, per attempt
         self._lines = LineBuffer()
         self._decoders: dict[tuple[int, Stream], LineDecoder] = {}
+        self._crashes: dict[int, CrashDump] = {}  # faulthandler's report in each rank's stderr, once it starts
         self._logs: list[Any] = []
         self._dir_lock: int | None = None
         self._payload: bytes | None = None  # rank 0's value, pickled; or, `_saved`, in the result file
@@ -253,7 +256,15 @@ class Run:
         self._news = True
         self._lines.add(rank, stream, lines)
         record.lines += len(lines)
-        record.last_line = lines[-1]
+        own = lines
+        if stream is Stream.STDERR:  # a fatal error's report is not the rank's last line: it says where it died
+            crash = self._crashes.get(rank) or CrashDump()
+            own = crash.own_lines(lines)
+            if crash.lines:
+                self._crashes[rank] = crash
+                self._explain_crash(rank)
+        if own:
+            record.last_line = own[-1]
 
     def message(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]
@@ -316,7 +327,26 @@ class Run:
                 if exitcode is not None and exitcode >= 0:
                     cause += " before its function returned (os._exit, or exit() in C code?)"
             self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self._explain_crash(rank)
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
+
+    def _explain_crash(self, rank: int) -> None:
+        """A rank killed by a signal, with faulthandler's report read: its failure says where, in the user's code,
+        it died (`killed by SIGSEGV in crash (Cell In[3], line 4)`), and holds the report as its traceback."""
+        crash = self._crashes.get(rank)
+        failure = next((f for f in self.record.failures if f.rank == rank), None)
+        code = self.record.ranks[rank].exitcode
+        if crash is None or failure is None or code is None or code >= 0 or not crash.complete:
+            return
+        if not failure.traceback:
+            failure.traceback = crash.stack()
+        frame = crash.crash_frame()
+        if frame and failure.summary == describe_exit(code):
+            filename, line, function = frame
+            location = f'File "{filename}", line {line}'
+            named = cell_names(location)
+            failure.summary += f" in {function} ({named if named != location else f'{filename}, line {line}'})"
+            self._news = self._turn = True
 
     def quiet(self) -> bool:
         eager = time.monotonic() - self._sent_at < EAGER
@@ -408,6 +438,9 @@ class Run:
             for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
                 if decoder.partial or decoder.partial_cut:
                     self._add_lines(rank, stream, decoder.feed(b"", final=True))
+            for rank, crash in self._crashes.items():  # a report cut short (no extension modules line)
+                crash.complete = True
+                self._explain_crash(rank)
             self._write_endings()
         finally:
             for log in self._logs:
@@ -431,7 +464,7 @@ class Run:
         record.attempt += 1
         record.failures = []
         record.ranks = self._rank_records(record.attempt)
-        self._decoders = {}
+        self._decoders, self._crashes = {}, {}
         self._payload, self._saved = None, False
         self._close_result_file()
         self._returned, self._stopping = set(), {}
