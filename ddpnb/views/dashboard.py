@@ -69,7 +69,7 @@ STYLE = """<style>
 .ddpnb{font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:var(--jp-ui-font-size1,13px);
   line-height:1.4;max-width:1100px}
 .ddpnb .widget-html-content{line-height:1.4}
-.ddpnb code,.ddpnb pre,.ddpnb .ddpnb-mono{font-family:var(--jp-code-font-family,monospace)}
+.ddpnb code,.ddpnb pre,.ddpnb .ddpnb-mono{font-family:var(--jp-code-font-family,monospace)!important}
 .ddpnb table.ddpnb-ranks{width:100%;table-layout:auto;border:none}
 .ddpnb .ddpnb-ranks tbody tr,.ddpnb .ddpnb-ranks tbody tr:nth-child(odd),
 .ddpnb .ddpnb-ranks tbody tr:nth-child(even){background:transparent}
