@@ -195,7 +195,7 @@ def ranks_html(record: RunRecord) -> str:
     for rank in record.ranks:
         role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
         colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
-        weight = "700" if role is FailureRole.ROOT_CAUSE else "600"
+        weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
         last = rank.last_line[:MAX_LINE_CHARS]
         swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
