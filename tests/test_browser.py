@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -224,7 +225,7 @@ def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summar
     summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
     summary.wait_for(timeout=120_000)
     assert output.locator("[data-ddpnb-summary] tr[data-state='finished']").count() == 2
-    assert output.locator("[data-ddpnb-summary] .ddpnb-plot svg polyline").count() >= 2
+    assert output.locator("[data-ddpnb-summary] .ddpnb-plot img.ddpnb-plot-image").count() == 2  # loss, samples/s
     assert output.locator(".jp-OutputArea-output", has_text="Error displaying widget").count() == 0
     page.wait_for_selector(IDLE)
     cells.nth(0).locator(".jp-InputArea-editor").click()  # another cell active: no toolbar over this one
@@ -251,3 +252,47 @@ def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
     cells.nth(3).locator(".jp-OutputArea-output", has_text="background done").wait_for(timeout=120_000)
     background.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=30_000)
 
+
+
+SAVED_CELL = '''%%ddp -n 2 --view widget
+def train(rank, world_size):
+    import ddpnb
+    for step in range(20):
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
+    print("trained")
+'''
+
+
+def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots(lab, page, tmp_path):
+    """A notebook saved with a run's summary, opened where nobody ran it (GitHub, nbviewer, a colleague's
+    JupyterLab): JupyterLab sanitises its HTML. The header's words stay apart, ranks keep their colours, and the
+    plot is drawn, as an image."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in ["%load_ext ddpnb", SAVED_CELL]])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
+        NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    url, token, root = lab
+    nbformat.write(nb, root / "saved.ipynb")  # not signed: this server has never trusted it
+    page.goto(f"{url}/lab/workspaces/saved/tree/saved.ipynb?reset&token={token}")
+    output = page.locator(f"{NOTEBOOK} .jp-Cell").nth(1).locator(".jp-OutputArea-output")
+    summary = output.locator(".ddpnb-head")
+    summary.wait_for(timeout=120_000)
+    _accept_kernel_dialog(page)
+
+    # untrusted, so sanitised: the data-* attributes a trusted output keeps are gone (and so would a <style> be)
+    assert output.locator(".ddpnb").count() == 1 and output.locator("[data-ddpnb-summary]").count() == 0
+    assert re.match(r"ddpnb\s+finished\s+train\s+·\s+local", summary.inner_text())
+    swatch = output.locator(".ddpnb-swatch").first.evaluate("el => getComputedStyle(el).backgroundColor")
+    assert swatch == "rgb(31, 119, 180)"  # rank 0's colour
+    state = output.locator("tr", has_text="finished").first.locator("td").nth(1)
+    assert state.evaluate("el => getComputedStyle(el).color") == "rgb(56, 142, 60)"  # the success green
+    plot = output.locator("img.ddpnb-plot-image")
+    assert plot.count() == 1
+    plot.evaluate("img => img.decode()")  # drawn, not a broken image
+    size = plot.evaluate("img => [img.naturalWidth, img.naturalHeight, img.clientWidth, img.clientHeight]")
+    assert size[0] > 0 and size[1] > 0 and size[2] > 0 and size[3] > 0, size
+    text = output.inner_text()
+    assert "00.20.40.6" not in text  # the plot's labels are not left as a run of text

@@ -36,6 +36,24 @@ def _raised(cell) -> tuple[str, str] | None:
     return None
 
 
+WARNING = re.compile(r"\b\w*Warning\b")  # FutureWarning, UserWarning, "Warning:" ...
+
+
+def _around(found: re.Match) -> str:
+    return "..." + found.string[max(0, found.start() - 80):found.end() + 80] + "..."
+
+
+def _shown_text(cell) -> str:
+    """What a cell shows as text: its streams, and each display's plain text and HTML (the summary's log lines)."""
+    shown = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            shown.append(out.text)
+        elif out.output_type in ("display_data", "execute_result"):
+            shown.extend(out.data.get(kind, "") for kind in ("text/plain", "text/html"))
+    return "\n".join(shown)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
@@ -43,6 +61,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
+    warned = [f"cell {number}: {_around(found)}" for number, cell in enumerate(nb.cells)
+              if (found := WARNING.search(_shown_text(cell)))]
+    assert not warned, f"{path.name} prints warnings (teach the API the supported torch wants):\n" + "\n".join(warned)
     for cell in nb.cells:
         if "raises-exception" not in cell.get("metadata", {}).get("tags", []):
             continue

@@ -224,6 +224,14 @@ def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
     return cpu, rss, gpu
 
 
+class FailureRole(enum.Enum):
+    """How a failed rank's failure relates to the run's: what the views call it."""
+
+    ROOT_CAUSE = "failed first"
+    OWN = "failed"  # an error of its own, after the root cause (the same bug on another rank)
+    KNOCK_ON = "stopped: peer failed"  # a collective's abort because another rank died (see `is_knock_on`)
+
+
 def root_cause(failures: list[Failure]) -> Failure | None:
     """The earliest failure that is not a knock-on of another rank's (else the earliest)."""
     return min(failures, key=lambda f: (f.knock_on, f.time)) if failures else None
@@ -371,6 +379,15 @@ class RunRecord:
         """The root cause of the last attempt's failure (see `root_cause`); earlier attempts' are in `attempts`."""
         return root_cause(self.failures)
 
+    def failure_role(self, rank: int) -> FailureRole | None:
+        """How `rank` failed in the current attempt; None where it did not fail."""
+        failure = next((f for f in self.failures if f.rank == rank), None)
+        if failure is None:
+            return None
+        if failure is self.first_failure:
+            return FailureRole.ROOT_CAUSE
+        return FailureRole.KNOCK_ON if failure.knock_on else FailureRole.OWN
+
     @property
     def exit_codes(self) -> dict[int, int | None]:
         return {r.rank: r.exitcode for r in self.ranks}
@@ -451,10 +468,6 @@ def _compute_text(rank: RankRecord) -> str:
     return f"{compute * 1000:.1f} ms" + (f" ({rank.straggler})" if rank.straggler else "")
 
 
-def _shorten(text: str, limit: int = 150) -> str:
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
-
-
 def cell_names(traceback: str) -> str:
     """`File "/tmp/ipykernel_7/2718.py", line 5` as IPython names its own cells: `Cell In[7], line 5`."""
     ipython = sys.modules.get("IPython")
@@ -514,10 +527,10 @@ class WorkerError(RuntimeError):
             if own:
                 parts.append("\nalso failed:")
                 parts.extend(f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary
-                                                     else _shorten(f.summary)) for f in own)
+                                                     else f.summary) for f in own)
             if len(own) < len(others):
                 parts.append("\nthen, as a consequence:")
-                parts.extend(f"  rank {f.rank}: {_shorten(f.summary)}" for f in others if f.knock_on)
+                parts.extend(f"  rank {f.rank}: {f.summary}" for f in others if f.knock_on)
         elif record.outcome is Outcome.STOPPED:
             parts.append(f"ddpnb: {stopped_line(record)}.")
         else:
@@ -529,7 +542,7 @@ class WorkerError(RuntimeError):
         if record.attempts:
             parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
                          "the earlier ones, each ended by stopping every rank and starting them all again:")
-            parts.extend(f"  attempt {a.number}: {_shorten(a.describe())}" for a in record.attempts)
+            parts.extend(f"  attempt {a.number}: {a.describe()}" for a in record.attempts)
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")

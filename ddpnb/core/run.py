@@ -40,6 +40,7 @@ from ddpnb.core.record import (
     RunRecord,
     Stall,
     WorkerError,
+    cell_names,
     describe_exit,
     flag_stragglers,
     format_duration,
@@ -47,6 +48,7 @@ from ddpnb.core.record import (
 )
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
+from ddpnb.core.stacks import CrashDump
 from ddpnb.core.stall import StallWatch, diagnose
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
@@ -86,6 +88,7 @@ class Run:
         self._attempt_started = 0.0  # the timeout counts from here, per attempt
         self._lines = LineBuffer()
         self._decoders: dict[tuple[int, Stream], LineDecoder] = {}
+        self._crashes: dict[int, CrashDump] = {}  # faulthandler's report in each rank's stderr, once it starts
         self._logs: list[Any] = []
         self._dir_lock: int | None = None
         self._payload: bytes | None = None  # rank 0's value, pickled; or, `_saved`, in the result file
@@ -276,10 +279,18 @@ class Run:
         self._active[rank] = self._clock
         self._lines.add(rank, stream, lines)
         record.lines += len(lines)
-        record.last_line = lines[-1]
-        # a rank with tqdm bars writes each bar's final state as a line; the dashboard shows the bar already
-        text = last_text(lines) if record.progress else lines[-1]
-        record.last_text = record.last_text if text is None else text
+        own = lines
+        if stream is Stream.STDERR:  # a fatal error's report is not the rank's last line: it says where it died
+            crash = self._crashes.get(rank) or CrashDump()
+            own = crash.own_lines(lines)
+            if crash.lines:
+                self._crashes[rank] = crash
+                self._explain_crash(rank)
+        if own:
+            record.last_line = own[-1]
+            # a rank with tqdm bars writes each bar's final state as a line; the dashboard shows the bar already
+            text = last_text(own) if record.progress else own[-1]
+            record.last_text = record.last_text if text is None else text
 
     def message(self, rank: int, message: msg.Message) -> None:
         record = self.record.ranks[rank]
@@ -354,7 +365,26 @@ class Run:
                 if exitcode is not None and exitcode >= 0:
                     cause += " before its function returned (os._exit, or exit() in C code?)"
             self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self._explain_crash(rank)
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
+
+    def _explain_crash(self, rank: int) -> None:
+        """A rank killed by a signal, with faulthandler's report read: its failure says where, in the user's code,
+        it died (`killed by SIGSEGV in crash (Cell In[3], line 4)`), and holds the report as its traceback."""
+        crash = self._crashes.get(rank)
+        failure = next((f for f in self.record.failures if f.rank == rank), None)
+        code = self.record.ranks[rank].exitcode
+        if crash is None or failure is None or code is None or code >= 0 or not crash.complete:
+            return
+        if not failure.traceback:
+            failure.traceback = crash.stack()
+        frame = crash.crash_frame()
+        if frame and failure.summary == describe_exit(code):
+            filename, line, function = frame
+            location = f'File "{filename}", line {line}'
+            named = cell_names(location)
+            failure.summary += f" in {function} ({named if named != location else f'{filename}, line {line}'})"
+            self._news = self._turn = True
 
     def quiet(self) -> bool:
         eager = time.monotonic() - self._sent_at < EAGER
@@ -508,6 +538,9 @@ class Run:
             for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
                 if decoder.partial or decoder.partial_cut:
                     self._add_lines(rank, stream, decoder.feed(b"", final=True))
+            for rank, crash in self._crashes.items():  # a report cut short (no extension modules line)
+                crash.complete = True
+                self._explain_crash(rank)
             self._write_endings()
         finally:
             for log in self._logs:
@@ -534,7 +567,7 @@ class Run:
         self._watch = StallWatch(self.spec.world_size, self._stall_setting)
         self._active = self._watch.active
         record.ranks = self._rank_records(record.attempt)
-        self._decoders = {}
+        self._decoders, self._crashes = {}, {}
         self._payload, self._saved = None, False
         self._close_result_file()
         self._returned, self._stopping, self._radar_due = set(), {}, False

@@ -112,3 +112,49 @@ def where(stack: str) -> str:
         at = f'at File "{user[-1][0]}", line {user[-1][1]}'
         return f"in {waits[-1]}, {at}" if waits else at
     return "somewhere without Python frames of its own"
+
+
+# faulthandler's report of a fatal error (SIGSEGV, SIGABRT, ...) on a rank's stderr, line by line: its first line,
+# then what it may hold (thread headers, frames, the runtime state, the extension modules)
+FATAL_ERROR = "Fatal Python error: "
+_DUMP_LINE = re.compile(r"|  .*|(Current thread|Thread|Stack|Python runtime state|Extension modules|<Cannot show)\b.*")
+
+
+class CrashDump:
+    """A rank's fatal-error report, picked out of its stderr, so that its last line stays its own (`about to
+    crash`, not `Extension modules: ...`) and the failure can say where it died."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.reading = False
+        self.complete = False  # its last line ("Extension modules: ...") was read
+
+    def own_lines(self, lines: list[str]) -> list[str]:
+        """Those of `lines` that are the rank's own; the report's lines are kept here."""
+        own = []
+        for line in lines:
+            if line.startswith(FATAL_ERROR) and not self.lines:
+                self.reading = True
+            elif self.reading and not _DUMP_LINE.fullmatch(line):
+                self.reading = False  # not faulthandler's: the report ended without its usual last line
+            if self.reading:
+                self.lines.append(line)
+                if line.startswith("Extension modules: "):
+                    self.reading, self.complete = False, True
+            else:
+                own.append(line)
+        return own
+
+    def stack(self) -> str:
+        """The report without ddpnb's threads and frames: its first line, then the threads the user's code ran."""
+        text = "\n".join(self.lines)
+        return f"{self.lines[0]}\n\n{user_stack_dump(text)}".rstrip() if self.lines else ""
+
+    def crash_frame(self) -> tuple[str, int, str] | None:
+        """(file, line, function) of the user's innermost frame in the thread that crashed."""
+        current = next((block for block in "\n".join(self.lines).split("\n\n")
+                        if block.startswith("Current thread")), "")
+        for filename, line, function in _FRAME.findall(current):  # most recent call first
+            if not _library(filename):
+                return filename, int(line), function
+        return None

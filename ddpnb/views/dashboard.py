@@ -14,6 +14,7 @@ Its all-ranks view folds the same line from several ranks into one (`views.fold`
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 import statistics
@@ -25,11 +26,13 @@ from typing import Any
 
 from ddpnb.core import checkpoints
 from ddpnb.core.record import (
+    FailureRole,
     Outcome,
     OutputLine,
     RankRecord,
     RankState,
     RunRecord,
+    cell_names,
     describe_exit,
     format_duration,
     hardware_text,
@@ -46,79 +49,44 @@ PLOT_SIZE = (400, 160)  # one metric's plot, in pixels
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
 MANY_RANKS = 8  # from this many ranks up, plots show rank 0, the median and the min-max band; rows are compact
 SUMMARY_LOG_LINES = 30
+MEDIAN_COLOUR = "#7f7f7f"  # the many-ranks plots' median line: grey, no rank's colour
 
-RANK_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# the ranks' colours (lines, swatches, log tags): none is a colour the states use (the failure red, the warning
+# orange, the success green, the running blue, the starting grey), so a rank never reads as a state
+RANK_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#e377c2", "#bcbd22", "#393b79", "#637939", "#7b4173")
 
-_GREY, _BLUE = "var(--jp-ui-font-color2, #757575)", "var(--jp-brand-color1, #1976d2)"
-_GREEN, _RED = "var(--jp-success-color1, #388e3c)", "var(--jp-error-color1, #d32f2f)"
-_ORANGE = "var(--jp-warn-color1, #f57c00)"
+# Colours and styles are inline, as literal values: JupyterLab's sanitiser (an untrusted notebook: opened from
+# GitHub, nbviewer or a colleague) drops <style> blocks, <svg> and any inline value it cannot check (`var(...)`).
+# Text colours are inherited and tints are translucent, so the same markup reads on light and dark themes.
+_GREY, _BLUE, _GREEN, _RED, _ORANGE = "#757575", "#1976d2", "#388e3c", "#d32f2f", "#f57c00"
+STATE_COLOURS = (_GREY, _BLUE, _GREEN, _RED, _ORANGE)
 _RANK_COLOURS = {RankState.STARTING: _GREY, RankState.RUNNING: _BLUE, RankState.FINISHED: _GREEN,
                  RankState.FAILED: _RED, RankState.STOPPED: _ORANGE}
+_ROLE_COLOURS = {FailureRole.ROOT_CAUSE: _RED, FailureRole.OWN: _RED, FailureRole.KNOCK_ON: _ORANGE}
 _RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILED: _RED,
                 Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
+_MONO = "font-family:monospace;font-size:12px"
+_MUTED = "opacity:0.7;font-size:12px"
+_CELL = "text-align:left;padding:3px 8px;white-space:nowrap;vertical-align:middle"
+_RULE = "rgba(128,128,128,0.3)"  # table rules and borders: grey on either theme
+_HEAD = f"{_CELL};font-weight:600;font-size:12px;border-bottom:1px solid {_RULE}"
 
+# the live widget's extras, which need the page's CSS (theme variables, the log scrolled to its end); the static
+# summary does without them
 STYLE = """<style>
-.ddpnb{font-family:var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);
-  font-size:var(--jp-ui-font-size1,13px);color:var(--jp-ui-font-color1,#212121);line-height:1.4;max-width:1100px}
+.ddpnb{font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:var(--jp-ui-font-size1,13px);
+  line-height:1.4;max-width:1100px}
 .ddpnb .widget-html-content{line-height:1.4}
-.ddpnb code,.ddpnb pre,.ddpnb .ddpnb-mono{font-family:var(--jp-code-font-family,SFMono-Regular,Menlo,Consolas,monospace);
-  font-size:var(--jp-code-font-size,12px)}
-.ddpnb-head{display:flex;align-items:center;gap:10px;flex-wrap:wrap;padding:2px 0}
-.ddpnb-title{font-weight:600;font-size:var(--jp-ui-font-size2,14px)}
-.ddpnb-meta{color:var(--jp-ui-font-color2,#616161)}
-.ddpnb-pill{display:inline-flex;align-items:center;gap:5px;padding:1px 9px;border-radius:10px;font-weight:600;
-  border:1px solid currentColor;font-size:var(--jp-ui-font-size0,12px)}
-.ddpnb-dot{width:7px;height:7px;border-radius:50%;background:currentColor;display:inline-block}
-.ddpnb table.ddpnb-ranks{border-collapse:collapse;width:100%;margin:4px 0 6px;table-layout:auto;font-size:inherit;
-  border:none}
-.ddpnb .ddpnb-ranks th,.ddpnb .ddpnb-ranks td{text-align:left;line-height:1.4;max-width:none;border:none;
-  vertical-align:middle;white-space:nowrap}
-.ddpnb .ddpnb-ranks th{font-weight:600;color:var(--jp-ui-font-color2,#616161);font-size:var(--jp-ui-font-size0,12px);
-  border-bottom:1px solid var(--jp-border-color1,#bdbdbd);padding:3px 8px}
-.ddpnb .ddpnb-ranks td{padding:3px 8px;border-bottom:1px solid var(--jp-border-color2,#e0e0e0)}
+.ddpnb code,.ddpnb pre,.ddpnb .ddpnb-mono{font-family:var(--jp-code-font-family,monospace)!important}
+.ddpnb table.ddpnb-ranks{width:100%;table-layout:auto;border:none}
 .ddpnb .ddpnb-ranks tbody tr,.ddpnb .ddpnb-ranks tbody tr:nth-child(odd),
 .ddpnb .ddpnb-ranks tbody tr:nth-child(even){background:transparent}
 .ddpnb .ddpnb-ranks td.ddpnb-last{width:99%}
-.ddpnb-ranks-scroll{max-height:400px;overflow-y:auto}
-.ddpnb .ddpnb-ranks.ddpnb-compact th{position:sticky;top:0;background:var(--jp-layout-color1,#fff);padding:1px 6px}
-.ddpnb .ddpnb-ranks.ddpnb-compact td{padding:0 6px;line-height:1.3}
-.ddpnb-compact .ddpnb-bar{height:6px;width:80px}
-.ddpnb .ddpnb-last div{white-space:nowrap;overflow:hidden;text-overflow:ellipsis;max-width:300px;
-  color:var(--jp-ui-font-color2,#616161)}
-.ddpnb-swatch{display:inline-block;width:9px;height:9px;border-radius:2px;margin-right:6px}
-.ddpnb-bar{display:inline-block;width:110px;height:8px;border-radius:4px;vertical-align:middle;overflow:hidden;
-  background:var(--jp-layout-color3,#e0e0e0);margin-right:6px}
-.ddpnb-bar>div{height:100%;background:var(--jp-brand-color1,#1976d2)}
-.ddpnb-bar.ddpnb-failed>div{background:var(--jp-error-color1,#d32f2f)}
-.ddpnb-bar.ddpnb-done>div{background:var(--jp-success-color1,#388e3c)}
-.ddpnb-progress{font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161)}
-.ddpnb-plots{display:flex;flex-wrap:wrap;gap:4px 14px;margin:2px 0 4px}
-.ddpnb-plot-title{font-size:var(--jp-ui-font-size0,12px);font-weight:600;margin:0 0 0 40px}
-.ddpnb-plot-title span{font-weight:400;color:var(--jp-ui-font-color2,#616161)}
-.ddpnb svg .ddpnb-axis{stroke:var(--jp-border-color1,#bdbdbd)}
-.ddpnb svg .ddpnb-grid{stroke:var(--jp-border-color2,#eeeeee)}
+.ddpnb svg .ddpnb-axis{stroke:var(--jp-border-color1,#bdbdbd);stroke-opacity:1}
+.ddpnb svg .ddpnb-grid{stroke:var(--jp-border-color2,#eeeeee);stroke-opacity:1}
 .ddpnb svg text{fill:var(--jp-ui-font-color2,#616161);font-family:var(--jp-ui-font-family,sans-serif)}
-.ddpnb-legend{font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161);margin:2px 0}
-.ddpnb-legend span{margin-right:12px}
-.ddpnb-muted{color:var(--jp-ui-font-color2,#616161);font-size:var(--jp-ui-font-size0,12px)}
-.ddpnb-log{max-height:220px;overflow-y:auto;display:flex;flex-direction:column-reverse;
-  background:var(--jp-layout-color2,#f5f5f5);border:1px solid var(--jp-border-color2,#e0e0e0);border-radius:3px;
-  padding:4px 8px;margin:2px 0}
-.ddpnb-line{white-space:pre-wrap;word-break:break-all;line-height:1.35}
-.ddpnb-line.ddpnb-stderr{background:var(--jp-rendermime-error-background,#fdd)}
-.ddpnb-tag{font-weight:600;margin-right:6px}
-.ddpnb-error{border-left:3px solid var(--jp-error-color1,#d32f2f);background:var(--jp-error-color3,#ffebee);
-  padding:4px 10px;margin:4px 0}
-.ddpnb-error pre{margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto;
-  color:var(--jp-content-font-color1,#212121)}
-.ddpnb-error-title{font-weight:600;color:var(--jp-error-color1,#d32f2f)}
-.ddpnb-stall{border-left:3px solid var(--jp-warn-color1,#f57c00);background:var(--jp-warn-color3,#fff3e0);
-  padding:4px 10px;margin:4px 0}
-.ddpnb-stall-title{font-weight:600;color:var(--jp-warn-color1,#f57c00)}
-.ddpnb-stacks pre{margin:2px 0 6px;white-space:pre;max-height:320px;overflow:auto}
-.ddpnb-section{font-weight:600;font-size:var(--jp-ui-font-size0,12px);color:var(--jp-ui-font-color2,#616161);
-  text-transform:uppercase;letter-spacing:.04em;margin:6px 0 2px}
+.ddpnb-log{max-height:220px;overflow-y:auto;display:flex;flex-direction:column-reverse}
+.ddpnb .ddpnb-ranks.ddpnb-compact th{position:sticky;top:0;background:var(--jp-layout-color1,#fff)}
 .ddpnb .widget-toggle-buttons .widget-toggle-button{font-size:var(--jp-ui-font-size0,12px)}
 </style>"""
 
@@ -132,9 +100,10 @@ def overall_state(record: RunRecord) -> str:
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
 
 
-def rank_state(rank: RankRecord) -> str:
-    """'running', 'finished', 'failed · exit 1', 'failed · SIGSEGV', 'stopped · SIGTERM'."""
-    state = rank.state.value
+def rank_state(rank: RankRecord, role: FailureRole | None = None) -> str:
+    """'running', 'finished', 'failed first · exit 1', 'stopped: peer failed · exit 1', 'failed · SIGSEGV',
+    'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
+    state = role.value if rank.state is RankState.FAILED and role is not None else rank.state.value
     code = rank.exitcode
     if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
         if code < 0:
@@ -145,8 +114,11 @@ def rank_state(rank: RankRecord) -> str:
 
 
 def _pill(state: str, colour: str) -> str:
-    return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="color:{colour}">'
-            f'<span class="ddpnb-dot"></span>{html.escape(state)}</span>')
+    return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="display:inline-block;'
+            f'padding:0 9px;border-radius:10px;font-weight:600;font-size:12px;border:1px solid {colour};'
+            f'color:{colour};margin-right:10px"><span style="display:inline-block;width:7px;height:7px;'
+            f'border-radius:50%;background-color:{colour};margin-right:5px;vertical-align:middle"></span>'
+            f'{html.escape(state)}</span>')
 
 
 def _devices(record: RunRecord) -> str:
@@ -166,25 +138,32 @@ def header_html(record: RunRecord) -> str:
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
                        _devices(record), *note, *attempt, format_duration(record.duration)])
     colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
-    return (f'<div class="ddpnb-head"><span class="ddpnb-title">ddpnb</span>{_pill(overall_state(record), colour)}'
-            f'<span class="ddpnb-meta">{html.escape(meta)}</span></div>')
+    # spaces between the parts, not only margins: copied, or shown without styles, the words stay apart
+    return (f'<div class="ddpnb-head" style="padding:2px 0">'
+            f'<span class="ddpnb-title" style="font-weight:600;font-size:14px;margin-right:10px">ddpnb</span> '
+            f'{_pill(overall_state(record), colour)} '
+            f'<span class="ddpnb-meta" style="opacity:0.75">{html.escape(meta)}</span></div>')
 
 
 def _progress_html(rank: RankRecord, compact: bool = False) -> str:
     bars = rank.active_progress[-1:] if compact else rank.active_progress[-2:]  # compact: the innermost bar
     if not bars:
-        return '<span class="ddpnb-muted">–</span>'
+        return f'<span class="ddpnb-muted" style="{_MUTED}">–</span>'
     parts = []
     for bar in bars:
         label = html.escape(f"{bar.desc} " if bar.desc else "") + html.escape(bar.text)
         data = f'data-bar="{bar.bar}" data-n="{bar.n:g}" data-total="{"" if bar.total is None else f"{bar.total:g}"}"'
         if bar.total:
             share = max(0.0, min(1.0, bar.n / bar.total))
-            kind = " ddpnb-failed" if rank.state is RankState.FAILED else (" ddpnb-done" if share >= 1 else "")
-            parts.append(f'<div class="ddpnb-progress" {data}><span class="ddpnb-bar{kind}">'
-                         f'<div style="width:{share * 100:.1f}%"></div></span>{label}</div>')
+            kind, fill = ((" ddpnb-failed", _RED) if rank.state is RankState.FAILED else
+                          (" ddpnb-done", _GREEN) if share >= 1 else ("", _BLUE))
+            parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}"><span class="ddpnb-bar{kind}" '
+                         f'style="display:inline-block;width:110px;height:8px;border-radius:4px;overflow:hidden;'
+                         f'vertical-align:middle;margin-right:6px;background-color:rgba(128,128,128,0.25)">'
+                         f'<span style="display:block;height:100%;width:{share * 100:.1f}%;background-color:{fill}">'
+                         f'</span></span>{label}</div>')
         else:
-            parts.append(f'<div class="ddpnb-progress" {data}>{label}</div>')
+            parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}">{label}</div>')
     return "".join(parts)
 
 
@@ -193,9 +172,17 @@ _bytes = size_text
 
 def _gpu_memory_html(rank: RankRecord) -> str:
     if rank.gpu_memory is None:
-        return '<td class="ddpnb-muted">–</td>'
+        return _td("–", _MUTED, ' class="ddpnb-muted"')
     reserved, peak = rank.gpu_memory
-    return f'<td title="held by PyTorch now; peak {_bytes(peak)}">{_bytes(reserved)}</td>'
+    return _td(_bytes(reserved), attrs=f' title="held by PyTorch now; peak {_bytes(peak)}"')
+
+
+LAST_CELL = ' class="ddpnb-last"'
+
+
+def _td(content: str, style: str = "", attrs: str = "") -> str:
+    return (f'<td{attrs} style="{_CELL};border-bottom:1px solid rgba(128,128,128,0.15)'
+            f'{";" + style if style else ""}">{content}</td>')
 
 
 def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
@@ -205,12 +192,13 @@ def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
     computes = [r.compute_per_step for r in record.ranks]
     columns: list[tuple[str, list[str]]] = []
     if any(c is not None for c in computes):
-        head = '<th title="the rank\'s own busy time per step, its waits in collectives left out">compute/step</th>'
+        head = (f'<th style="{_HEAD}" title="the rank\'s own busy time per step, its waits in collectives left '
+                'out">compute/step</th>')
         columns.append((head, [_compute_html(r) for r in record.ranks]))
     for index, name in enumerate(("CPU", "memory", "GPU")):
         if any(h[index] for h in hardware):
-            columns.append((f"<th>{name}</th>", [f'<td class="ddpnb-mono">{html.escape(h[index]) or "–"}</td>'
-                                                 for h in hardware]))
+            columns.append((f'<th style="{_HEAD}">{name}</th>',
+                            [_td(html.escape(h[index]) or "–", _MONO) for h in hardware]))
     return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
                                                   for i in range(len(record.ranks))]
 
@@ -218,36 +206,43 @@ def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
 def _compute_html(rank: RankRecord) -> str:
     compute = rank.compute_per_step
     if compute is None:
-        return '<td class="ddpnb-muted">–</td>'
+        return _td("–", _MUTED)
     flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{rank.straggler}</span>'
             if rank.straggler else "")
-    return f'<td class="ddpnb-mono">{compute * 1000:.1f} ms{flag}</td>'
+    return _td(f"{compute * 1000:.1f} ms{flag}", _MONO)
 
 
 def ranks_html(record: RunRecord) -> str:
     """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls."""
     gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
-    compact = record.world_size >= MANY_RANKS
-    table = '<div class="ddpnb-ranks-scroll"><table class="ddpnb-ranks ddpnb-compact">' if compact else \
-        '<table class="ddpnb-ranks">'
+    compact = record.world_size >= MANY_RANKS  # compact rows (one progress bar each) in a box that scrolls
+    pad = "padding:0 6px;line-height:1.3" if compact else ""
+    head = f'style="{_HEAD}"'
     radar_head, radar_cells = _radar_html(record)
-    rows = [(f'{table}<thead><tr><th>rank</th><th>state</th><th>device</th><th>PID</th>'
-             f'{"<th>GPU memory</th>" if gpus else ""}{radar_head}'
-             '<th>progress</th><th>time</th><th>latest output</th></tr></thead><tbody>')]
+    names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
+    table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
+             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px">' if compact
+             else '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px">')
+    rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
+            + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
+            + "</tr></thead><tbody>"]
     for rank, radar in zip(record.ranks, radar_cells):
-        state = rank_state(rank)
-        colour = _RANK_COLOURS[rank.state]
-        last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
+        role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
+        colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
+        weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
+        role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
         straggler = f' data-straggler="{rank.straggler}"' if rank.straggler else ""
+        last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
+        swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
+                  f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
+        latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
+                  f'overflow:hidden;text-overflow:ellipsis;max-width:300px;opacity:0.75">{html.escape(last[:160])}</div>')
         rows.append(
-            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{straggler}>'
-            f'<td><span class="ddpnb-swatch" style="background:{_rank_colour(rank.rank)}"></span>{rank.rank}</td>'
-            f'<td style="color:{colour};font-weight:600">{html.escape(state)}</td>'
-            f'<td>{html.escape(rank.device)}</td><td class="ddpnb-mono">{rank.pid or "–"}</td>'
-            f'{_gpu_memory_html(rank) if gpus else ""}{radar}<td>{_progress_html(rank, compact)}</td>'
-            f'<td>{format_duration(rank.duration)}</td>'
-            f'<td class="ddpnb-last"><div class="ddpnb-mono" title="{html.escape(last)}">{html.escape(last[:160])}'
-            f'</div></td></tr>')
+            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{role_attr}{straggler}>{_td(swatch, pad)}'
+            f'{_td(html.escape(rank_state(rank, role)), f"color:{colour};font-weight:{weight};{pad}")}'
+            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{pad}")}'
+            f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
+            f'{_td(format_duration(rank.duration), pad)}{_td(latest, pad, attrs=LAST_CELL)}</tr>')
     rows.append("</tbody></table></div>" if compact else "</tbody></table>")
     return "".join(rows)
 
@@ -269,24 +264,31 @@ def metrics_signature(record: RunRecord) -> tuple[int, ...]:
     return (len(record.attempts), *(len(series) for rank in record.ranks for series in list(rank.metrics.values())))
 
 
-def plots_html(record: RunRecord) -> str:
+def plots_html(record: RunRecord, images: bool = False) -> str:
+    """One plot per metric: inline SVG (the live widget, themed by the page's CSS), or with `images` each SVG as
+    an <img> of itself (the static summary: JupyterLab's sanitiser drops <svg> from an untrusted notebook's HTML,
+    and does not show an untrusted `image/svg+xml` output at all, but keeps an image's data URI)."""
     names = metric_names(record)
     if not names:
-        return ('<div class="ddpnb-muted">No metrics yet: send them from the ranks with '
+        return (f'<div class="ddpnb-muted" style="{_MUTED}">No metrics yet: send them from the ranks with '
                 '<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>')
     many = record.world_size >= MANY_RANKS
     shown = [0] if many else [r.rank for r in record.ranks]
-    legend = "".join(f'<span><span class="ddpnb-swatch" style="background:{_rank_colour(r)}"></span>rank {r}</span>'
-                     for r in shown)
+    legend = "".join(f'<span style="margin-right:12px">{_swatch(_rank_colour(r))}rank {r}</span> ' for r in shown)
     if many:
-        legend += ('<span><span class="ddpnb-swatch" style="background:#1f77b4;opacity:.25"></span>'
-                   'min–max of all ranks</span>'
-                   '<span><span class="ddpnb-swatch" style="background:#7f7f7f"></span>median</span>')
-    plots = [_plot(record, name, shown, many) for name in names]
-    return f'<div class="ddpnb-legend">{legend}</div><div class="ddpnb-plots">{"".join(plots)}</div>'
+        legend += (f'<span style="margin-right:12px">{_swatch(_rank_colour(0), "opacity:0.25")}min–max of all ranks'
+                   f'</span><span style="margin-right:12px">{_swatch(MEDIAN_COLOUR)}median</span>')
+    plots = [_plot(record, name, shown, many, images) for name in names]
+    return (f'<div class="ddpnb-legend" style="{_MUTED};margin:2px 0">{legend}</div>'
+            f'<div class="ddpnb-plots" style="margin:2px 0 4px">{"".join(plots)}</div>')
 
 
-def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str:
+def _swatch(colour: str, style: str = "") -> str:
+    return (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
+            f'margin-right:6px;background-color:{colour}{";" + style if style else ""}"></span>')
+
+
+def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image: bool = False) -> str:
     width, height = PLOT_SIZE
     # the record's own lists, which the supervisor appends to: measured and sampled, never copied whole, so a
     # redraw costs the same after a million points as after a hundred
@@ -321,9 +323,12 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
     latest = series[shown[0]]
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
-    title = f'<div class="ddpnb-plot-title">{html.escape(name)} <span>{value}</span></div>'
+    title = (f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
+             f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>')
+    box = f'<div class="ddpnb-plot" data-metric="{html.escape(name)}" style="display:inline-block;' \
+          f'vertical-align:top;margin:0 14px 4px 0">{title}'
     if not all_x:
-        return f'<div class="ddpnb-plot" data-metric="{html.escape(name)}">{title}</div>'
+        return f"{box}</div>"
     left, right, top, bottom = 44, 10, 6, 22
     x_lo, x_hi = min(all_x), max(all_x)
     y_lo, y_hi = min(all_y), max(all_y)
@@ -343,26 +348,26 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
         return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
 
     svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-size="10">')]
+            f'viewBox="0 0 {width} {height}" font-size="10" font-family="sans-serif">')]
     for y in y_ticks:
         svg.append(f'<line class="ddpnb-grid" x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                   f'stroke="#eeeeee"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#616161">'
+                   f'stroke="#808080" stroke-opacity="0.2"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#808080">'
                    f'{_tick_label(y)}</text>')
     for x in x_ticks:
         if x_lo <= x <= x_hi and sx(x) < width - right - 30:  # the right end carries the axis' unit
-            svg.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#616161">'
+            svg.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#808080">'
                        f'{_tick_label(x)}</text>')
     svg.append(f'<line class="ddpnb-axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" '
-               f'stroke="#bdbdbd"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
-               f'stroke="#bdbdbd"/>')
-    svg.append(f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#616161">'
+               f'stroke="#808080" stroke-opacity="0.6"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
+               f'stroke="#808080" stroke-opacity="0.6"/>')
+    svg.append(f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#808080">'
                f'{"step" if by_step else "s"}</text>')
     if band_points:
         thinned = thin(band_points, MAX_POINTS)
         outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
         svg.append(f'<polygon class="ddpnb-band" fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
                    f'points="{_points(outline)}"><title>min–max of all ranks</title></polygon>')
-        svg.append(f'<polyline class="ddpnb-median" fill="none" stroke="#7f7f7f" stroke-width="1.2" '
+        svg.append(f'<polyline class="ddpnb-median" fill="none" stroke="{MEDIAN_COLOUR}" stroke-width="1.2" '
                    f'stroke-dasharray="4,2" points="{_points((sx(x), sy(y)) for x, y in thin(median, MAX_POINTS))}">'
                    '<title>median of all ranks</title></polyline>')
     for number, attempt in enumerate(earlier):
@@ -375,7 +380,7 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
         svg.append(f'<line class="ddpnb-restart" data-attempt="{number}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
                    f'y1="{top}" y2="{top + plot_h}" stroke="{_ORANGE}" stroke-dasharray="3,3">'
                    f'<title>attempt {number} starts here</title></line>'
-                   f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="#f57c00">restart {number}</text>')
+                   f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="{_ORANGE}">restart {number}</text>')
     for rank, points in lines.items():
         if not points:
             continue
@@ -389,7 +394,12 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool) -> str
             svg.append(f'<polyline {attrs} fill="none" stroke="{colour}" stroke-width="1.6" '
                        f'stroke-linejoin="round" points="{_points((sx(x), sy(y)) for x, y in drawn)}"/>')
     svg.append("</svg>")
-    return f'<div class="ddpnb-plot" data-metric="{html.escape(name)}">{title}{"".join(svg)}</div>'
+    drawn_svg = "".join(svg)
+    if image:
+        data = base64.b64encode(drawn_svg.encode()).decode()
+        drawn_svg = (f'<img class="ddpnb-plot-image" src="data:image/svg+xml;base64,{data}" width="{width}" '
+                     f'height="{height}" alt="{html.escape(name)}: {html.escape(value)}">')
+    return f"{box}{drawn_svg}</div>"
 
 
 def _points(points: Iterable[tuple[float, float]]) -> str:
@@ -437,8 +447,10 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
         tag, colour = f"[ranks {rank_ranges(ranks)}]", _GREY
     else:
         tag, colour = f"[rank {rank}]", _rank_colour(rank)
-    return (f'<div class="ddpnb-line ddpnb-{stream}"><span class="ddpnb-tag" style="color:{colour}">'
-            f'{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
+    tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
+    return (f'<div class="ddpnb-line ddpnb-{stream}" style="white-space:pre-wrap;word-break:break-all;'
+            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;'
+            f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
 
 def _printed(lines: Iterable[OutputLine | FoldedLine]) -> int:
@@ -453,25 +465,45 @@ def _any_line_html(line: OutputLine | FoldedLine) -> str:
 
 def log_html(lines: Iterable[str], note: str) -> str:
     """The log panel from lines drawn by `line_html` (the live dashboard draws each line once, not each redraw)."""
-    inner = "".join(lines) or '<div class="ddpnb-muted">no output yet</div>'
-    return (f'<div class="ddpnb-muted">{note}</div>'
-            f'<div class="ddpnb-log ddpnb-mono"><div>{inner}</div></div>')
+    inner = "".join(lines) or f'<div class="ddpnb-muted" style="{_MUTED}">no output yet</div>'
+    return (f'<div class="ddpnb-muted" style="{_MUTED}">{note}</div>'
+            f'<div class="ddpnb-log ddpnb-mono" style="{_MONO};border:1px solid {_RULE};border-radius:3px;'
+            f'padding:4px 8px;margin:2px 0;background-color:rgba(128,128,128,0.06)"><div>{inner}</div></div>')
 
 
-def error_html(record: RunRecord) -> str:
+def error_html(record: RunRecord, full_traceback: bool = True) -> str:
+    """The first failure: the failing rank's traceback (cells named as IPython names them, `Cell In[3], line 7`),
+    then what the other ranks did. With `full_traceback=False` (a foreground run: the cell's own error right below
+    shows the traceback) only where it was raised, so the traceback is not shown twice."""
     first = record.first_failure
-    earlier = "".join(f'<div class="ddpnb-muted" data-attempt="{a.number}">attempt {a.number} (restarted): '
+    muted = f'class="ddpnb-muted" style="{_MUTED}"'
+    earlier = "".join(f'<div {muted} data-attempt="{a.number}">attempt {a.number} (restarted): '
                       f'{html.escape(a.describe())}</div>' for a in record.attempts)
+    box = (f'<div class="ddpnb-error" style="border-left:3px solid {_RED};background-color:rgba(211,47,47,0.08);'
+           f'padding:4px 10px;margin:4px 0">')
     if first is None:
-        return f'<div class="ddpnb-error">{earlier}</div>' if earlier else ""
-    parts = [(f'<div class="ddpnb-error"><div class="ddpnb-error-title">rank {first.rank} failed first: '
-              f'{html.escape(first.summary)}</div>')]
-    if first.traceback:
-        parts.append(f"<pre>{html.escape(first.traceback.rstrip())}</pre>")
+        return f"{box}{earlier}</div>" if earlier else ""
+    parts = [(f'{box}<div class="ddpnb-error-title" style="font-weight:600;color:{_RED}">rank {first.rank} failed '
+              f'first: {html.escape(first.summary)}</div>')]
+    traceback = cell_names(first.traceback).rstrip()
+    if traceback and full_traceback:
+        parts.append(f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto">'
+                     f'{html.escape(traceback)}</pre>')
+    elif traceback:
+        frames = [line.strip() for line in traceback.splitlines() if line.startswith(("  File ", "  Cell In["))]
+        # a crash report lists the innermost frame first, and the summary already names it
+        at = f"at {frames[-1]}; " if frames and "most recent call first" not in traceback else ""
+        parts.append(f'<div {muted} data-traceback="below">{html.escape(at)}the full traceback is in the cell\'s '
+                     f'error below</div>')
     others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
-    if others:
-        parts.append('<div class="ddpnb-muted">then, as a consequence: '
-                     + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others) + "</div>")
+    own = [f for f in others if not f.knock_on]  # as the text report splits them
+    if own:
+        parts.append(f'<div {muted}>also failed: ' + "; ".join(
+            html.escape(f"rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary))
+            for f in own) + "</div>")
+    if len(own) < len(others):
+        parts.append(f'<div {muted}>then, as a consequence: '
+                     + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others if f.knock_on) + "</div>")
     parts.append(f"{earlier}</div>")
     return "".join(parts)
 
@@ -483,23 +515,26 @@ def stall_html(record: RunRecord) -> str:
         return ""
     if not stall.ongoing:
         assert stall.resumed is not None
-        return (f'<div class="ddpnb-muted" data-stall="resumed">stalled for {stall.resumed - stall.since:.0f} s '
+        return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
                 f'({html.escape(stall.diagnosis.summary())}), then progress resumed</div>')
     lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*stall.diagnosis.rank_lines(),
                                                                     *stall.diagnosis.flight])
     tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
             else f"still stalled when the run ended ({record.outcome.value})")
-    return (f'<div class="ddpnb-stall" data-stall="ongoing"><div class="ddpnb-stall-title">'
-            f'{html.escape(stall.headline())}</div><div class="ddpnb-mono">{lines}</div>'
-            f'<div class="ddpnb-muted">{html.escape(tail)}</div></div>')
+    return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
+            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0">'
+            f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
+            f'{html.escape(stall.headline())}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
+            f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
 
 
 def stacks_html(stacks: dict[int, str]) -> str:
     """Every rank's stack, as `Run.stacks()` gave them."""
     if not stacks:
-        return '<div class="ddpnb-muted">no rank is running: no stacks</div>'
-    return '<div class="ddpnb-stacks"><div class="ddpnb-section">stacks</div>' + "".join(
-        f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono">'
+        return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
+    return f'<div class="ddpnb-stacks">{section_html("stacks")}' + "".join(
+        f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
+        f'white-space:pre;max-height:320px;overflow:auto">'
         f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
 
 
@@ -515,24 +550,32 @@ def resume_html(record: RunRecord) -> str:
     found = checkpoints.latest(record.checkpoint_dir)
     if found is None:
         return ""
-    return (f'<div class="ddpnb-muted" data-resume="{found[0]}">continue from its checkpoint of step {found[0]}: '
-            f'<code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or <code>--resume last</code>)</div>')
+    return (f'<div class="ddpnb-muted" style="{_MUTED}" data-resume="{found[0]}">continue from its checkpoint of '
+            f'step {found[0]}: <code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or '
+            f'<code>--resume last</code>)</div>')
 
 
-def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine]) -> str:
+def section_html(title: str) -> str:
+    return (f'<span class="ddpnb-section" style="font-weight:600;font-size:12px;opacity:0.7;'
+            f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>')
+
+
+def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine], full_traceback: bool = True) -> str:
     """The static record of a finished run: what the cell keeps once the live dashboard is gone; `lines`: the
-    latest lines, folded or not."""
+    latest lines, folded or not. Styled inline only, with the plots as images: it reads the same in an untrusted
+    notebook, whose HTML JupyterLab sanitises."""
     tail = lines[-SUMMARY_LOG_LINES:]
     total = sum(r.lines for r in record.ranks)
     note = (f"last {_printed(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
             else f"no output · logs in {_log_location(record)}")
-    logs = (f'<details{" open" if tail else ""}><summary class="ddpnb-section" style="cursor:pointer">output'
-            f'</summary>{log_html((_any_line_html(line) for line in tail), note)}</details>')
-    hint = f'<div class="ddpnb-muted">{html.escape(record.hint)}</div>' if record.hint else ""
-    return (f'{STYLE}<div class="ddpnb" data-ddpnb-summary="1">{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record) if metric_names(record) else ""}{stall_html(record)}{error_html(record)}'
-            f'{resume_html(record)}{logs}'
-            f'{hint}</div>')
+    logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
+            f'{section_html("output")}</summary>'
+            f'{log_html((_any_line_html(line) for line in tail), note)}</details>')
+    hint = f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(record.hint)}</div>' if record.hint else ""
+    return (f'<div class="ddpnb" data-ddpnb-summary="1" style="font-size:13px;line-height:1.4;max-width:1100px">'
+            f'{header_html(record)}{ranks_html(record)}'
+            f'{plots_html(record, images=True) if metric_names(record) else ""}{stall_html(record)}'
+            f'{error_html(record, full_traceback)}{resume_html(record)}{logs}{hint}</div>')
 
 
 def summary_text(record: RunRecord) -> str:
@@ -554,6 +597,7 @@ class Dashboard:
         from IPython import get_ipython
         from IPython.display import display
 
+        self.foreground = foreground  # its cell raises the run's error: the traceback is shown there, once
         self.run: Run | None = run  # dropped when the run ends: a widget lives as long as the kernel, a result need not
         self.record = run.record
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
@@ -591,7 +635,7 @@ class Dashboard:
         self.log_picker.observe(self._on_pick, names="value")
         self.log = widgets.HTML()
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))
-        log_bar = widgets.HBox([widgets.HTML('<div class="ddpnb-section">output</div>'), self.log_picker],
+        log_bar = widgets.HBox([widgets.HTML(section_html("output")), self.log_picker],
                                layout=widgets.Layout(align_items="center", gap="10px"))
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
@@ -633,7 +677,8 @@ class Dashboard:
                 button.disabled = True
                 button.layout.display = "none"
             if self._display is not None:
-                self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all]),
+                self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all],
+                                                                   full_traceback=not self.foreground),
                                       "text/plain": summary_text(self.record)}, raw=True)
             self.run = None
 
@@ -655,7 +700,7 @@ class Dashboard:
             if (record.failures or record.attempts) and self.error.layout.display == "none":
                 self.error.layout.display = None
             if record.failures or record.attempts:
-                self.error.value = error_html(record)
+                self.error.value = error_html(record, full_traceback=not self.foreground)
 
     def _take_lines(self) -> None:
         run = self.run
