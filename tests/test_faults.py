@@ -310,6 +310,25 @@ def test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first(tmp_path):
     assert "also failed" not in report
 
 
+def test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first(tmp_path):
+    """Stopping at a timeout, ddpnb may stop rank 0 first, and a peer's collective then fails ("Connection closed
+    by peer"); that failure is the stop's consequence, so the report heads with the timeout (a race in a real
+    run: tutorial 04 met it under load), as it does for an interrupt or stop()."""
+    from ddpnb.core.record import Failure, Outcome, RankRecord, RunRecord
+
+    record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", ranks=[RankRecord(r) for r in range(2)],
+                       outcome=Outcome.TIMED_OUT, note="stopped after the 5 s timeout (--timeout)")
+    record.failures = [Failure(1, 10.0, "RuntimeError: Connection closed by peer", knock_on=True)]
+    assert record.first_failure is None
+    error = ddpnb.WorkerError(record)
+    assert str(error.args[0]) == "run timed out: stopped after the 5 s timeout (--timeout)"
+    report = str(error)
+    assert report.startswith("ddpnb: run timed out: stopped after the 5 s timeout (--timeout)")
+    assert "then, as a consequence:\n  rank 1: RuntimeError: Connection closed by peer" in report
+    record.outcome = Outcome.FAILED  # a failed run keeps its first failure on top, knock-on or not
+    assert record.first_failure.rank == 1
+
+
 # What gloo (libtorch_cpu) and NCCL (libtorch_cuda, torch 2.x) raise in a rank whose peer died or hung; the NCCL
 # texts are the strings in torch's library, as a CPU-only machine cannot produce them.
 KNOCK_ON_ERRORS = [

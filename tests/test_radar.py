@@ -123,7 +123,7 @@ def test_cpu_and_resident_memory_per_rank_are_recorded_and_shown():
     header, _, row1 = table.splitlines()[:3]
     assert "cpu" in header and "rss" in header and "MiB" in row1, table
     rows = dashboard.ranks_html(record)
-    assert "<th>CPU</th>" in rows and "<th>memory</th>" in rows and "MiB" in rows
+    assert ">CPU</th>" in rows and ">memory</th>" in rows and "MiB" in rows
 
 
 def test_hardware_is_sampled_at_most_once_a_second():

@@ -232,9 +232,14 @@ class FailureRole(enum.Enum):
     KNOCK_ON = "stopped: peer failed"  # a collective's abort because another rank died (see `is_knock_on`)
 
 
-def root_cause(failures: list[Failure]) -> Failure | None:
-    """The earliest failure that is not a knock-on of another rank's (else the earliest)."""
-    return min(failures, key=lambda f: (f.knock_on, f.time)) if failures else None
+def root_cause(failures: list[Failure], outcome: Outcome = Outcome.FAILED) -> Failure | None:
+    """The earliest failure that is not a knock-on of another rank's (else the earliest); None where ddpnb ended
+    the run (a timeout, an interrupt, a stop) and every failure is a consequence of that: the stop is the cause."""
+    first = min(failures, key=lambda f: (f.knock_on, f.time)) if failures else None
+    return None if first is not None and first.knock_on and outcome in _ENDED_BY_DDPNB else first
+
+
+_ENDED_BY_DDPNB = (Outcome.TIMED_OUT, Outcome.INTERRUPTED, Outcome.STOPPED)
 
 
 @dataclass
@@ -253,7 +258,7 @@ class Attempt:
 
     @property
     def first_failure(self) -> Failure | None:
-        return root_cause(self.failures)
+        return root_cause(self.failures, self.outcome)
 
     def describe(self) -> str:
         """'rank 1 failed first: killed by SIGKILL', or the outcome and why."""
@@ -377,7 +382,7 @@ class RunRecord:
     @property
     def first_failure(self) -> Failure | None:
         """The root cause of the last attempt's failure (see `root_cause`); earlier attempts' are in `attempts`."""
-        return root_cause(self.failures)
+        return root_cause(self.failures, self.outcome)
 
     def failure_role(self, rank: int) -> FailureRole | None:
         """How `rank` failed in the current attempt; None where it did not fail."""
@@ -539,6 +544,9 @@ class WorkerError(RuntimeError):
                 parts.append(f"where each rank was: {record.at_timeout.summary()}")
                 parts.extend(f"  {line}" for line in record.at_timeout.rank_lines())
                 parts.extend(f"  {line}" for line in record.at_timeout.flight)
+        if first is None and record.failures:  # ranks that failed because ddpnb stopped the others
+            parts.append("\nthen, as a consequence:")
+            parts.extend(f"  rank {f.rank}: {f.summary}" for f in sorted(record.failures, key=lambda f: f.time))
         if record.attempts:
             parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
                          "the earlier ones, each ended by stopping every rank and starting them all again:")
