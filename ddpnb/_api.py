@@ -121,7 +121,7 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     dashboard keeps updating while other cells run and has a Stop button; the text view prints the ranks'
     output when `wait()` or `result()` is called.
 
-    `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install 'ddpnb[ray]'`): `address` is
+    `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install -e '.[ray]'`): `address` is
     the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: see the README), `placement` 'pack'
     (default: few nodes) or 'spread' (across nodes).
 

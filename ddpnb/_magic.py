@@ -40,7 +40,7 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
     argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
     argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
              help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
-                  "Train (pip install 'ddpnb[ray]')."),
+                  "Train (pip install -e '.[ray]')."),
     argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
              help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
                   "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "

@@ -34,7 +34,7 @@ def check(directory: str | os.PathLike[str]) -> Path:
         import tensorboard.summary  # noqa: F401
     except ImportError:
         raise LaunchError("tensorboard= (--tensorboard) needs TensorBoard: pip install tensorboard "
-                          "(or pip install 'ddpnb[tensorboard]'), then run the cell again.") from None
+                          "(or pip install -e '.[tensorboard]'), then run the cell again.") from None
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)

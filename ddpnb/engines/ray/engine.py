@@ -23,7 +23,7 @@ from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
 from ddpnb.engines.ray.actor import FitOutcome, FitRequest
 
-INSTALL_HINT = (f"--engine ray needs Ray Train: pip install 'ddpnb[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
+INSTALL_HINT = (f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
                 "every node of the cluster.")
 POLL = 0.1  # seconds between two drains of the channel
 FAILURE_GRACE = 20.0  # seconds Ray Train gets to stop the other ranks itself after one failed
