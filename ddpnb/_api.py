@@ -195,7 +195,13 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         except OSError as exc:
             raise LaunchError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created ({exc.strerror}): pass a "
                               "directory you can write to.") from None
-    run_dir = rundir.new_run_dir()
+    held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`new_run_dir`) may delete it
+    try:
+        run_dir = rundir.new_run_dir()
+    except BaseException:
+        if held is not None:
+            os.close(held)
+        raise
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
     spec = WorkerSpec(
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
@@ -209,6 +215,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
               max_restarts=max_restarts,
               new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
               shared=shipment)
+    run.hold(held)
     if planned.note:
         print(f"[ddpnb] {planned.note}", file=sys.stderr)
     if resumed:

@@ -582,6 +582,9 @@ def train_and_fail(rank, world_size):
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    import ray.train
+
+    reported = ray.train.get_checkpoint()  # what Ray Train restarted the workers with
     start = ddpnb.load_checkpoint({"model": model, "opt": opt})
     print(f"attempt {ddpnb.attempt()} starts from step {start}")
     for step in range(start or 0, 40):
@@ -592,7 +595,8 @@ def train_and_fail(rank, world_size):
         opt.zero_grad(); loss.backward(); opt.step()
         if (step + 1) % 10 == 0:
             ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
-    return {"start": start, "attempt": ddpnb.attempt(), "state": model.module.state_dict()}
+    return {"start": start, "attempt": ddpnb.attempt(), "state": model.module.state_dict(),
+            "ray_checkpoint": reported and os.path.basename(reported.path)}
 '''
 
 
@@ -600,11 +604,27 @@ def train_and_fail(rank, world_size):
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_a_ray_run_restarts_from_the_last_checkpoint_like_a_local_one(ray_kernel):
+    """Issue 18's scenario on Ray, through Ray Train's own mechanisms: FailureConfig restarts the workers within
+    one fit (no second run actor), the checkpoints are reported to it and attempt 1 reads the latest with
+    `ray.train.get_checkpoint()`; the run's record still shows both attempts, each with its own logs."""
     run = ray_kernel.execute(RESTART_CELL.replace("-o restarted", "--env FAIL_AT=25 -o restarted"),
                              timeout=CELL_TIMEOUT)
     assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
-    assert "[ddpnb] attempt 0 failed: rank 1 failed first" in run.stdout
-    assert "[rank 0] attempt 1 starts from step 20" in run.stdout
+    assert "[ddpnb] attempt 0 failed: rank 1 failed first" in run.stdout, run.stdout
+    assert "[rank 0] attempt 1 starts from step 20" in run.stdout, run.stdout
+    record = ray_kernel.execute(
+        "record = ddpnb.last_run()\n"
+        "print(record.attempt, len(record.attempts), record.attempts[0].first_failure.rank,\n"
+        "      record.outcome.value, restarted['ray_checkpoint'])\n"
+        "print(sorted(p.name for p in record.run_dir.glob('rank*.log')))\n"
+        "print(sorted(p.name for p in record.checkpoint_dir.iterdir() if p.name.startswith('step-')))")
+    assert record.error is None, record.error
+    numbers, logs, kept = record.stdout.splitlines()
+    assert numbers.split() == ["1", "1", "1", "succeeded", "step-000000020"], record.stdout
+    assert logs == str(["rank0.attempt0.log", "rank0.attempt1.log", "rank1.attempt0.log", "rank1.attempt1.log"])
+    assert kept == str(["step-000000020", "step-000000030", "step-000000040"])  # the newest 3 (keep_checkpoints)
+    # Ray Train restarted the workers within one fit: ddpnb connected (started an engine) once, not per attempt
+    assert run.stdout.count(" node(s), ") == 1, run.stdout
     # the same function, never failing, on the local engine: the same weights, bit for bit
     check = ray_kernel.execute(
         "plain = ddpnb.run(train_and_fail, nprocs=2, view='none')\n"

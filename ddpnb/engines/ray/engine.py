@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import RunEvents
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
-from ddpnb.engines.ray.actor import FitOutcome, FitRequest
+from ddpnb.engines.ray.actor import FitOutcome, FitRequest, NewAttempt
 
 INSTALL_HINT = (f"--engine ray needs Ray Train: pip install 'ddpnb[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
                 "every node of the cluster.")
@@ -94,6 +95,8 @@ class RayEngine:
         self._returned: set[int] = set()
         self._failed: set[int] = set()
         self._stacks: set[int] = set()
+        self._ray_restarts = 0  # restarts Ray Train makes itself (FailureConfig); the run's others are ddpnb's
+        self._restarted = 0  # ... of which it made so far
 
     def start(self, events: RunEvents, result_fd: int | None, shared: Any = None) -> None:
         import ray
@@ -102,6 +105,7 @@ class RayEngine:
         from ddpnb.engines.ray.actor import RunActor
 
         self._events = events
+        self._ray_restarts = events.restarts_left() if _compat.ray_train_v2() and not self.spec.interactive else 0
         spec = self.spec
         spec_payload = pickling.dump_spec(spec)  # before anything starts: args that cannot be sent
         print(cluster.connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
@@ -110,6 +114,9 @@ class RayEngine:
             name=f"ddpnb-{Path(spec.run_dir).name}", spec_payload=spec_payload, world_size=spec.world_size,
             use_gpus=spec.use_gpus, backend=spec.backend, placement=self.placement.name,
             group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
+            # Ray Train v2 restarts the workers itself after a rank's failure, and tells the run (`NewAttempt`);
+            # a timeout, and Ray Train v1, still end the fit and leave the restart to the run (a new engine)
+            max_failures=self._ray_restarts, checkpoint_dir=spec.checkpoint_dir,
         )
         self._actor = ray.remote(RunActor).options(
             # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
@@ -153,6 +160,9 @@ class RayEngine:
 
         assert self._events is not None
         for data in ray.get(self._actor.drain.remote()):
+            if isinstance(data, NewAttempt):
+                self._new_attempt(data)
+                continue
             message = msg.decode(data)
             if isinstance(message, msg.Placed) and message.placement_group is not None:
                 self._placement_groups[message.placement_group.id.hex()] = message.placement_group
@@ -164,10 +174,21 @@ class RayEngine:
                 self._stacks.add(message.rank)
             self._events.message(message.rank, message)
 
-    def _settle_ranks(self) -> None:
+    def _new_attempt(self, mark: NewAttempt) -> None:
+        """Ray Train restarted every rank (FailureConfig): the ranks of the attempt before end, then the run opens
+        a new attempt; if it may not restart after all, Ray Train's run is stopped."""
+        assert self._events is not None
+        self._settle_ranks(FitOutcome(rank_errors=mark.rank_errors))
+        self._restarted = mark.restarts
+        self._returned, self._failed, self._stacks = set(), set(), set()
+        if not self._events.restarted():
+            self._stopped = True
+            self.escalate()
+
+    def _settle_ranks(self, outcome: FitOutcome | None = None) -> None:
         """Each rank's end: Ray reports no exit codes, so they are inferred as a local run's would be."""
         assert self._events is not None
-        fit = FitOutcome() if self._fit is None or self._stopped else self._fit
+        fit = outcome or (FitOutcome() if self._fit is None or self._stopped else self._fit)
         unexplained = []
         for rank in range(self.spec.world_size):
             if rank in self._failed:
@@ -187,6 +208,8 @@ class RayEngine:
     # --- stopping ---------------------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
         if self._served:
+            return None
+        if failed and self._restarted < self._ray_restarts:  # Ray Train restarts every rank itself (`NewAttempt`)
             return None
         if failed:  # Ray Train stops the others itself (their last output still arrives); abort if it does not
             return FAILURE_GRACE
