@@ -8,6 +8,7 @@ as a `%%ddp` run's ranks do; between commands they wait for the next one. `%ddp_
 from __future__ import annotations
 
 import enum
+import os
 import pickle
 import queue
 import sys
@@ -15,11 +16,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ddpnb import _api
+from ddpnb import _api, engines
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
-from ddpnb.core.record import Outcome, RankState, WorkerError, cell_names
+from ddpnb.core.record import DataSent, Outcome, RankState, WorkerError, cell_names
 from ddpnb.core.run import Run
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
@@ -93,6 +95,7 @@ class Session:
         self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
                        "address": address, "placement": placement}
         self._number = 0
+        self.data: DataSent | None = None  # what the latest command sent through shared memory (`push`)
         self.state = SessionState.STOPPED
         self.run: Run | None = None
         self._start()
@@ -126,7 +129,8 @@ class Session:
         """End every rank; the session's namespaces are gone."""
         run = self.run
         if run is not None and not run.done:
-            run.send(list(range(run.record.world_size)), dumps(msg.Command(self._next(), msg.CommandKind.STOP)))
+            stop = dumps(msg.Command(self._next(), msg.CommandKind.STOP))
+            run.send(list(range(run.record.world_size)), dumps((os.getpid(), {}, stop)))
             run.wait(STOP_WAIT)
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
@@ -189,7 +193,11 @@ class Session:
         run = self.run
         selected = self._selected(ranks)
         command = msg.Command(self._next(), kind, **fields)
-        payload = dumps(command)  # here, before anything is sent: an object that cannot travel is the caller's error
+        # big tensors and arrays go through shared memory, as a launch's do, where the ranks are on this machine
+        shipment = Shipment() if engines.engine_type(run.engine.kind).maps_data else None
+        body = dumps(command, shared=shipment)  # here, before anything is sent: what cannot travel is the caller's error
+        # the rank maps the memory files, through /proc/<this pid>/fd, before it unpickles the command
+        payload = dumps((os.getpid(), shipment.fds() if shipment else {}, body))
         seen = run.lines_since(0)[2]
         run.send(selected, payload)
         answers: dict[int, msg.Reply] = {}
@@ -224,6 +232,8 @@ class Session:
                 cause = "an interrupt" if interrupted or timeout is not None and now - began > timeout else "a failure"
                 self._break(selected, answers, f"within {GRACE:g} s of {cause}")
         self._show_output(run, seen)
+        if shipment is not None and shipment.used:  # every rank mapped it: the store keeps it for the next push
+            self.data = shipment.commit()
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
         if failed:
             self._raise(failed, selected)

@@ -620,7 +620,10 @@ def test_a_ray_run_restarts_from_the_last_checkpoint_like_a_local_one(ray_kernel
         "print(sorted(p.name for p in record.checkpoint_dir.iterdir() if p.name.startswith('step-')))")
     assert record.error is None, record.error
     numbers, logs, kept = record.stdout.splitlines()
-    assert numbers.split() == ["1", "1", "1", "succeeded", "step-000000020"], record.stdout
+    # Ray Train registered step 10 or 20 by the time rank 1 died (its controller collects reports as it polls)
+    assert numbers.split()[:4] == ["1", "1", "1", "succeeded"], record.stdout
+    assert numbers.split()[4] in ("step-000000010", "step-000000020"), record.stdout
+    assert "Reporting training result" not in run.stdout + run.stderr  # Ray Train's log line per report
     assert logs == str(["rank0.attempt0.log", "rank0.attempt1.log", "rank1.attempt0.log", "rank1.attempt1.log"])
     assert kept == str(["step-000000020", "step-000000030", "step-000000040"])  # the newest 3 (keep_checkpoints)
     # Ray Train restarted the workers within one fit: ddpnb connected (started an engine) once, not per attempt

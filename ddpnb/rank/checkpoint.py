@@ -132,7 +132,10 @@ def load_checkpoint(state: MutableMapping[str, Any]) -> int | None:
     finish()  # an asynchronous save still being written is the latest
     chosen: list[Any] = [None]
     if dist.get_rank() == 0:
-        found = _engine_latest() or latest(spec.checkpoint_dir) or (latest(spec.resume_dir) if spec.resume_dir else None)
+        # the engine's latest and ddpnb's own are both complete; the engine's may lag (Ray Train registers a
+        # reported checkpoint once its controller has collected every worker's report)
+        own = [found for found in (_engine_latest(), latest(spec.checkpoint_dir)) if found is not None]
+        found = max(own) if own else (latest(spec.resume_dir) if spec.resume_dir else None)
         chosen = [None if found is None else (found[0], str(found[1]))]
     dist.broadcast_object_list(chosen, src=0)  # every rank loads the same step, even if its view of the disk lags
     if chosen[0] is None:

@@ -134,7 +134,7 @@ class RunActor:
 
     def fit(self, request: FitRequest) -> FitOutcome:
         import ray
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"  # ranks print to their fds, which ddpnb captures
@@ -158,6 +158,8 @@ class RunActor:
                                  failure_config=FailureConfig(max_failures=request.max_failures),
                                  # ddpnb keeps the newest K itself (`rank.checkpoint._prune`)
                                  checkpoint_config=CheckpointConfig(num_to_keep=None),
+                                 # not a line per reported checkpoint in the ranks' output
+                                 logging_config=LoggingConfig(log_level="WARNING"),
                                  **({"callbacks": callbacks} if callbacks else {})),
         )
         with self._lock:
