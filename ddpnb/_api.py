@@ -185,8 +185,9 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     planned = plan(gpus, nprocs, backend, kind)
     chosen_view, options = check_options(view, kind, address, placement)
     engine_type = engines.engine_type(kind)
-    # the function's (and then the args') big tensors and arrays go into shared memory the ranks map
-    shipment = shared.Shipment() if engine_type.maps_data else None
+    # the function's (and then the args') big tensors and arrays go where the engine's ranks read them: shared
+    # memory they map (local), Ray's object store (ray)
+    shipment = engine_type.shipment()
     payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
     if checkpoint_dir is not None:

@@ -95,3 +95,13 @@ def ray_restart_failure(state: object) -> object | None:
     from ray.train.v2._internal.execution.controller.state import RestartingState
 
     return state.training_failed_error if isinstance(state, RestartingState) else None
+
+
+def ray_report_logger() -> object:
+    """The logger Ray Train v2 writes a line to at every `ray.train.report` of every worker ("Reporting training
+    result ..."), named by its module's file, outside `ray.train`'s logger tree (its LoggingConfig misses it)."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    return logging.getLogger(context.__file__)

@@ -87,3 +87,4 @@ def test_ray_private_helpers_still_exist():
 
     error = WorkerGroupError("rank 1 died", {1: RuntimeError("died")})
     assert _compat.ray_restart_failure(RestartingState(training_failed_error=error)) is error
+    assert call(_compat.ray_report_logger, "ray").name.endswith("context.py")

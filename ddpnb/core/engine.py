@@ -94,6 +94,10 @@ class EngineType(Protocol):
     def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
         """The engine's options from the user's, or LaunchError."""
 
+    def shipment(self) -> Shipment | None:
+        """Where a launch's big notebook tensors and arrays go instead of the pickle (`core.shared.Shipment`, or
+        an engine's own with the same `reduce_tensor`, `reduce_array`, `fds` and `commit`); None: the pickle."""
+
     def gpus_available(self) -> int | None:
         """GPUs `--gpus` can use here; None where the cluster places the ranks."""
 

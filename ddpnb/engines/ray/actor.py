@@ -29,6 +29,7 @@ class FitRequest:
     versions: dict[str, str] = field(default_factory=dict)
     max_failures: int = 0  # Ray Train restarts the workers itself this many times (FailureConfig; v2 only)
     checkpoint_dir: str = ""  # the run's checkpoints: Ray Train's storage where it restarts the workers
+    data: dict[int, Any] = field(default_factory=dict)  # the notebook data's object references (`data.py`)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class RunActor:
 
     def fit(self, request: FitRequest) -> FitOutcome:
         import ray
-        from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"  # ranks print to their fds, which ddpnb captures
@@ -150,7 +151,7 @@ class RunActor:
         trainer = TorchTrainer(
             rank_main,
             train_loop_config={"spec": request.spec_payload, "channel": me, "versions": request.versions,
-                               "report_checkpoints": native},
+                               "report_checkpoints": native, "data": request.data},
             scaling_config=ScalingConfig(num_workers=request.world_size, use_gpu=request.use_gpus,
                                          placement_strategy=request.placement, **coordinator),
             torch_config=TorchConfig(backend=request.backend, timeout_s=request.group_timeout_s),
@@ -158,8 +159,6 @@ class RunActor:
                                  failure_config=FailureConfig(max_failures=request.max_failures),
                                  # ddpnb keeps the newest K itself (`rank.checkpoint._prune`)
                                  checkpoint_config=CheckpointConfig(num_to_keep=None),
-                                 # not a line per reported checkpoint in the ranks' output
-                                 logging_config=LoggingConfig(log_level="WARNING"),
                                  **({"callbacks": callbacks} if callbacks else {})),
         )
         with self._lock:

@@ -23,6 +23,7 @@ from ddpnb.core.engine import RunEvents
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
 from ddpnb.engines.ray.actor import FitOutcome, FitRequest, NewAttempt
+from ddpnb.engines.ray.data import ObjectStoreShipment
 
 INSTALL_HINT = (f"--engine ray needs Ray Train: pip install 'ddpnb[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
                 "every node of the cluster.")
@@ -43,7 +44,7 @@ class RayType:
     """The ray engine before a run: Ray Train installed, a placement; the GPUs are the cluster's."""
 
     kind = EngineKind.RAY
-    maps_data = False  # ranks may be on other nodes: notebook data travels in the pickle
+    maps_data = False  # ranks may be on other nodes: notebook data goes through Ray's object store (`shipment`)
 
     def __init__(self) -> None:
         if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
@@ -56,6 +57,9 @@ class RayType:
             choices = ", ".join(p.value for p in Placement)
             raise LaunchError(f"placement must be one of {choices}, not {placement!r}.") from None
         return {"address": address, "placement": chosen}
+
+    def shipment(self) -> ObjectStoreShipment:
+        return ObjectStoreShipment()
 
     def gpus_available(self) -> int | None:
         return None
@@ -107,16 +111,18 @@ class RayEngine:
         self._events = events
         self._ray_restarts = events.restarts_left() if _compat.ray_train_v2() and not self.spec.interactive else 0
         spec = self.spec
-        spec_payload = pickling.dump_spec(spec)  # before anything starts: args that cannot be sent
+        spec_payload = pickling.dump_spec(spec, shared)  # before anything starts: args that cannot be sent
         print(cluster.connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
         self._warn_if_too_small()
+        # the function's and args' big tensors and arrays: put into the object store once, fetched by each rank
+        data = shared.put() if isinstance(shared, ObjectStoreShipment) else {}
         request = FitRequest(
             name=f"ddpnb-{Path(spec.run_dir).name}", spec_payload=spec_payload, world_size=spec.world_size,
             use_gpus=spec.use_gpus, backend=spec.backend, placement=self.placement.name,
             group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
             # Ray Train v2 restarts the workers itself after a rank's failure, and tells the run (`NewAttempt`);
             # a timeout, and Ray Train v1, still end the fit and leave the restart to the run (a new engine)
-            max_failures=self._ray_restarts, checkpoint_dir=spec.checkpoint_dir,
+            max_failures=self._ray_restarts, checkpoint_dir=spec.checkpoint_dir, data=data,
         )
         self._actor = ray.remote(RunActor).options(
             # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls

@@ -18,7 +18,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core.messages import Output, Placed, Stacks
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.stacks import thread_stack
-from ddpnb.engines.ray import versions
+from ddpnb.engines.ray import data, versions
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -58,6 +58,7 @@ def rank_main(config: dict[str, Any]) -> None:
 
     try:
         _warn_about_versions(config["versions"])
+        data.receive(config.get("data") or {})  # before the spec, whose function and args refer to them
         run_function(context, config["spec"], setup=setup, join_group=_join_ray_group)
         # Ray Train's workers outlive the rank: take its group down, so that a peer left in a collective this rank
         # never joins (one all_reduce too many) fails now (gloo) instead of waiting for the group's timeout
@@ -99,6 +100,11 @@ class _RayCheckpoints:
     """ddpnb's checkpoints registered with Ray Train, whose storage is the run's checkpoint directory: every rank
     reports each complete one (`ray.train.report` is a barrier Ray Train needs every worker at), and after Ray
     Train restarted the workers `ray.train.get_checkpoint()` names the latest."""
+
+    def __init__(self) -> None:
+        import logging
+
+        _compat.ray_report_logger().setLevel(logging.WARNING)  # not a line in the rank's output per report
 
     def saved(self, step: int, path: Path) -> None:
         import ray.train
