@@ -584,7 +584,8 @@ def train_and_fail(rank, world_size):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     import ray.train
 
-    reported = ray.train.get_checkpoint()  # what Ray Train restarted the workers with
+    # what Ray Train restarted the workers with (the function runs on the local engine too, where it never fails)
+    reported = ray.train.get_checkpoint() if ddpnb.attempt() else None
     start = ddpnb.load_checkpoint({"model": model, "opt": opt})
     print(f"attempt {ddpnb.attempt()} starts from step {start}")
     for step in range(start or 0, 40):
