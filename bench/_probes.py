@@ -718,6 +718,17 @@ def probe_data(args: argparse.Namespace) -> None:
           "written": sent.written if sent else 0, "reused_later": reused})
 
 
+# --- checkpoints -----------------------------------------------------------------------------------------------
+def probe_checkpoint(args: argparse.Namespace) -> None:
+    """Synchronous and asynchronous `ddpnb.save_checkpoint` of a `--bytes` DDP model on 2 CPU ranks."""
+    import ddpnb
+
+    by_value()
+    with tempfile.TemporaryDirectory(prefix="ddpnb-bench-ckpt-") as where:
+        emit(ddpnb.run(_workloads.checkpoints, nprocs=2, view="none", checkpoint_dir=where, keep_checkpoints=2,
+                       args=(args.bytes, args.saves)))
+
+
 def _readlink(path: str) -> str:
     try:
         return os.readlink(path)
@@ -767,6 +778,9 @@ def main() -> None:
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--via", choices=["ddpnb", "pickle", "mp-spawn"], default="ddpnb")
     p.add_argument("--repeat", type=int, default=4)
+    p = sub.add_parser("checkpoint")
+    p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--saves", type=int, default=3)
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()
@@ -775,6 +789,7 @@ def main() -> None:
         "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
         "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
+        "checkpoint": probe_checkpoint,
     }[args.probe]
     probe(args)
 

@@ -169,3 +169,34 @@ def big_result(rank: int, world_size: int, nbytes: int) -> dict[str, Any]:
     state["_returned_at"] = time.time()
     return state
 
+
+
+def checkpoints(rank: int, world_size: int, nbytes: int, saves: int) -> dict[str, Any]:
+    """A DDP model of `nbytes` float32 parameters: `saves` synchronous, then `saves` asynchronous
+    `ddpnb.save_checkpoint` calls, each after a training step; how long each call kept the step waiting, and
+    how long the last asynchronous one took to be written (waited for at the end of the function)."""
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ddpnb
+
+    side = int((nbytes / 4) ** 0.5)
+    model = DistributedDataParallel(torch.nn.Linear(side, side, bias=False))
+    x = torch.randn(4, side)
+    blocked: dict[str, list[float]] = {"sync": [], "async": []}
+    step = 0
+    for mode in ("sync", "async"):
+        for _ in range(saves):
+            model(x).sum().backward()
+            step += 1
+            started = time.perf_counter()
+            ddpnb.save_checkpoint({"model": model}, step=step, asynchronous=mode == "async")
+            blocked[mode].append(time.perf_counter() - started)
+    started = time.perf_counter()
+    from ddpnb.rank import checkpoint
+
+    checkpoint.finish()  # what the end of the function waits for
+    return {"blocked": blocked, "last_async_written_after": time.perf_counter() - started,
+            "bytes": side * side * 4}

@@ -13,6 +13,8 @@
 6. notebook data into the ranks: a function closing over a big tensor, first and later launches, against a trivial
    launch, the kernel's own clone() of the tensor, ddpnb pickling it into every rank (as before issue 16) and
    torch.multiprocessing.spawn with it in args; the kernel's memory and the ranks' PSS.
+7. checkpoints (issue 18): how long `ddpnb.save_checkpoint` keeps a training step waiting for a ~100 MB DDP model
+   on 2 CPU ranks, synchronous against asynchronous (DCP's async_save).
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -62,6 +64,8 @@ class Settings:
     session_restarts: int  # restarts per round, each paired with a later launch
     data_reps: int = 3
     data_bytes: int = 1 << 30
+    checkpoint_reps: int = 3
+    checkpoint_bytes: int = 100_000_000
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -70,7 +74,7 @@ FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, st
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
                  session_warmup=5, session_restarts=2, data_reps=1,
-                 data_bytes=256 << 20)
+                 data_bytes=256 << 20, checkpoint_reps=1)
 
 
 class ProbeFailed(RuntimeError):
@@ -760,9 +764,36 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
               "summed at one moment, minus the same for a run without the data.")
 
 
+# --- 7. checkpoints -----------------------------------------------------------------------------------------------
+def bench_checkpoint(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    runs = []
+    for rep in range(settings.checkpoint_reps):
+        say(f"checkpoints: round {rep + 1}/{settings.checkpoint_reps}")
+        data = attempt(Samples(), lambda: probe("checkpoint", f"--bytes={settings.checkpoint_bytes}", env=env,
+                                                timeout=600))
+        if data:
+            runs.append(data)
+    if not runs:
+        return "### 7. Checkpoints\n\nnot measured (the probe failed)"
+    rows = []
+    for mode, label in (("sync", "save_checkpoint(state, step=)"),
+                        ("async", "save_checkpoint(state, step=, asynchronous=True)")):
+        # the first save of each kind pays for set-up (DCP's planning, the asynchronous save's process group)
+        first = statistics.median(run["blocked"][mode][0] for run in runs)
+        later = statistics.median(seconds for run in runs for seconds in run["blocked"][mode][1:])
+        rows.append([label, f"{first:.3f} s", f"{later:.3f} s"])
+    written = statistics.median(run["last_async_written_after"] for run in runs)
+    return (f"### 7. Checkpoints — a DDP model of {runs[0]['bytes'] / GB:.2f} GB (float32), 2 CPU ranks, rank 0's "
+            "time inside the call\n\n"
+            + table(["call", "first save blocks the step", "later saves block the step"], rows)
+            + f"\n\nThe last asynchronous save was still being written for {written:.3f} s after it returned "
+              "(the end of the function waited that long). Median over rounds and saves; checkpoints go to the "
+              "temp directory's disk.")
+
+
 # --- main -----------------------------------------------------------------------------------------------------
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
-            "session": bench_session, "data": bench_data}
+            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint}
 
 
 def machine() -> str:

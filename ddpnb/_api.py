@@ -201,8 +201,9 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     planned = plan(gpus, nprocs, backend, kind)
     chosen_view, options = check_options(view, kind, address, placement)
     engine_type = engines.engine_type(kind)
-    # the function's (and then the args') big tensors and arrays go into shared memory the ranks map
-    shipment = shared.Shipment() if engine_type.maps_data else None
+    # the function's (and then the args') big tensors and arrays go where the engine's ranks read them: shared
+    # memory they map (local), Ray's object store (ray)
+    shipment = engine_type.shipment()
     payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
     board_dir = check_tensorboard(tensorboard) if tensorboard is not None else None
@@ -212,7 +213,13 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         except OSError as exc:
             raise LaunchError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created ({exc.strerror}): pass a "
                               "directory you can write to.") from None
-    run_dir = rundir.new_run_dir()
+    held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`new_run_dir`) may delete it
+    try:
+        run_dir = rundir.new_run_dir()
+    except BaseException:
+        if held is not None:
+            os.close(held)
+        raise
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
     if planned.backend == "nccl" and kind is EngineKind.LOCAL:  # the kernel can dump it at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
@@ -228,6 +235,7 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
               max_restarts=max_restarts,
               new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
               shared=shipment, stall=stall)
+    run.hold(held)
     run.record.launch_note = planned.note  # the views' headers say it: information, not a warning on stderr
     if resumed:
         print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "

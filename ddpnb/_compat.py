@@ -87,3 +87,21 @@ def ray_controller_callback() -> type:
     from ray.train.v2._internal.execution.callback import ControllerCallback
 
     return ControllerCallback
+
+
+def ray_restart_failure(state: object) -> object | None:
+    """The failure a Ray Train v2 controller state restarts the workers after (its RestartingState's error), or
+    None for any other state: how ddpnb learns which rank's failure Ray Train is retrying (FailureConfig)."""
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    return state.training_failed_error if isinstance(state, RestartingState) else None
+
+
+def ray_report_logger() -> object:
+    """The logger Ray Train v2 writes a line to at every `ray.train.report` of every worker ("Reporting training
+    result ..."), named by its module's file, outside `ray.train`'s logger tree (its LoggingConfig misses it)."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    return logging.getLogger(context.__file__)

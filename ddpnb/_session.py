@@ -8,6 +8,7 @@ as a `%%ddp` run's ranks do; between commands they wait for the next one. `%ddp_
 from __future__ import annotations
 
 import enum
+import os
 import pickle
 import queue
 import sys
@@ -15,11 +16,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ddpnb import _api
+from ddpnb import _api, engines
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
-from ddpnb.core.record import Outcome, RankState, WorkerError, cell_names
+from ddpnb.core.record import DataSent, Outcome, RankState, WorkerError, cell_names
 from ddpnb.core.run import Run
+from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
@@ -97,6 +99,7 @@ class Session:
         self._fold = fold  # the same line from every rank shows once (`views.fold`)
         self._number = 0
         self._stall_said: object = None  # the run's stall whose lines were printed
+        self.data: DataSent | None = None  # what the latest command sent through shared memory (`push`)
         self.state = SessionState.STOPPED
         self.run: Run | None = None
         self._start()
@@ -130,7 +133,8 @@ class Session:
         """End every rank; the session's namespaces are gone."""
         run = self.run
         if run is not None and not run.done:
-            run.send(list(range(run.record.world_size)), dumps(msg.Command(self._next(), msg.CommandKind.STOP)))
+            stop = dumps(msg.Command(self._next(), msg.CommandKind.STOP))
+            run.send(list(range(run.record.world_size)), dumps((os.getpid(), {}, stop)))
             run.wait(STOP_WAIT)
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
@@ -193,7 +197,11 @@ class Session:
         run = self.run
         selected = self._selected(ranks)
         command = msg.Command(self._next(), kind, **fields)
-        payload = dumps(command)  # here, before anything is sent: an object that cannot travel is the caller's error
+        # big tensors and arrays go through shared memory, as a launch's do, where the ranks are on this machine
+        shipment = Shipment() if engines.engine_type(run.engine.kind).maps_data else None
+        body = dumps(command, shared=shipment)  # here, before anything is sent: what cannot travel is the caller's error
+        # the rank maps the memory files, through /proc/<this pid>/fd, before it unpickles the command
+        payload = dumps((os.getpid(), shipment.fds() if shipment else {}, body))
         seen = run.lines_since(0)[2]
         folder = Folder(len(selected), enabled=self._fold)  # a command's output, folded across its ranks
         run.send(selected, payload)
@@ -232,6 +240,8 @@ class Session:
                     self._break(selected, answers, f"within {GRACE:g} s of {cause}")
         finally:  # however the wait ended, every line read is shown, those still waiting to be folded too
             self._show_output(run, seen, folder, final=True)
+        if shipment is not None and shipment.used:  # every rank mapped it: the store keeps it for the next push
+            self.data = shipment.commit()
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
         if failed:
             self._raise(failed, selected)

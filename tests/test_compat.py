@@ -80,3 +80,11 @@ def test_ray_private_helpers_still_exist():
     assert isinstance(call(_compat.ray_train_v2, "ray"), bool)
     callback = call(_compat.ray_controller_callback, "ray")
     assert hasattr(callback, "after_controller_start"), "Ray Train's ControllerCallback lost after_controller_start"
+    assert hasattr(callback, "after_controller_state_update"), "Ray Train lost after_controller_state_update"
+    assert call(_compat.ray_restart_failure, "ray", object()) is None
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.execution.controller.state import RestartingState
+
+    error = WorkerGroupError("rank 1 died", {1: RuntimeError("died")})
+    assert _compat.ray_restart_failure(RestartingState(training_failed_error=error)) is error
+    assert call(_compat.ray_report_logger, "ray").name.endswith("context.py")

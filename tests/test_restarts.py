@@ -38,9 +38,10 @@ def runs_dir(tmp_path_factory):
         yield path
 
 
-def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir=""):
+def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir="", asynchronous=False):
     """40 deterministic steps; in attempt 0 rank 1 fails at step `fail_at` (`how`: sigkill, raise, hang, or
-    every: raises in every attempt, or save: killed inside the save of that step)."""
+    every: raises in every attempt, or save: killed inside the save of that step). `asynchronous`: DCP's
+    async_save."""
     import signal as signals
     import time
 
@@ -73,13 +74,20 @@ def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir=""):
 
         def write_then_die(self, plan, planner):  # this rank's shard is on disk; the metadata never will be
             written = write_data(self, plan, planner)
-            if step + 1 == fail_at:
+            if f"step-{fail_at:09d}." in str(self.path):  # that step's save (written in a thread if asynchronous)
                 os.kill(os.getpid(), signals.SIGKILL)
             return written
 
         FileSystemWriter.write_data = write_then_die
     for step in range(start or 0, STEPS):
         if failing and step == fail_at:
+            if asynchronous and how != "save":  # the save before was written in a thread: let it finish first
+                from ddpnb.rank import context
+
+                done = Path(context.current().spec.checkpoint_dir, f"step-{fail_at // EVERY * EVERY:09d}")
+                deadline = time.monotonic() + 60
+                while not done.is_dir() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             if how == "sigkill":
                 os.kill(os.getpid(), signals.SIGKILL)
             if how in ("raise", "every"):
@@ -95,7 +103,7 @@ def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir=""):
         opt.step()
         ddpnb.log(step=step, loss=loss.item())
         if (step + 1) % EVERY == 0:
-            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
+            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1, asynchronous=asynchronous)
     state = model.state_dict()
     if fsdp:  # every rank takes part in gathering the shards; rank 0's full copy is returned
         state = {name: tensor.full_tensor() for name, tensor in state.items()}
@@ -231,3 +239,55 @@ def test_checkpoints_go_under_checkpoint_dir_one_directory_per_run(tmp_path):
     assert record.checkpoint_dir == tmp_path / record.run_dir.name
     resumed = ddpnb.run(train, nprocs=2, resume=record.run_dir, view="none")  # the run directory points there
     assert resumed["start"] == STEPS
+
+
+# --- asynchronous saves (DCP's async_save) ---------------------------------------------------------------------------
+
+def test_asynchronous_saves_restart_from_the_last_checkpoint_with_the_same_weights(uninterrupted):
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(25, "sigkill", False, "", True), view="none")
+    record = ddpnb.last_run()
+
+    assert result["attempt"] == 1 and result["start"] == 20
+    assert_same_weights(result, uninterrupted)  # the save copied the state before training changed it
+    # the end of the function waited for the last save (step 40) and marked it complete
+    assert sorted(os.listdir(record.run_dir / "checkpoints")) == ["step-000000020", "step-000000030",
+                                                                   "step-000000040"]
+
+
+def test_a_rank_killed_while_an_asynchronous_save_is_written_never_leaves_it_complete(uninterrupted):
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(20, "save", False, "", True), view="none")
+    record = ddpnb.last_run()
+
+    assert record.attempts[0].first_failure.summary == "killed by SIGKILL"
+    assert result["attempt"] == 1 and result["start"] == 10  # step 20's save was never marked complete
+    assert_same_weights(result, uninterrupted)
+
+
+# --- the directory a run resumes from is held against retention -------------------------------------------------------
+
+def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run_lives(tmp_path):
+    from ddpnb.core import rundir
+
+    ddpnb.run(train, nprocs=2, keep_checkpoints=1, view="none")
+    source = ddpnb.last_run().run_dir
+    release = tmp_path / "release"
+
+    def resumes(rank):
+        import time
+
+        loaded = ddpnb.load_checkpoint({})
+        while not release.exists():
+            time.sleep(0.1)
+        return loaded
+
+    handle = ddpnb.launch(resumes, nprocs=1, resume=source, view="none")
+    wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
+    assert rundir.in_use(source)
+    for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
+        rundir.new_run_dir()
+    assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
+    release.touch()
+    assert handle.result() == STEPS
+    assert not rundir.in_use(source)  # let go with the run: the next retention may delete it
+    rundir.new_run_dir()
+    assert not source.exists()

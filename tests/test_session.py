@@ -185,3 +185,21 @@ def test_a_rank_that_dies_ends_the_session_and_names_how():
         assert wait_gone([pid for pid in session.pids if pid], within=15) == []
     finally:
         session.stop()
+
+
+def test_a_pushed_big_tensor_reaches_every_rank_through_shared_memory_copy_on_write():
+    big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
+    expected = big.double().sum().item()  # exact: float32 sums differ with the thread count
+    with ddpnb.session(nprocs=2) as session:
+        session.push(big=big)
+        assert session.data.written == big.nbytes and session.data.blocks == 1  # one copy, in shared memory
+        assert session.execute("big.double().sum().item()") == [expected, expected]
+        session.execute("big.add_(1)", ranks=[1])  # in place, in rank 1 alone
+        assert session.execute("big[:3].tolist()") == [[0.0, 1.0, 2.0], [1.0, 2.0, 3.0]]
+        assert big[:3].tolist() == [0.0, 1.0, 2.0]  # the notebook's tensor is its own
+        # the tensor arrived mapped from the kernel's memory file, not as a copy unpickled into the rank
+        maps = session.execute("open('/proc/self/maps').read().count('ddpnb-data')")
+        assert all(count >= 1 for count in maps), maps
+        session.push(big=big)  # unchanged since: not written again
+        assert session.data.written == 0 and session.data.reused == big.nbytes
+        assert session.execute("big[:2].tolist()") == [[0.0, 1.0], [0.0, 1.0]]

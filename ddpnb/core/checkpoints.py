@@ -58,7 +58,7 @@ def resume_source(resume: str | os.PathLike[str]) -> tuple[Path, int]:
     if str(resume) == "last":
         root = rundir.runs_root()
         for run_dir in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
-            if rundir.in_use(run_dir):  # a run still going is not one to continue
+            if rundir.running(run_dir):  # a run still going is not one to continue
                 continue
             found = latest(of(run_dir))
             if found is not None:
@@ -75,3 +75,15 @@ def resume_source(resume: str | os.PathLike[str]) -> tuple[Path, int]:
         raise LaunchError(f"--resume {resume}: {of(path)} holds no complete checkpoint (a save that was cut short "
                           "never counts). Run without --resume to start from the beginning.")
     return of(path), found[0]
+
+
+def hold(checkpoint_dir: Path) -> int | None:
+    """Lock the run directory `checkpoint_dir` belongs to against retention, for a run that resumes from it (the
+    caller closes the fd when the run ends); None where it is no run directory's (--checkpoint-dir)."""
+    if checkpoint_dir.name != "checkpoints":
+        return None
+    try:
+        return rundir.lock(checkpoint_dir.parent, shared=True)
+    except FileNotFoundError:
+        raise LaunchError(f"--resume: {checkpoint_dir.parent} was deleted meanwhile (run directory retention); "
+                          "pass another run directory, or run without --resume.") from None

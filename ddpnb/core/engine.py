@@ -34,6 +34,14 @@ class RunEvents(Protocol):
         """The rank has ended. `stopped`: by the engine's stop, not by itself; `cause`: why it failed, where the
         engine knows better than its exit code (Ray Train's own account)."""
 
+    def restarts_left(self) -> int:
+        """How many more times the run may restart its ranks (`--max-restarts`), for an engine that restarts them
+        itself (Ray Train's FailureConfig)."""
+
+    def restarted(self) -> bool:
+        """The engine started every rank again itself after a failure, once the failed attempt's ranks have all
+        `exited`: the run opens a new attempt. False: the run may not restart, and the engine must stop."""
+
     def tick(self) -> None:
         """Called after every wake-up of the engine's loop: the run checks its stops, timeout and announcements."""
 
@@ -85,6 +93,10 @@ class EngineType(Protocol):
 
     def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
         """The engine's options from the user's, or LaunchError."""
+
+    def shipment(self) -> Shipment | None:
+        """Where a launch's big notebook tensors and arrays go instead of the pickle (`core.shared.Shipment`, or
+        an engine's own with the same `reduce_tensor`, `reduce_array`, `fds` and `commit`); None: the pickle."""
 
     def gpus_available(self) -> int | None:
         """GPUs `--gpus` can use here; None where the cluster places the ranks."""

@@ -91,6 +91,7 @@ class Run:
         self._crashes: dict[int, CrashDump] = {}  # faulthandler's report in each rank's stderr, once it starts
         self._logs: list[Any] = []
         self._dir_lock: int | None = None
+        self._held: list[int] = []  # locks on directories the run reads (`hold`), released with the run's own
         self._payload: bytes | None = None  # rank 0's value, pickled; or, `_saved`, in the result file
         self._saved = False
         self._result_fd: int | None = None
@@ -152,6 +153,11 @@ class Run:
                 raise RunInterrupted(self.record, starting=True) from None
             raise
         return self
+
+    def hold(self, lock: int | None) -> None:
+        """Keep a lock (`rundir.lock`) on a directory the run reads, such as the run it resumes, until it ends."""
+        if lock is not None:
+            self._held.append(lock)
 
     @property
     def done(self) -> bool:
@@ -535,6 +541,12 @@ class Run:
         try:
             self._judge_stragglers(now=True)  # the last reports count too
             self.engine.close()
+        finally:
+            self._close_logs()
+
+    def _close_logs(self) -> None:
+        """End the attempt's logs with how each rank ended, and close them."""
+        try:
             for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
                 if decoder.partial or decoder.partial_cut:
                     self._add_lines(rank, stream, decoder.feed(b"", final=True))
@@ -554,25 +566,9 @@ class Run:
         False where the run ends instead. An interrupt or `stop()` never restarts (`_stop_requested`)."""
         record = self.record
         outcome, note = self._outcome()
-        if (outcome not in (Outcome.FAILED, Outcome.TIMED_OUT) or self._stop_requested is not None
-                or record.attempt >= self.max_restarts or self._new_engine is None):
+        if outcome not in (Outcome.FAILED, Outcome.TIMED_OUT) or not self.restarts_left() or self._new_engine is None:
             return False
-        record.attempts.append(Attempt(number=record.attempt, ranks=record.ranks, failures=record.failures,
-                                       outcome=outcome, note=note, started=self._attempt_started,
-                                       ended=time.time(), last_line=self._lines.count))
-        # what is one attempt's starts afresh; the record, the lines, the directory's lock and the views stay
-        record.attempt += 1
-        record.failures = []
-        record.stall = record.at_timeout = None
-        self._watch = StallWatch(self.spec.world_size, self._stall_setting)
-        self._active = self._watch.active
-        record.ranks = self._rank_records(record.attempt)
-        self._decoders, self._crashes = {}, {}
-        self._payload, self._saved = None, False
-        self._close_result_file()
-        self._returned, self._stopping, self._radar_due = set(), {}, False
-        self._stop_reason, self._stop_note, self._escalate_at = None, "", None
-        self.spec = replace(self.spec, attempt=record.attempt, master_port=0)
+        self._next_attempt(outcome, note)
         try:
             self.engine = self._new_engine(self.spec)
             self._open_attempt()
@@ -591,6 +587,48 @@ class Run:
         self._serving = True
         self._announce()  # the views show the new attempt at once
         return True
+
+    def restarts_left(self) -> int:
+        """Restarts this run may still make (none once an interrupt or `stop()` asked it to end)."""
+        if self._stop_requested is not None:
+            return 0
+        return max(0, self.max_restarts - self.record.attempt)
+
+    def restarted(self) -> bool:
+        """RunEvents: the engine restarted every rank itself (Ray Train's FailureConfig), after the ranks of the
+        attempt that failed have `exited`. The attempt is kept in the record as `_restart` keeps one; False (the
+        engine must then stop its ranks) where the run may not restart."""
+        outcome, note = self._outcome()
+        if outcome is not Outcome.FAILED or not self.restarts_left():
+            return False
+        self._close_logs()
+        self._next_attempt(outcome, note)
+        self._open_attempt()
+        self._attempt_started = time.time()
+        for rank in self.record.ranks:
+            rank.started = self._attempt_started
+        self._announce()
+        return True
+
+    def _next_attempt(self, outcome: Outcome, note: str) -> None:
+        """Keep the attempt that ended in the record; what is one attempt's starts afresh (the record, the lines,
+        the directory's lock and the views stay)."""
+        record = self.record
+        record.attempts.append(Attempt(number=record.attempt, ranks=record.ranks, failures=record.failures,
+                                       outcome=outcome, note=note, started=self._attempt_started,
+                                       ended=time.time(), last_line=self._lines.count))
+        record.attempt += 1
+        record.failures = []
+        record.stall = record.at_timeout = None
+        self._watch = StallWatch(self.spec.world_size, self._stall_setting)
+        self._active = self._watch.active
+        record.ranks = self._rank_records(record.attempt)
+        self._decoders, self._crashes = {}, {}
+        self._payload, self._saved = None, False
+        self._close_result_file()
+        self._returned, self._stopping, self._radar_due = set(), {}, False
+        self._stop_reason, self._stop_note, self._escalate_at = None, "", None
+        self.spec = replace(self.spec, attempt=record.attempt, master_port=0)
 
     def _rank_records(self, attempt: int) -> list[RankRecord]:
         """An attempt's rank records; with restarts, each attempt has its own logs (`rank1.attempt0.log`)."""
@@ -617,6 +655,9 @@ class Run:
         if self._dir_lock is not None:
             os.close(self._dir_lock)
             self._dir_lock = None
+        for fd in self._held:
+            os.close(fd)
+        self._held = []
         _live_runs.discard(self)
 
     def _outcome(self) -> tuple[Outcome, str]:

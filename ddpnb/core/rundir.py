@@ -41,21 +41,32 @@ def new_run_dir() -> Path:
     return path
 
 
-def lock(path: Path) -> int:
+def lock(path: Path, shared: bool = False) -> int:
     """Hold a lock on the run directory while the run lives (released by the kernel's death too), so that
-    retention in this or another kernel never deletes the logs of a run still going."""
+    retention in this or another kernel never deletes the logs of a run still going. `shared`: a run reading
+    another run's directory (`--resume`) holds it too; any number of runs may."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     return fd
 
 
 def in_use(path: Path) -> bool:
+    """Whether a run lives in the directory, or reads from it (`lock`): retention keeps it."""
+    return _locked(path, fcntl.LOCK_EX)
+
+
+def running(path: Path) -> bool:
+    """Whether the directory's own run is still going (a run only resuming from it does not count)."""
+    return _locked(path, fcntl.LOCK_SH)
+
+
+def _locked(path: Path, how: int) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:  # another kernel's retention got there first
         return True
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:

@@ -238,6 +238,17 @@ def attach(fds: dict[int, int]) -> None:
         os.close(fd)
 
 
+def attach_from(pid: int, fds: dict[int, int]) -> None:
+    """Map segments the kernel (process `pid`) holds open as `fds`, into a rank that is already running (a
+    session's `push`): opened through /proc, since no fd can be handed to it any more. A segment mapped before
+    (an earlier push of the same data) is mapped afresh, so that what this rank wrote into the tensors it rebuilt
+    then is not in the ones rebuilt now: a push always brings the notebook's values."""
+    for segment_id, fd in fds.items():
+        for key in [key for key in list(_storages.keys()) if key[0] == segment_id]:
+            _storages.pop(key, None)  # tensors rebuilt earlier keep their storage (and the old mapping)
+        attach({segment_id: os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)})
+
+
 def set_device(device: str) -> None:
     """The rank's device is set up: tensors that were CUDA tensors in the notebook move onto it (CPU ranks keep
     them on the CPU)."""

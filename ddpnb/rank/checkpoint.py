@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,32 +25,100 @@ from ddpnb.core.checkpoints import COMPLETE, PARTIAL_SUFFIX, latest, step_dir
 from ddpnb.rank import context as ctx
 
 
-def save_checkpoint(state: Mapping[str, Any], step: int) -> None:
+@dataclass
+class _Pending:
+    """An asynchronous save on its way: DCP writes in a thread; rank 0 marks it complete as soon as every rank's
+    files are written (`_mark_complete`), and `finish` waits for that."""
+
+    future: Any
+    step: int
+    final: Path
+    completed: threading.Event
+
+
+_pending: _Pending | None = None
+_async_group: Any = None  # a process group of its own for DCP's writing thread: never the training's collectives
+
+
+def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = False) -> None:
     """Save `state` ({"model": model, "opt": opt, ...}) as the checkpoint of `step`. A collective: every rank
-    calls it with its own objects. The last `keep_checkpoints` complete checkpoints are kept."""
+    calls it with its own objects. The last `keep_checkpoints` complete checkpoints are kept.
+
+    `asynchronous=True`: DCP's `async_save`; the call returns once `state` is copied to CPU memory, and the files
+    are written meanwhile, in a thread. It is marked complete once every rank's files are written, so a rank that
+    dies before never leaves a checkpoint that counts; the next save (or load), and the end of the function,
+    wait for it."""
+    global _async_group, _pending
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     spec = _spec("save_checkpoint")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise TypeError(f"ddpnb.save_checkpoint: step must be an int of 0 or more, not {step!r}.")
+    finish()  # the save before this one, if it was asynchronous
     root = Path(spec.checkpoint_dir)
     final = root / step_dir(step)
     partial = root / f"{step_dir(step)}.attempt{spec.attempt}{PARTIAL_SUFFIX}"
-    first = dist.get_rank() == 0
-    if first:
+    if dist.get_rank() == 0:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # this attempt saved this step before: start it afresh
     dist.barrier()  # no rank writes into `partial` before it is empty
+    if asynchronous:
+        if _async_group is None:
+            _async_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(_state_dict(state), checkpoint_id=str(partial), process_group=_async_group)
+        future = getattr(future, "upload_completion", future)  # a response holding futures, in some versions
+        completed = threading.Event()
+        if dist.get_rank() == 0:
+            future.add_done_callback(lambda done: _mark_complete(done, partial, final, spec.keep_checkpoints,
+                                                                 completed))
+        else:
+            completed.set()
+        _pending = _Pending(future, step, final, completed)
+        return
     dcp.save(_state_dict(state), checkpoint_id=str(partial))
-    # dcp.save returns once rank 0 wrote the metadata, which it does after every rank's shards are written
-    if first:
-        if final.exists():  # the same step saved again (a later attempt): the new one replaces it
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_dir(root)
-        _prune(root, spec.keep_checkpoints)
+    if dist.get_rank() == 0:
+        _rename(partial, final, spec.keep_checkpoints)
+    _announce(step, final)
+
+
+def finish() -> None:
+    """Wait for an asynchronous save still being written and marked complete (a collective: every rank calls it, at
+    the next save or load and after the function returns)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.future.result()  # raises if a rank's writing failed: the checkpoint then never counts
+        pending.completed.wait()
+        _announce(pending.step, pending.final)
+
+
+def _mark_complete(done: Any, partial: Path, final: Path, keep: int, completed: threading.Event) -> None:
+    """Rank 0, in DCP's writing thread: the asynchronous save is written (or failed: then it never counts)."""
+    try:
+        if done.exception() is None:
+            _rename(partial, final, keep)
+    finally:
+        completed.set()
+
+
+def _rename(partial: Path, final: Path, keep: int) -> None:
+    """Rank 0 marks a written checkpoint complete: DCP's save ends once rank 0 wrote the metadata, which it does
+    after every rank's shards are written."""
+    if final.exists():  # the same step saved again (a later attempt): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    _prune(final.parent, keep)
+
+
+def _announce(step: int, final: Path) -> None:
+    import torch.distributed as dist
+
     dist.barrier()  # every rank returns with the checkpoint complete: a load right after finds it
+    hooks = ctx.current().checkpoints  # type: ignore[union-attr]
+    if hooks is not None:  # the engine registers it too (Ray Train: every rank reports)
+        hooks.saved(step, final)
 
 
 def load_checkpoint(state: MutableMapping[str, Any]) -> int | None:
@@ -59,9 +129,13 @@ def load_checkpoint(state: MutableMapping[str, Any]) -> int | None:
     import torch.distributed.checkpoint as dcp
 
     spec = _spec("load_checkpoint")
+    finish()  # an asynchronous save still being written is the latest
     chosen: list[Any] = [None]
     if dist.get_rank() == 0:
-        found = latest(spec.checkpoint_dir) or (latest(spec.resume_dir) if spec.resume_dir else None)
+        # the engine's latest and ddpnb's own are both complete; the engine's may lag (Ray Train registers a
+        # reported checkpoint once its controller has collected every worker's report)
+        own = [found for found in (_engine_latest(), latest(spec.checkpoint_dir)) if found is not None]
+        found = max(own) if own else (latest(spec.resume_dir) if spec.resume_dir else None)
         chosen = [None if found is None else (found[0], str(found[1]))]
     dist.broadcast_object_list(chosen, src=0)  # every rank loads the same step, even if its view of the disk lags
     if chosen[0] is None:
@@ -71,6 +145,14 @@ def load_checkpoint(state: MutableMapping[str, Any]) -> int | None:
     dcp.load(loaded, checkpoint_id=path)
     _apply(state, loaded)
     return step
+
+
+def _engine_latest() -> tuple[int, Path] | None:
+    """The engine's latest complete checkpoint (Ray Train's, after it restarted the workers), if it has one."""
+    hooks = ctx.current().checkpoints  # type: ignore[union-attr]
+    path = hooks.latest() if hooks is not None else None
+    match = COMPLETE.fullmatch(path.name) if path is not None else None
+    return (int(match.group(1)), path) if match and (path / ".metadata").is_file() else None
 
 
 def _spec(name: str) -> Any:

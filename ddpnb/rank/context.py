@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from ddpnb.core.messages import Message
@@ -25,6 +26,16 @@ class Link(Protocol):
         """`ddpnb.log`'s path, inside the training step: what `send(Metric(...))` sends, as cheaply as possible."""
 
 
+class CheckpointHooks(Protocol):
+    """An engine's own checkpoint bookkeeping next to ddpnb's (Ray Train: `ray.train.report`, `get_checkpoint`)."""
+
+    def saved(self, step: int, path: Path) -> None:
+        """Every rank, once the checkpoint of `step` at `path` is complete (a collective)."""
+
+    def latest(self) -> Path | None:
+        """Rank 0: the engine's latest complete checkpoint, read ahead of ddpnb's own listing; None if none."""
+
+
 @dataclass
 class RankContext:
     rank: int
@@ -35,6 +46,7 @@ class RankContext:
     suggests_preload: bool = True  # rank 0 reports slow imports (`ddpnb.preload` applies to this engine)
     spec: WorkerSpec | None = None  # the run's spec, once unpickled (its attempt, its checkpoint directories)
     clock: StepClock = field(default_factory=StepClock)  # the straggler radar's compute per step
+    checkpoints: CheckpointHooks | None = None  # the engine's own checkpoint bookkeeping, where it has one
 
     def send(self, message: Message) -> None:
         self.link.send(message)

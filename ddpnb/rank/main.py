@@ -16,8 +16,8 @@ from ddpnb.core import messages as msg
 from ddpnb.core import shared
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_traceback
+from ddpnb.rank import checkpoint, group, progress, radar
 from ddpnb.rank import context as ctx
-from ddpnb.rank import group, progress, radar
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
 
@@ -51,6 +51,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         join_group(context, spec)
         fn = _load_function(context, spec.fn_payload)
         value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))
+        checkpoint.finish()  # an asynchronous save the function left being written completes before the result
         context.send(_dump_result(value, result_fd) if rank == 0 else msg.Returned(rank=rank))
     except SystemExit as exc:  # reported (where it was called), then honoured by the engine's rank code
         _report(context, exc, message=repr(exc.code) if exc.code is not None else "")

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from ddpnb.core import messages as msg
+from ddpnb.core import shared
 from ddpnb.core.pickling import dumps, unpicklable_path
 from ddpnb.core.stacks import user_traceback
 from ddpnb.rank import context as ctx
@@ -35,7 +36,9 @@ def serve(rank: int, world_size: int) -> None:
             data = context.link.receive()
             if data is None:
                 return
-            command: msg.Command = cloudpickle.loads(data)
+            kernel, segments, body = cloudpickle.loads(data)
+            shared.attach_from(kernel, segments)  # the command's big tensors and arrays are in the kernel's memory
+            command: msg.Command = cloudpickle.loads(body)
         except KeyboardInterrupt:  # meant for a command that had just ended: nothing to stop
             continue
         if command.kind is msg.CommandKind.STOP:

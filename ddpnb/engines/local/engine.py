@@ -56,6 +56,9 @@ class LocalType:
                               "cell again.") from None
         return {}
 
+    def shipment(self) -> Shipment:
+        return Shipment()
+
     def gpus_available(self) -> int | None:
         return local_gpu_count()
 

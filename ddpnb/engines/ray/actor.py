@@ -27,6 +27,17 @@ class FitRequest:
     placement: str
     group_timeout_s: int
     versions: dict[str, str] = field(default_factory=dict)
+    max_failures: int = 0  # Ray Train restarts the workers itself this many times (FailureConfig; v2 only)
+    checkpoint_dir: str = ""  # the run's checkpoints: Ray Train's storage where it restarts the workers
+    data: dict[int, Any] = field(default_factory=dict)  # the notebook data's object references (`data.py`)
+
+
+@dataclass(frozen=True)
+class NewAttempt:
+    """In the channel, between two attempts' messages: Ray Train restarted every rank after `rank_errors`."""
+
+    restarts: int  # restarts Ray Train made in this fit so far
+    rank_errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -44,19 +55,38 @@ class RunActor:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._inbox: list[bytes] = []
+        self._inbox: list[bytes | NewAttempt] = []
         self._commands: list[str] = []
         self._cells: dict[int, collections.deque[bytes]] = collections.defaultdict(collections.deque)  # sessions
         self._controller: Any = None  # Ray Train's controller, once it announced itself
         self._fit_started = False
         self._announcing = False  # Ray Train v2: the controller announces itself (`_AnnounceController`)
         self._abort_requested = False
+        self._restarts = 0  # Ray Train's restarts of the workers in this fit (FailureConfig)
+        self._joined: set[int] = set()  # the ranks of the current attempt that started
+        self._restarting: dict[int, str] | None = None  # Ray Train restarts the workers after these ranks' errors
+
+    def join(self, rank: int) -> int:
+        """A rank starts: how many times Ray Train restarted the workers before it. The first rank of a new
+        attempt puts the `NewAttempt` mark in the channel: every rank of the attempt before is gone by then."""
+        with self._lock:
+            if self._restarting is not None or rank in self._joined:
+                self._restarts += 1
+                self._inbox.append(NewAttempt(self._restarts, self._restarting or {}))
+                self._joined, self._restarting = set(), None
+            self._joined.add(rank)
+            return self._restarts
+
+    def restarting(self, rank_errors: dict[int, str]) -> None:
+        """Ray Train's controller is restarting the workers after these ranks' errors."""
+        with self._lock:
+            self._restarting = rank_errors
 
     def put(self, batch: list[bytes]) -> None:
         with self._lock:
             self._inbox.extend(batch)
 
-    def drain(self) -> list[bytes]:
+    def drain(self) -> list[bytes | NewAttempt]:
         with self._lock:
             batch, self._inbox = self._inbox, []
         return batch
@@ -105,7 +135,7 @@ class RunActor:
 
     def fit(self, request: FitRequest) -> FitOutcome:
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] = "0"  # ranks print to their fds, which ddpnb captures
@@ -113,15 +143,22 @@ class RunActor:
         callbacks = _announce_controller_to(me) if _compat.ray_train_v2() else []
         # Ray Train v1 reserves a CPU for its coordinator by default: a 2-CPU machine could not run 2 ranks
         coordinator = {} if _compat.ray_train_v2() else {"trainer_resources": {"CPU": 0}}
+        native = request.max_failures > 0  # the kernel asks for it on Ray Train v2 only (`RayEngine.start`)
+        if native:  # Ray Train's storage is the run's checkpoint directory: the checkpoints ranks report live there
+            storage, name = os.path.split(os.path.normpath(request.checkpoint_dir))
+        else:  # Ray Train v1: ddpnb reports no checkpoints to it, and restarts the ranks itself
+            storage, name = TRAIN_STORAGE, request.name
         trainer = TorchTrainer(
             rank_main,
-            train_loop_config={"spec": request.spec_payload, "channel": me, "versions": request.versions},
+            train_loop_config={"spec": request.spec_payload, "channel": me, "versions": request.versions,
+                               "report_checkpoints": native, "data": request.data},
             scaling_config=ScalingConfig(num_workers=request.world_size, use_gpu=request.use_gpus,
                                          placement_strategy=request.placement, **coordinator),
             torch_config=TorchConfig(backend=request.backend, timeout_s=request.group_timeout_s),
-            # Ray Train keeps a directory per run; ddpnb reports no checkpoints, so it goes to the temp dir
-            run_config=RunConfig(name=request.name, storage_path=TRAIN_STORAGE,
-                                 failure_config=FailureConfig(max_failures=0),
+            run_config=RunConfig(name=name, storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=request.max_failures),
+                                 # ddpnb keeps the newest K itself (`rank.checkpoint._prune`)
+                                 checkpoint_config=CheckpointConfig(num_to_keep=None),
                                  **({"callbacks": callbacks} if callbacks else {})),
         )
         with self._lock:
@@ -136,7 +173,8 @@ class RunActor:
                                rank_errors={int(rank): _describe_error(error).splitlines()[0]
                                             for rank, error in failures.items()})
         finally:
-            shutil.rmtree(os.path.join(TRAIN_STORAGE, request.name), ignore_errors=True)
+            if not native:
+                shutil.rmtree(os.path.join(TRAIN_STORAGE, request.name), ignore_errors=True)
         return FitOutcome()
 
 
@@ -146,7 +184,8 @@ def _describe_error(exc: BaseException) -> str:
 
 def _announce_controller_to(run_actor: Any) -> list[Any]:
     """A Ray Train v2 controller callback that hands the controller to the run actor as it starts, so a stop can
-    use the controller's own abort (Ray Train v1 has no such controller)."""
+    use the controller's own abort (Ray Train v1 has no such controller), and tells it when the controller restarts
+    the workers (FailureConfig) and after which ranks' errors."""
     class AnnounceController(_compat.ray_controller_callback()):  # type: ignore[misc]
         def __init__(self, run_actor: Any) -> None:
             self.run_actor = run_actor
@@ -155,5 +194,12 @@ def _announce_controller_to(run_actor: Any) -> list[Any]:
             import ray
 
             self.run_actor.set_controller.remote(ray.get_runtime_context().current_actor)
+
+        def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+            error = _compat.ray_restart_failure(current_state)
+            if error is not None:  # FailureConfig: Ray Train restarts the workers; the kernel learns who failed
+                failures = getattr(error, "worker_failures", None) or {}
+                self.run_actor.restarting.remote({int(rank): _describe_error(failure).splitlines()[0]
+                                                  for rank, failure in failures.items()})
 
     return [AnnounceController(run_actor)]

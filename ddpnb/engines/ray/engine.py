@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import RunEvents
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
-from ddpnb.engines.ray.actor import FitOutcome, FitRequest
+from ddpnb.engines.ray.actor import FitOutcome, FitRequest, NewAttempt
+from ddpnb.engines.ray.data import ObjectStoreShipment
 
 INSTALL_HINT = (f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
                 "every node of the cluster.")
@@ -42,7 +44,7 @@ class RayType:
     """The ray engine before a run: Ray Train installed, a placement; the GPUs are the cluster's."""
 
     kind = EngineKind.RAY
-    maps_data = False  # ranks may be on other nodes: notebook data travels in the pickle
+    maps_data = False  # ranks may be on other nodes: notebook data goes through Ray's object store (`shipment`)
 
     def __init__(self) -> None:
         if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
@@ -55,6 +57,9 @@ class RayType:
             choices = ", ".join(p.value for p in Placement)
             raise LaunchError(f"placement must be one of {choices}, not {placement!r}.") from None
         return {"address": address, "placement": chosen}
+
+    def shipment(self) -> ObjectStoreShipment:
+        return ObjectStoreShipment()
 
     def gpus_available(self) -> int | None:
         return None
@@ -94,6 +99,8 @@ class RayEngine:
         self._returned: set[int] = set()
         self._failed: set[int] = set()
         self._stacks: set[int] = set()
+        self._ray_restarts = 0  # restarts Ray Train makes itself (FailureConfig); the run's others are ddpnb's
+        self._restarted = 0  # ... of which it made so far
 
     def start(self, events: RunEvents, result_fd: int | None, shared: Any = None) -> None:
         import ray
@@ -102,14 +109,20 @@ class RayEngine:
         from ddpnb.engines.ray.actor import RunActor
 
         self._events = events
+        self._ray_restarts = events.restarts_left() if _compat.ray_train_v2() and not self.spec.interactive else 0
         spec = self.spec
-        spec_payload = pickling.dump_spec(spec)  # before anything starts: args that cannot be sent
+        spec_payload = pickling.dump_spec(spec, shared)  # before anything starts: args that cannot be sent
         print(cluster.connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
         self._warn_if_too_small()
+        # the function's and args' big tensors and arrays: put into the object store once, fetched by each rank
+        data = shared.put() if isinstance(shared, ObjectStoreShipment) else {}
         request = FitRequest(
             name=f"ddpnb-{Path(spec.run_dir).name}", spec_payload=spec_payload, world_size=spec.world_size,
             use_gpus=spec.use_gpus, backend=spec.backend, placement=self.placement.name,
             group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
+            # Ray Train v2 restarts the workers itself after a rank's failure, and tells the run (`NewAttempt`);
+            # a timeout, and Ray Train v1, still end the fit and leave the restart to the run (a new engine)
+            max_failures=self._ray_restarts, checkpoint_dir=spec.checkpoint_dir, data=data,
         )
         self._actor = ray.remote(RunActor).options(
             # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
@@ -153,6 +166,9 @@ class RayEngine:
 
         assert self._events is not None
         for data in ray.get(self._actor.drain.remote()):
+            if isinstance(data, NewAttempt):
+                self._new_attempt(data)
+                continue
             message = msg.decode(data)
             if isinstance(message, msg.Placed) and message.placement_group is not None:
                 self._placement_groups[message.placement_group.id.hex()] = message.placement_group
@@ -164,10 +180,21 @@ class RayEngine:
                 self._stacks.add(message.rank)
             self._events.message(message.rank, message)
 
-    def _settle_ranks(self) -> None:
+    def _new_attempt(self, mark: NewAttempt) -> None:
+        """Ray Train restarted every rank (FailureConfig): the ranks of the attempt before end, then the run opens
+        a new attempt; if it may not restart after all, Ray Train's run is stopped."""
+        assert self._events is not None
+        self._settle_ranks(FitOutcome(rank_errors=mark.rank_errors))
+        self._restarted = mark.restarts
+        self._returned, self._failed, self._stacks = set(), set(), set()
+        if not self._events.restarted():
+            self._stopped = True
+            self.escalate()
+
+    def _settle_ranks(self, outcome: FitOutcome | None = None) -> None:
         """Each rank's end: Ray reports no exit codes, so they are inferred as a local run's would be."""
         assert self._events is not None
-        fit = FitOutcome() if self._fit is None or self._stopped else self._fit
+        fit = outcome or (FitOutcome() if self._fit is None or self._stopped else self._fit)
         unexplained = []
         for rank in range(self.spec.world_size):
             if rank in self._failed:
@@ -187,6 +214,8 @@ class RayEngine:
     # --- stopping ---------------------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
         if self._served:
+            return None
+        if failed and self._restarted < self._ray_restarts:  # Ray Train restarts every rank itself (`NewAttempt`)
             return None
         if failed:  # Ray Train stops the others itself (their last output still arrives); abort if it does not
             return FAILURE_GRACE

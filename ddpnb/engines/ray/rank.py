@@ -10,6 +10,7 @@ import sys
 import termios
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ddpnb import _compat
@@ -17,7 +18,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core.messages import Output, Placed, Stacks
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.stacks import thread_stack
-from ddpnb.engines.ray import versions
+from ddpnb.engines.ray import data, versions
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -38,6 +39,7 @@ def rank_main(config: dict[str, Any]) -> None:
 
     rank = ray.train.get_context().get_world_rank()
     channel = config["channel"]
+    restarts = ray.get(channel.join.remote(rank))  # Ray Train's restarts of the workers so far (FailureConfig)
     link = _Link(rank, channel)
     runtime = ray.get_runtime_context()
     link.send(Placed(rank=rank, node_id=runtime.get_node_id(), node_ip=ray.util.get_node_ip_address(),
@@ -47,10 +49,17 @@ def rank_main(config: dict[str, Any]) -> None:
                      name="ddpnb-commands", daemon=True).start()
     capture = _Capture(link)
     # Ray's workers import for themselves: `ddpnb.preload` does not apply, so rank 0 does not suggest it
-    context = ctx.RankContext(rank=rank, link=link, suggests_preload=False)
+    context = ctx.RankContext(rank=rank, link=link, suggests_preload=False,
+                              checkpoints=_RayCheckpoints() if config.get("report_checkpoints") else None)
+
+    def setup(rank: int, spec: WorkerSpec) -> str:
+        spec.attempt += restarts  # the kernel's attempts so far, then Ray Train's within this fit
+        return _setup_on_ray(rank, spec)
+
     try:
         _warn_about_versions(config["versions"])
-        run_function(context, config["spec"], setup=_setup_on_ray, join_group=_join_ray_group)
+        data.receive(config.get("data") or {})  # before the spec, whose function and args refer to them
+        run_function(context, config["spec"], setup=setup, join_group=_join_ray_group)
         # Ray Train's workers outlive the rank: take its group down, so that a peer left in a collective this rank
         # never joins (one all_reduce too many) fails now (gloo) instead of waiting for the group's timeout
         group.destroy_process_group()
@@ -85,6 +94,31 @@ def _join_ray_group(context: ctx.RankContext, spec: WorkerSpec) -> None:
     if not dist.is_initialized():
         raise RuntimeError("Ray Train did not initialise the torch process group")
     context.store = _compat.default_store()
+
+
+class _RayCheckpoints:
+    """ddpnb's checkpoints registered with Ray Train, whose storage is the run's checkpoint directory: every rank
+    reports each complete one (`ray.train.report` is a barrier Ray Train needs every worker at), and after Ray
+    Train restarted the workers `ray.train.get_checkpoint()` names the latest."""
+
+    def __init__(self) -> None:
+        import logging
+
+        _compat.ray_report_logger().setLevel(logging.WARNING)  # not a line in the rank's output per report
+
+    def saved(self, step: int, path: Path) -> None:
+        import ray.train
+
+        first = ray.train.get_context().get_world_rank() == 0
+        # the directory is already in Ray Train's storage (DCP wrote it there): registered, not copied
+        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint(str(path)) if first else None,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+
+    def latest(self) -> Path | None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        return Path(checkpoint.path) if checkpoint is not None else None
 
 
 def _warn_about_versions(kernel: dict[str, str]) -> None:
