@@ -19,7 +19,7 @@ from typing import Any
 from ddpnb import _api, engines
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
-from ddpnb.core.record import DataSent, Outcome, RankState, WorkerError, cell_names
+from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_names
 from ddpnb.core.run import Run
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import Stream
@@ -211,10 +211,13 @@ class Session:
         interrupted = False
         try:
             while len(answers) < len(selected):
-                try:
-                    reply = run.replies.get(timeout=0.1)
-                except queue.Empty:
-                    reply = None
+                try:  # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost
+                    try:
+                        reply = run.replies.get(timeout=0.1)
+                    except queue.Empty:
+                        reply = None
+                    new, skipped, seen = run.lines_since(seen)  # read before shown: an interrupt shows none twice
+                    self._show_output(run, new, skipped, folder)
                 except KeyboardInterrupt:
                     if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
                         self._break(selected, answers, "a second interrupt ended the wait")
@@ -222,8 +225,6 @@ class Session:
                     run.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = time.monotonic() + GRACE
                     continue
-                finally:
-                    seen = self._show_output(run, seen, folder)
                 if reply is not None and reply.command == command.number:
                     answers[reply.rank] = reply
                     if reply.exc_type and ending_at is None:
@@ -239,7 +240,8 @@ class Session:
                     cause = "an interrupt" if interrupted or timed_out else "a failure"
                     self._break(selected, answers, f"within {GRACE:g} s of {cause}")
         finally:  # however the wait ended, every line read is shown, those still waiting to be folded too
-            self._show_output(run, seen, folder, final=True)
+            new, skipped, seen = run.lines_since(seen)
+            self._show_output(run, new, skipped, folder, final=True)
         if shipment is not None and shipment.used:  # every rank mapped it: the store keeps it for the next push
             self.data = shipment.commit()
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
@@ -248,8 +250,9 @@ class Session:
         return PerRank(selected, [None if answers[r].payload is None else pickle.loads(answers[r].payload)
                                   for r in selected])
 
-    def _show_output(self, run: Run, seen: int, folder: Folder, final: bool = False) -> int:
-        new, skipped, count = run.lines_since(seen)
+    def _show_output(self, run: Run, new: list[OutputLine], skipped: int, folder: Folder,
+                     final: bool = False) -> None:
+        """Write a command's new lines (`Run.lines_since`), folded across its ranks, and a stall once it is found."""
         if skipped:
             print(f"[ddpnb] {skipped} lines not shown here; every line is in the logs: {run.record.run_dir}")
         lines = folder.add(new, time.monotonic()) + (folder.flush() if final else [])
@@ -264,7 +267,6 @@ class Session:
         if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()
-        return count
 
     # --- how commands fail -------------------------------------------------------------------------------------------
     def _raise(self, failed: dict[int, msg.Reply], selected: list[int]) -> None:
