@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -138,3 +139,22 @@ def _describe(pid: int) -> str:
         return f"{pid} {' '.join(psutil.Process(pid).cmdline())}"
     except psutil.NoSuchProcess:
         return str(pid)
+
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def dashboards(nb: Any) -> list[str]:
+    """For each ddpnb dashboard in an executed notebook's stored widget state (what a front end gets), in creation
+    order, all its HTML joined."""
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+
+    def html_below(model_id: str) -> list[str]:
+        model = state[model_id]["state"]
+        found = [model["value"]] if state[model_id]["model_name"] == "HTMLModel" else []
+        for child in model.get("children", []):
+            found += html_below(child.removeprefix("IPY_MODEL_"))
+        return found
+
+    return ["\n".join(html_below(model_id)) for model_id, model in state.items()
+            if "ddpnb" in model["state"].get("_dom_classes", [])]

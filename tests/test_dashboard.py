@@ -23,11 +23,10 @@ from nbclient import NotebookClient
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
 from ddpnb.core.spec import Stream
 from ddpnb.views import dashboard as _dashboard
-from tests.conftest import Kernel, wait_gone
+from tests.conftest import Kernel, dashboards, wait_gone
 
 pytestmark = pytest.mark.slow
 
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 TRAIN_CELL = '''%%ddp -n 2
 def train(rank, world_size):
@@ -59,21 +58,6 @@ def broken(rank):
 
 # --- helpers -----------------------------------------------------------------------------------------------------
 
-def _dashboards(nb: nbformat.NotebookNode) -> list[str]:
-    """For each ddpnb dashboard in the stored widget state, in creation order, all its HTML joined."""
-    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
-
-    def html_below(model_id: str) -> list[str]:
-        model = state[model_id]["state"]
-        found = [model["value"]] if state[model_id]["model_name"] == "HTMLModel" else []
-        for child in model.get("children", []):
-            found += html_below(child.removeprefix("IPY_MODEL_"))
-        return found
-
-    return ["\n".join(html_below(model_id)) for model_id, model in state.items()
-            if "ddpnb" in model["state"].get("_dom_classes", [])]
-
-
 def _execute(cells: list[str], path: Path) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell) for cell in cells])
     NotebookClient(nb, timeout=240, store_widget_state=True, allow_errors=True,
@@ -104,7 +88,7 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
 # --- through nbclient, widget state stored ----------------------------------------------------------------------
 
 def test_widget_state_has_both_rank_rows_the_metric_series_and_finished(executed):
-    train = _dashboards(executed)[0]
+    train = dashboards(executed)[0]
     assert re.search(r'class="ddpnb-pill" data-state="finished"', train)
     for rank in (0, 1):
         assert f'<tr data-rank="{rank}" data-state="finished">' in train
@@ -129,7 +113,7 @@ def test_finished_run_leaves_a_static_summary_instead_of_the_widget(executed):
 
 
 def test_tqdm_in_a_worker_becomes_a_progress_bar_not_thousands_of_lines(executed):
-    bars = _dashboards(executed)[1]
+    bars = dashboards(executed)[1]
     for rank in (0, 1):
         row = re.search(rf'<tr data-rank="{rank}" .*?</tr>', bars).group(0)
         assert re.search(r'data-n="20000" data-total="20000"', row), row
@@ -141,7 +125,7 @@ def test_tqdm_in_a_worker_becomes_a_progress_bar_not_thousands_of_lines(executed
 
 
 def test_first_failure_traceback_shows_in_the_error_panel(executed):
-    failing = _dashboards(executed)[2]
+    failing = dashboards(executed)[2]
     assert 'data-state="failed"' in failing
     assert "rank 1 failed first: ValueError: bad batch on rank 1" in failing
     # a foreground run: the traceback is shown once, in the cell's error; the panel says where it was raised

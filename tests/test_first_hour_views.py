@@ -16,9 +16,7 @@ import pytest
 from nbclient import NotebookClient
 
 from ddpnb.views import dashboard
-from tests.conftest import Kernel
-
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+from tests.conftest import Kernel, dashboards
 
 KNOCK_ON_CELL = '''%%ddp -n 3
 def peers_fail(rank):
@@ -46,20 +44,8 @@ print("<<" + json.dumps({"last_line": crashed.ranks[1].last_line, "summary": cra
 
 
 def _dashboards(nb: nbformat.NotebookNode) -> dict[str, str]:
-    """Each ddpnb dashboard in the stored widget state (what a front end gets), by the function it runs: all its
-    HTML joined."""
-    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
-
-    def html_below(model_id: str) -> list[str]:
-        model = state[model_id]["state"]
-        found = [model["value"]] if state[model_id]["model_name"] == "HTMLModel" else []
-        for child in model.get("children", []):
-            found += html_below(child.removeprefix("IPY_MODEL_"))
-        return found
-
-    joined = ["\n".join(html_below(model_id)) for model_id, model in state.items()
-              if "ddpnb" in model["state"].get("_dom_classes", [])]
-    return {name: html for html in joined for name in ("peers_fail", "crash") if f"{name} · local" in html}
+    """Each ddpnb dashboard's HTML by the function it runs."""
+    return {name: html for html in dashboards(nb) for name in ("peers_fail", "crash") if f"{name} · local" in html}
 
 
 def _row(html: str, rank: int) -> str:

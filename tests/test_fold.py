@@ -233,21 +233,13 @@ def same_lines(rank):
 '''
 
 
-@pytest.fixture(scope="module")
-def text_kernel():
-    kernel = Kernel(env={"DDPNB_VIEW": "text"})
-    kernel.execute("%load_ext ddpnb")
-    yield kernel
-    kernel.shutdown()
-
-
 def _log_dir(text: str) -> Path:
     return Path(re.search(r"logs in (\S+)", text).group(1))
 
 
 @pytest.mark.slow
-def test_four_ranks_printing_the_same_line_show_it_once_and_each_log_keeps_its_own(text_kernel):
-    run = text_kernel.execute(FOLD_CELL.format(flags=""), timeout=240)
+def test_four_ranks_printing_the_same_line_show_it_once_and_each_log_keeps_its_own(kernel):
+    run = kernel.execute(FOLD_CELL.format(flags=""), timeout=240)
     assert run.error is None, run.text
     assert run.stdout.count("[ranks 0-3] epoch 1 done\n") == 1, run.stdout
     assert run.stdout.count("[ranks 0-3] epoch 0 done\n") == 1, run.stdout
@@ -259,8 +251,8 @@ def test_four_ranks_printing_the_same_line_show_it_once_and_each_log_keeps_its_o
 
 
 @pytest.mark.slow
-def test_no_fold_shows_every_ranks_copy(text_kernel):
-    run = text_kernel.execute(FOLD_CELL.format(flags="--no-fold"), timeout=240)
+def test_no_fold_shows_every_ranks_copy(kernel):
+    run = kernel.execute(FOLD_CELL.format(flags="--no-fold"), timeout=240)
     assert run.error is None, run.text
     for rank in range(4):
         assert run.stdout.count(f"[rank {rank}] epoch 1 done\n") == 1, run.stdout
@@ -268,15 +260,15 @@ def test_no_fold_shows_every_ranks_copy(text_kernel):
 
 
 @pytest.mark.slow
-def test_a_session_cell_printing_on_every_rank_shows_the_line_once(text_kernel):
-    started = text_kernel.execute("%ddp_start -n 2", timeout=240)
+def test_a_session_cell_printing_on_every_rank_shows_the_line_once(kernel):
+    started = kernel.execute("%ddp_start -n 2", timeout=240)
     assert started.error is None, started.text
     try:
-        run = text_kernel.execute('%%ranks\nprint("hello from the session")', timeout=120)
+        run = kernel.execute('%%ranks\nprint("hello from the session")', timeout=120)
         assert run.error is None, run.text
         assert run.stdout.count("[ranks 0,1] hello from the session\n") == 1, run.stdout
     finally:
-        text_kernel.execute("%ddp_stop", timeout=60)
+        kernel.execute("%ddp_stop", timeout=60)
 
 
 TENSORBOARD_CELL = '''%%ddp -n 3 --tensorboard {directory}
@@ -289,9 +281,9 @@ def logged(rank):
 
 
 @pytest.mark.slow
-def test_tensorboard_flag_writes_every_ranks_points_that_tensorboard_reads_back(text_kernel, tmp_path):
+def test_tensorboard_flag_writes_every_ranks_points_that_tensorboard_reads_back(kernel, tmp_path):
     pytest.importorskip("tensorboard")
-    run = text_kernel.execute(TENSORBOARD_CELL.format(directory=tmp_path / "tb"), timeout=240)
+    run = kernel.execute(TENSORBOARD_CELL.format(directory=tmp_path / "tb"), timeout=240)
     assert run.error is None, run.text
     (run_dir,) = (tmp_path / "tb").iterdir()  # one run: DIR/<run name>
     assert sorted(path.name for path in run_dir.iterdir()) == ["rank0", "rank1", "rank2"]
