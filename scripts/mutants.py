@@ -26,6 +26,7 @@ from pathlib import Path
 FAULTS = "tests/test_faults.py::"
 MAGIC = "tests/test_magic.py::"
 CHILD_PATHS = "test_what_a_rank_started_is_gone_after_the_run_however_it_ended"
+STALL = "tests/test_stall.py::"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,18 @@ MUTANTS = [
         (("            if rank.state is RankState.FINISHED:\n                continue\n",
           "            if rank.state in (RankState.FINISHED, RankState.STOPPED):\n                continue\n"),),
         (FAULTS + "test_rank_ignoring_sigterm_is_killed_after_the_grace_period",),
+    ),
+    Mutant(
+        "hardware-samples-count-as-progress", "ddpnb/core/run.py",
+        (("            record.hardware.append(message)\n",
+          "            record.hardware.append(message)\n            self._active[rank] = self._clock\n"),),
+        (STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds",),
+    ),
+    Mutant(
+        "a-stops-consequence-heads-the-report", "ddpnb/core/record.py",
+        (("    return None if first is not None and first.knock_on and outcome in _ENDED_BY_DDPNB else first\n",
+          "    return first\n"),),
+        (FAULTS + "test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first",),
     ),
     Mutant(
         "function-also-called-in-the-kernel", "ddpnb/_magic.py",
