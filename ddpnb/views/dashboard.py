@@ -167,14 +167,11 @@ def _progress_html(rank: RankRecord, compact: bool = False) -> str:
     return "".join(parts)
 
 
-_bytes = size_text
-
-
 def _gpu_memory_html(rank: RankRecord) -> str:
     if rank.gpu_memory is None:
         return _td("–", _MUTED, ' class="ddpnb-muted"')
     reserved, peak = rank.gpu_memory
-    return _td(_bytes(reserved), attrs=f' title="held by PyTorch now; peak {_bytes(peak)}"')
+    return _td(size_text(reserved), attrs=f' title="held by PyTorch now; peak {size_text(peak)}"')
 
 
 LAST_CELL = ' class="ddpnb-last"'
