@@ -34,13 +34,13 @@ def _mapped_from_memory_file(address: int) -> bool:
 
 
 def _kernel_memory_files() -> dict[str, int]:
-    """This process's open ddpnb data files and their sizes: the shared memory the kernel holds."""
+    """This process's open ddpnb data files (by fd) and their sizes: the shared memory the kernel holds."""
     found = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
             if "ddpnb-data" in target:
-                found[target] = os.fstat(int(name)).st_size
+                found[f"{target} (fd {name})"] = os.fstat(int(name)).st_size
         except OSError:  # the listing's own fd, or one closed meanwhile
             continue
     return found
@@ -71,6 +71,25 @@ def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank(
     sent = ddpnb.last_run().data
     assert sent.blocks == 3 and sent.written == big.nbytes + dataset.tensors[0].nbytes + dataset.tensors[1].nbytes
     assert not torch.cuda.is_initialized()  # ddpnb never makes the kernel initialise CUDA
+
+
+def test_data_striped_over_several_files_arrives_in_order_byte_for_byte():
+    """A segment alternates over its files in STRIPE-long runs, written in parallel; a rank maps them back to back.
+    A tensor over several stripes and an array starting mid-stripe must come out whole and in order."""
+    big = torch.randint(0, 1 << 30, (7 * shared.STRIPE // 8 // 2 + 12345,), dtype=torch.int64)  # 3.5 stripes
+    array = np.random.default_rng(0).integers(0, 255, 3 * shared.STRIPE // 2, dtype=np.uint8)
+
+    def digest(values: torch.Tensor) -> list[int]:  # a position-weighted sum: a stripe out of place changes it
+        weights = torch.arange(1, len(values) + 1, dtype=torch.int64) % 1009
+        return [int((values * weights).sum()), int(values.sum()), len(values)]
+
+    def train(rank):
+        return [digest(big), digest(torch.from_numpy(array).long()), _mapped_from_memory_file(big.data_ptr())]
+
+    expected = [digest(big), digest(torch.from_numpy(array).long()), True]
+    assert ddpnb.run(train, nprocs=2, view="none") == expected
+    segment_files = [name for name in _kernel_memory_files() if "ddpnb-data" in name]
+    assert len(segment_files) >= min(shared.WRITERS, 2)  # more than one file written, where there are cores
 
 
 def test_views_of_one_storage_still_share_it_and_a_parameter_keeps_requires_grad():

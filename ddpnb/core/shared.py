@@ -1,8 +1,8 @@
 """Notebook data for the ranks: written once into shared memory, mapped copy-on-write by every rank.
 
-Kernel side: a launch's `Shipment`, consulted by the pickler (`pickling.dumps(..., shared=)`), writes each CPU
-tensor's storage and each NumPy array of MIN_BYTES or more into an anonymous memory file (`os.memfd_create`, one
-`Segment` per launch) and leaves in the pickle only where the bytes are. The `Store` keeps what the latest launch
+Kernel side: a launch's `Shipment`, consulted by the pickler (`pickling.dumps(..., shared=)`), places each CPU
+tensor's storage and each NumPy array of MIN_BYTES or more in the launch's `Segment` (anonymous memory files,
+`os.memfd_create`, written in parallel once the pickle is made) and leaves in the pickle only where the bytes are. The `Store` keeps what the latest launch
 sent, so that the next launch reuses what did not change. Rank side: `attach` maps each segment MAP_PRIVATE, and
 the rebuild functions below make tensors and arrays of its pages: reads share the kernel's one copy, a write
 copies only the pages written, in that rank alone.
@@ -11,6 +11,7 @@ copies only the pages written, in that rank alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -18,6 +19,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,41 +29,92 @@ from ddpnb.core.record import DataSent
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own
 KEEP_LAUNCHES = 4  # what the latest launches used is kept for reuse; older data is let go
-MAX_SEGMENTS = 8  # segments the store may hold; beyond it the oldest's blocks are let go (each one is an fd)
+MAX_SEGMENTS = 8  # segments the store may hold; beyond it the oldest's blocks are let go (each holds fds)
 CHUNK = 16 << 20  # bytes compared at a time when checking whether an array changed
+STRIPE = 64 << 20  # a segment's bytes alternate over its files in runs this long (`Segment`)
+WRITERS = max(1, min(8, len(os.sched_getaffinity(0))))  # a segment's files, at most: one writer thread each
 NOTE_BYTES = 100_000_000  # a launch that writes this much says so in the run's output
 
 
 # --- kernel side ---------------------------------------------------------------------------------------------------
 class Segment:
-    """One anonymous memory file, written once, at one launch. It has no name, so nothing can leak: its memory
-    goes when the last fd (the store's, a rank's) and the last mapping of it are gone."""
+    """The memory files of one launch, written once. A segment's bytes go round-robin over its files in runs of
+    STRIPE bytes, so that each file gets its own writer thread: writes into one shared-memory file are serialised
+    (on its inode's lock), writes into separate files run in parallel. A rank maps the stripes back to back, as one
+    range (`attach`). The files have no name, so nothing can leak: their memory goes when the last fd (the store's,
+    a rank's) and the last mapping of them are gone."""
 
     _ids = itertools.count(1)
 
     def __init__(self) -> None:
         self.id = next(Segment._ids)
-        self.fd = os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC)
+        self.fds: tuple[int, ...] = ()  # made by `write`, once the size is known
         self.size = 0
-        weakref.finalize(self, os.close, self.fd)  # with the last block held in it
+        self._queued: list[tuple[int, memoryview, Any]] = []  # (offset, bytes, what keeps them alive) until `write`
 
-    def append(self, data: memoryview) -> int:
-        """Write `data` at the next page; return where."""
+    def append(self, data: memoryview, owner: Any) -> int:
+        """Place `data` at the next page, to be written by `write` (`owner` keeps its memory alive till then)."""
         offset = -(-self.size // ALIGN) * ALIGN
-        written = 0
-        while written < len(data):  # one pwrite moves at most ~2 GiB
-            written += os.pwrite(self.fd, data[written:], offset + written)
+        self._queued.append((offset, data, owner))
         self.size = offset + len(data)
         return offset
 
+    def write(self) -> None:
+        """Write everything appended: one thread per file."""
+        if not self._queued:
+            return
+        files = min(WRITERS, -(-self.size // STRIPE))
+        self.fds = tuple(os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC) for _ in range(files))
+        weakref.finalize(self, _close, self.fds)  # with the last block held in it
+        for fd, length in zip(self.fds, _file_sizes(self.size, files)):
+            os.ftruncate(fd, length)  # exactly the stripes it holds: a rank adds the sizes up to the segment's
+        work: list[list[tuple[int, memoryview]]] = [[] for _ in self.fds]
+        for offset, data, _ in self._queued:
+            for index, at, start, stop in _pieces(offset, len(data), files):
+                work[index].append((at, data[start:stop]))
+        with ThreadPoolExecutor(files, thread_name_prefix="ddpnb-data") as writers:
+            list(writers.map(_write, self.fds, work))  # raises the first writer's error, if any
+        self._queued = []
+
     def same(self, offset: int, data: memoryview) -> bool:
         """Whether the bytes at `offset` are `data`, compared a chunk at a time (bytearray compares with memcmp)."""
-        for start in range(0, len(data), CHUNK):
-            part = data[start:start + CHUNK]
-            buffer = bytearray(len(part))
-            if os.preadv(self.fd, [buffer], offset + start) != len(part) or buffer != part:
-                return False
+        for index, at, start, stop in _pieces(offset, len(data), len(self.fds)):
+            for first in range(start, stop, CHUNK):
+                part = data[first:min(first + CHUNK, stop)]
+                buffer = bytearray(len(part))
+                if os.preadv(self.fds[index], [buffer], at + first - start) != len(part) or buffer != part:
+                    return False
         return True
+
+
+def _pieces(offset: int, length: int, files: int) -> Iterator[tuple[int, int, int, int]]:
+    """Where the segment's bytes [offset, offset + length) lie: (file index, offset in that file, start, stop),
+    start and stop counted from `offset`."""
+    position, end = offset, offset + length
+    while position < end:
+        stripe, within = divmod(position, STRIPE)
+        stop = min(end, (stripe + 1) * STRIPE)
+        yield stripe % files, (stripe // files) * STRIPE + within, position - offset, stop - offset
+        position = stop
+
+
+def _file_sizes(size: int, files: int) -> list[int]:
+    sizes = [0] * files
+    for stripe in range(-(-size // STRIPE)):
+        sizes[stripe % files] += min(STRIPE, size - stripe * STRIPE)
+    return sizes
+
+
+def _write(fd: int, pieces: list[tuple[int, memoryview]]) -> None:
+    for at, data in pieces:
+        written = 0
+        while written < len(data):  # one pwrite moves at most ~2 GiB
+            written += os.pwrite(fd, data[written:], at + written)
+
+
+def _close(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 @dataclass(eq=False)
@@ -176,7 +230,7 @@ class Shipment:
             if self.segment is None:
                 self.segment = Segment()
             view = data()
-            offset = self.segment.append(view)
+            offset = self.segment.append(view, source)
             ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))
             block = Block(self.segment, offset, len(view), ref, version)
             self.written += block.nbytes
@@ -184,13 +238,22 @@ class Shipment:
         self.used[key] = block
         return block
 
-    def fds(self) -> dict[int, int]:
-        """Segment id -> fd, for every segment this launch's pickles refer to."""
-        return {block.segment.id: block.segment.fd for block in self.used.values()}
+    def fds(self) -> dict[int, tuple[int, ...]]:
+        """Segment id -> its files, for every segment this launch's pickles refer to. The ranks map them next, so
+        what the pickler placed in this launch's segment is written now."""
+        self._write()
+        return {block.segment.id: block.segment.fds for block in self.used.values()}
+
+    def _write(self) -> None:
+        if self.segment is not None and self.segment.size:
+            began = time.perf_counter()
+            self.segment.write()
+            self.seconds += time.perf_counter() - began
 
     def commit(self) -> DataSent:
         """Every rank has its fds (they are duplicated into a rank as it starts): the store now holds what this
         launch used, for the next launch; what it used no longer is let go."""
+        self._write()  # written already by `fds`; a segment is never kept unwritten
         sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.used), seconds=self.seconds)
         self.store.keep(self.used)
         self.used, self.segment, self.keepalive = {}, None, []
@@ -230,23 +293,52 @@ _device: str | None = None  # this rank's device, once set up
 _pending: list[Any] = []  # tensors from notebook CUDA tensors, waiting for the rank's device
 
 
-def attach(fds: dict[int, int]) -> None:
-    """Map every segment this rank was given, copy-on-write, and close its fd (the mapping keeps the file)."""
-    for segment_id, fd in fds.items():
-        size = os.fstat(fd).st_size
-        _maps[segment_id] = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
+def attach(fds: dict[int, tuple[int, ...]]) -> None:
+    """Map every segment this rank was given, copy-on-write, and close its fds (the mapping keeps the files)."""
+    for segment_id, files in fds.items():
+        _maps[segment_id] = _map_stripes(files)
+        for fd in files:
+            os.close(fd)
 
 
-def attach_from(pid: int, fds: dict[int, int]) -> None:
+def _map_stripes(files: tuple[int, ...]) -> mmap.mmap:
+    """A segment's stripes mapped back to back, MAP_PRIVATE, into one range: reserved as an anonymous mapping,
+    whose Python object is the buffer the tensors are made of, and which unmaps the whole range when it goes."""
+    size = sum(os.fstat(fd).st_size for fd in files)
+    reserved = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start = ctypes.c_char.from_buffer(reserved)
+    base = ctypes.addressof(start)
+    del start  # no buffer of it may stay exported, or it could never be unmapped
+    libc = _libc()
+    for index, at, first, stop in _pieces(0, size, len(files)):
+        where = libc.mmap(base + first, stop - first, mmap.PROT_READ | mmap.PROT_WRITE,
+                          mmap.MAP_PRIVATE | _MAP_FIXED, files[index], at)
+        if where != base + first:
+            raise OSError(ctypes.get_errno(), f"ddpnb: could not map notebook data into this rank: "
+                                              f"{os.strerror(ctypes.get_errno())}")
+    return reserved
+
+
+_MAP_FIXED = 0x10  # Linux's value; Python's mmap module does not offer MAP_FIXED
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return libc
+
+
+def attach_from(pid: int, fds: dict[int, tuple[int, ...]]) -> None:
     """Map segments the kernel (process `pid`) holds open as `fds`, into a rank that is already running (a
     session's `push`): opened through /proc, since no fd can be handed to it any more. A segment mapped before
     (an earlier push of the same data) is mapped afresh, so that what this rank wrote into the tensors it rebuilt
     then is not in the ones rebuilt now: a push always brings the notebook's values."""
-    for segment_id, fd in fds.items():
+    for segment_id, files in fds.items():
         for key in [key for key in list(_storages.keys()) if key[0] == segment_id]:
             _storages.pop(key, None)  # tensors rebuilt earlier keep their storage (and the old mapping)
-        attach({segment_id: os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)})
+        attach({segment_id: tuple(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) for fd in files)})
 
 
 def set_device(device: str) -> None:

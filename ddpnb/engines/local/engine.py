@@ -116,7 +116,8 @@ class LocalEngine:
         try:
             spec_payload = pickling.dump_spec(self.spec, shared)  # before any rank starts: args that cannot be sent
             # every rank maps the same memory files of notebook data (the function's and the args')
-            data = {} if shared is None else {segment: FdForChild(fd) for segment, fd in shared.fds().items()}
+            data = {} if shared is None else {segment: tuple(map(FdForChild, files))
+                                              for segment, files in shared.fds().items()}
             for rank in range(self.spec.world_size):
                 self._start_rank(context, rank, spec_payload, data,
                                  *((store_socket, result_fd) if rank == 0 else ()))
@@ -127,7 +128,7 @@ class LocalEngine:
             self.close()
             raise
 
-    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, data: dict[int, FdForChild],
+    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, data: dict[int, tuple[FdForChild, ...]],
                     store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
         """Fork one rank, with its pipes: stdout, stderr and the message channel (rank to kernel), and a lifeline
         the kernel never writes to, whose EOF tells the rank's watchdog that the kernel is gone."""

@@ -96,7 +96,7 @@ _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its 
 
 
 def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
-          spec_payload: bytes, data: dict[int, int], store_socket: socket.socket | None = None,
+          spec_payload: bytes, data: dict[int, tuple[int, ...]], store_socket: socket.socket | None = None,
           result_fd: int | None = None, commands: Connection | None = None) -> None:
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
     the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
