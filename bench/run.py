@@ -725,7 +725,7 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
         [f"the kernel's `clone()` of the {size} tensor", fmt(clone, " s"), "", "", "the physical floor of one copy"],
         ["ddpnb, first launch closing over it", fmt(first, " s"), fmt(median("ddpnb", "peak_over_data"), "×", 2),
          fmt(median("ddpnb", "ranks_pss_over_data"), "×", 2),
-         f"written once into a memory file; the file: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data"],
+         f"written once, in parallel, into memory files; the files: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data"],
         ["ddpnb, later launch, data unchanged", fmt(later, " s"), "", "",
          f"reused: {fmt(median('ddpnb', 'reused_later') / GB if got['ddpnb'] else None, ' GB', 2)}, nothing written"],
         ["ddpnb pickling it into every rank (before issue 16)", fmt(pickled, " s"),
@@ -748,7 +748,7 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
                               other / first >= 5))
     peak, pss = median("ddpnb", "peak_over_data"), median("ddpnb", "ranks_pss_over_data")
     if peak is not None:
-        goals.append(Goal("data: kernel peak above baseline ≤ 1.1× the data (RSS; the memory file is reported "
+        goals.append(Goal("data: kernel peak above baseline ≤ 1.1× the data (RSS; the memory files are reported "
                           "apart)", f"{peak:.2f}×", peak <= 1.1))
     if pss is not None:
         goals.append(Goal("data: the ranks together add ≤ 1.2× the data in PSS", f"{pss:.2f}×", pss <= 1.2))
