@@ -237,7 +237,7 @@ class DDPMagics(Magics):
         """Run the cell's code in the notebook, as a cell of its own would run (IPython's `!cmd` and `%magic`
         lines included, its lines in tracebacks under this cell's In[N]); with `pick`, return its function's name."""
         __tracebackhide__ = True
-        cell = self.shell.transform_cell(cell)
+        cell = as_numbered_in_the_cell(self.shell, cell)
         filename = self.shell.compile.cache(cell, self._cell_number())
         try:
             tree = ast.parse(cell, filename)
@@ -263,6 +263,20 @@ def _cell_number(shell: object) -> int:
     building = getattr(shell.displayhook, "exec_result", None)  # type: ignore[attr-defined]
     count = getattr(building, "execution_count", None)
     return count if isinstance(count, int) else shell.execution_count  # type: ignore[attr-defined]
+
+
+def as_numbered_in_the_cell(shell: Any, body: str) -> str:
+    """A cell magic's body transformed as IPython transforms a cell (`!cmd`, `%magic`), with blank lines in place of
+    the magic's line and of the leading blank lines IPython drops: line K of the code is line K of the cell as
+    the notebook numbers it, in tracebacks, stacks and SyntaxErrors."""
+    code = shell.transform_cell(body)
+    dropped = _leading_blank_lines(body) - _leading_blank_lines(code)
+    return "\n" * (1 + max(0, dropped)) + code
+
+
+def _leading_blank_lines(text: str) -> int:
+    lines = text.splitlines()
+    return next((i for i, line in enumerate(lines) if line.strip()), len(lines))
 
 
 class _SyntaxShown(Exception):
@@ -391,14 +405,13 @@ class SessionMagics(Magics):
         if session is None:
             raise UsageError("no session is running: start one with %ddp_start -n 2 (or --gpus N), then run %%ranks "
                              "cells.")
-        if cell is None:  # the line form: the whole line is the expression, on every rank
-            code, selected, out, timeout = line, None, None, None
+        if cell is None:  # the line form: the whole line is the expression, on every rank (line 1, the magic's)
+            code, selected, out, timeout = self.shell.transform_cell(line), None, None, None
         else:
             args = _parse(self.ranks, line, "Example: %%ranks 0,2 -o values")
             _check_out_and_timeout(args.out, args.timeout, "values")
-            code, out, timeout = cell, args.out, args.timeout
+            code, out, timeout = as_numbered_in_the_cell(self.shell, cell), args.out, args.timeout
             selected = None if args.ranks is None else parse_ranks(args.ranks)
-        code = self.shell.transform_cell(code)
         filename = self.shell.compile.cache(code, _cell_number(self.shell))
         try:
             values = session.execute(code, ranks=selected, timeout=timeout, filename=filename)

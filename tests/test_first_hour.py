@@ -171,12 +171,12 @@ def test_stop_button_then_result_says_stopped_by_the_user_and_the_header_has_the
 # --- 7. a SyntaxError in a %%ddp cell -----------------------------------------------------------------------------
 
 def test_syntax_error_in_a_ddp_cell_shows_as_a_plain_cells_does(kernel):
-    plain = kernel.execute("def train(rank:\n    return rank\n")
+    plain = kernel.execute("# where the %%ddp line is\ndef train(rank:\n    return rank\n")
     magic = kernel.execute("%%ddp -n 2\ndef train(rank:\n    return rank\n")
     assert magic.error is not None and magic.error["ename"] == "SyntaxError"
     shown, expected = _traceback(magic), _traceback(plain)
     assert re.sub(r"In\[\d+\]", "In[N]", shown) == re.sub(r"In\[\d+\]", "In[N]", expected), shown
-    assert f"Cell In[{magic.count}], line 1" in shown and "def train(rank:" in shown
+    assert f"Cell In[{magic.count}], line 2" in shown and "def train(rank:" in shown
     assert "ddpnb" not in shown and "run_cell_magic" not in shown
     assert _value(kernel, "ddpnb.runs()") == []  # nothing started
     assert kernel.execute("1 + 1").results == ["2"]

@@ -136,7 +136,7 @@ def fails(rank, world_size):
     shown = "\n".join(run.error["traceback"])
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
     assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
-    assert f"Cell In[{run.count}], line 4, in fails" in shown  # named as IPython names its cells
+    assert f"Cell In[{run.count}], line 5, in fails" in shown  # named as IPython names its cells
     assert PACKAGE_DIR not in shown
     pids = [int(p) for p in kernel.execute(
         "print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
@@ -203,7 +203,7 @@ def test_ipython_syntax_in_the_cell_and_errors_in_its_own_code(kernel):
     assert run.error is None and run.results == ["'hello'"]
     run = kernel.execute("%%ddp -n 2\nimport no_such_module_here\ndef train(rank):\n    return 1\n")
     shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(run.error["traceback"]))  # IPython 9 colours every part
-    assert run.error["ename"] == "ModuleNotFoundError" and f"In[{run.count}], line 1" in shown
+    assert run.error["ename"] == "ModuleNotFoundError" and f"In[{run.count}], line 2" in shown
     assert "_magic.py" not in shown
     run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return rank +\n")
     assert run.error["ename"] == "SyntaxError" and "return rank +" in "\n".join(run.error["traceback"])

@@ -79,7 +79,7 @@ def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(sess
     assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
     shown = "\n".join(failed.error["traceback"])
     assert "failed on rank 1 of 2: ValueError: bad shard on purpose" in shown
-    assert re.search(r"Cell In\[\d+\], line 3", shown) and 'raise ValueError("bad shard on purpose")' in shown
+    assert re.search(r"Cell In\[\d+\], line 4", shown) and 'raise ValueError("bad shard on purpose")' in shown
     assert PACKAGE_DIR not in shown and "--- rank 0 ---" not in shown
     after = session_kernel.execute("%ranks kept")
     assert after.results == ["[rank 0] 101\n[rank 1] 102"], after.text  # as the failed cell left them
@@ -97,7 +97,7 @@ def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives
     assert time.monotonic() - began < ENDS_WITHIN
     assert stuck.error is not None and stuck.error["ename"] == "SessionBroken", stuck.text
     shown = "\n".join(stuck.error["traceback"])
-    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 3", shown), shown
+    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 4", shown), shown
     assert "RuntimeError: rank 1 gives up" in shown and "%ddp_restart" in shown
     assert wait_gone(before, within=15) == []
     refused = session_kernel.execute("%ranks 1 + 1")

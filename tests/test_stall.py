@@ -112,8 +112,8 @@ def test_stalled_cell_says_so_in_the_text_view_with_cell_lines_then_resumes(kern
     cell = f"Cell In[{executed.count}]"
     stalled = [line for line in out.splitlines() if line.startswith("[ddpnb] stalled:")]
     assert len(stalled) == 1, out
-    assert stalled[0].endswith(f"rank 1 is in time.sleep ({cell}, line 6); ranks 0, 2 wait in all_reduce "
-                               f"({cell}, line 7)"), out
+    assert stalled[0].endswith(f"rank 1 is in time.sleep ({cell}, line 7); ranks 0, 2 wait in all_reduce "
+                               f"({cell}, line 8)"), out
     for rank in range(3):
         assert re.search(rf"\[ddpnb\]   rank {rank}: .*, \d+\.\d s since its last activity", out), out
     assert "ipykernel_" not in out
@@ -320,7 +320,7 @@ def test_session_command_that_stalls_says_where_each_rank_is_and_idle_time_is_no
         executed = kernel.execute(SESSION_CELL, timeout=120)
         assert executed.error is None, executed.error
         cell = f"Cell In[{executed.count}]"
-        assert (f"rank 1 is in time.sleep ({cell}, line 3); rank 0 waits in all_reduce ({cell}, line 4)"
+        assert (f"rank 1 is in time.sleep ({cell}, line 4); rank 0 waits in all_reduce ({cell}, line 5)"
                 in executed.stdout), executed.text
     finally:
         kernel.execute("%ddp_stop")
