@@ -236,15 +236,14 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
               new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
               shared=shipment, stall=stall)
     run.hold(held)
-    run.record.launch_note = planned.note  # the views' headers say it: information, not a warning on stderr
+    run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
-        print(f"[ddpnb] resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
-              "(ddpnb.load_checkpoint loads it)", file=sys.stderr)
+        run.record.add_launch_note(f"resuming from {resumed[0]}: its latest complete checkpoint is step "
+                                   f"{resumed[1]} (ddpnb.load_checkpoint loads it)")
     run.start()
     if shipment is not None:  # every rank has the memory files: the store keeps them for the next launch
         run.record.data = shipment.commit()
-        if note := shared.note(run.record.data):
-            print(f"[ddpnb] {note}", file=sys.stderr)
+        run.record.add_launch_note(shared.note(run.record.data))
     _last_record = run.record
     if chosen_view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard

@@ -97,3 +97,37 @@ def test_a_ranks_cells_traceback_names_the_line_jupyterlab_shows(kernel):
         assert f"Cell In[{line_form.count}], line 1" in _traceback(line_form), line_form.text
     finally:
         kernel.execute("%ddp_stop")
+
+
+# --- 2. launch notes in the header, not on stderr -------------------------------------------------------------------
+
+def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
+    kernel.execute("import torch\nbig = torch.zeros(32 * 2**20)")  # 128 MiB of float32
+    try:
+        run = kernel.execute("%%ddp -n 2\ndef size(rank):\n    return big.numel()\n", timeout=180)
+        assert run.error is None and run.results == [str(32 * 2**20)], run.text
+        header = run.stdout.splitlines()[0]
+        assert header.startswith("[ddpnb] size on 2 ranks, backend gloo, devices cpu; wrote 128.0 MiB of notebook "
+                                 "data into shared memory for the ranks in "), header
+        assert header.endswith(f"; logs in {_value(kernel, 'str(ddpnb.last_run().run_dir)')}"), header
+        assert "shared memory" not in run.stderr, run.stderr
+        assert "wrote 128.0 MiB" in _value(kernel, "ddpnb.last_run().launch_note")
+        dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
+        assert "wrote 128.0 MiB of notebook data into shared memory" in dashboard, dashboard
+    finally:
+        kernel.execute("del big")
+
+
+def test_the_resume_note_is_in_the_header_and_the_record_not_on_stderr(kernel):
+    saved = kernel.execute("%%ddp -n 2\ndef save(rank):\n    ddpnb.save_checkpoint({'step': torch.tensor(7)}, step=7)\n",
+                           timeout=180)
+    assert saved.error is None, saved.text
+    source = _value(kernel, "str(ddpnb.last_run().run_dir)")
+    run = kernel.execute(f"%%ddp -n 2 --resume {source}\ndef load(rank):\n"
+                         "    state = {{'step': torch.tensor(0)}}\n    ddpnb.load_checkpoint(state)\n"
+                         "    return int(state['step'])\n".replace("{{", "{").replace("}}", "}"), timeout=180)
+    assert run.error is None and run.results == ["7"], run.text
+    note = f"resuming from {source}/checkpoints: its latest complete checkpoint is step 7"
+    assert note in run.stdout.splitlines()[0], run.stdout
+    assert "resuming" not in run.stderr, run.stderr
+    assert note in _value(kernel, "ddpnb.last_run().launch_note")

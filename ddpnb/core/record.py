@@ -370,9 +370,15 @@ class RunRecord:
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
     data: DataSent | None = None  # notebook data sent through shared memory (local engine)
-    launch_note: str = ""  # how the request was read (a CPU fallback), said in every view's header
+    # how the launch went, said in every view's header: a CPU fallback, the checkpoint it resumes, the data it wrote
+    launch_note: str = ""
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
+
+    def add_launch_note(self, note: str) -> None:
+        """One more thing about the launch for the headers (information, not a warning on stderr)."""
+        if note:
+            self.launch_note = f"{self.launch_note}; {note}" if self.launch_note else note
 
     @property
     def stalled(self) -> bool:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ddpnb.core.record import DataSent
+from ddpnb.core.record import DataSent, size_text
 
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own
@@ -33,7 +33,7 @@ MAX_SEGMENTS = 8  # segments the store may hold; beyond it the oldest's blocks a
 CHUNK = 16 << 20  # bytes compared at a time when checking whether an array changed
 STRIPE = 64 << 20  # a segment's bytes alternate over its files in runs this long (`Segment`)
 WRITERS = max(1, min(8, len(os.sched_getaffinity(0))))  # a segment's files, at most: one writer thread each
-NOTE_BYTES = 100_000_000  # a launch that writes this much says so in the run's output
+NOTE_BYTES = 100 * 2**20  # a launch that writes this much says so in its header
 
 
 # --- kernel side ---------------------------------------------------------------------------------------------------
@@ -263,12 +263,12 @@ class Shipment:
 
 
 def note(sent: DataSent) -> str:
-    """The line a launch that wrote a lot prints, so users see where its time went; else ''."""
+    """What a launch that wrote a lot says in its header, so users see where its time went; else ''."""
     if sent.written < NOTE_BYTES:
         return ""
-    reused = f"; {sent.reused / 1e9:.2f} GB reused from earlier launches" if sent.reused else ""
-    return (f"wrote {sent.written / 1e9:.2f} GB of notebook data into shared memory for the ranks in "
-            f"{sent.seconds:.2f} s{reused}; later launches reuse it while it is unchanged")
+    reused = f", {size_text(sent.reused)} reused from earlier launches" if sent.reused else ""
+    return (f"wrote {size_text(sent.written)} of notebook data into shared memory for the ranks in "
+            f"{sent.seconds:.2f} s{reused} (later launches reuse it while it is unchanged)")
 
 
 def _plain_tensor(tensor: Any, torch: Any) -> bool:
