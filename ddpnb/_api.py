@@ -14,7 +14,7 @@ from typing import Any
 
 from ddpnb import engines
 from ddpnb.core import checkpoints, flight, pickling, rundir, shared
-from ddpnb.core.record import RunRecord
+from ddpnb.core.record import RunRecord, cell_names_of
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,
@@ -223,10 +223,11 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
     environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
     if planned.backend == "nccl" and kind is EngineKind.LOCAL:  # the kernel can dump it at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
+    sources = pickling.notebook_sources()
     spec = WorkerSpec(
         fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
-        sources=pickling.notebook_sources(), torch_threads=engine_type.torch_threads(planned, environ),
+        sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
         checkpoint_dir=str(checkpoints.for_run(run_dir, checkpoint_dir)),
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=keep_checkpoints, interactive=interactive,
     )

@@ -19,7 +19,7 @@ from typing import Any
 from ddpnb import _api, engines
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
-from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_names
+from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_name, cell_names
 from ddpnb.core.run import Run
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import Stream
@@ -157,7 +157,8 @@ class Session:
         """Run `code` in each selected rank's namespace (every rank by default); the value of its last
         expression on each rank, or None when it has none. Output streams here as it is printed."""
         lines = tuple(code.splitlines(keepends=True))
-        values = self._command(msg.CommandKind.EXECUTE, ranks, timeout, code=code, filename=filename, lines=lines)
+        values = self._command(msg.CommandKind.EXECUTE, ranks, timeout, code=code, filename=filename, lines=lines,
+                               cell_name=cell_name(filename))
         return None if all(value is None for value in values) else values
 
     def push(self, **values: Any) -> None:

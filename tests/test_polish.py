@@ -131,3 +131,37 @@ def test_the_resume_note_is_in_the_header_and_the_record_not_on_stderr(kernel):
     assert note in run.stdout.splitlines()[0], run.stdout
     assert "resuming" not in run.stderr, run.stderr
     assert note in _value(kernel, "ddpnb.last_run().launch_note")
+
+
+# --- 3. warnings name the cell ---------------------------------------------------------------------------------------
+
+def test_a_warning_in_the_function_names_the_cell_and_its_line(kernel):
+    run = kernel.execute("%%ddp -n 2\nimport warnings\ndef warns(rank):\n"
+                         "    warnings.warn(f'careful on rank {rank}')\n    return rank\n", timeout=180)
+    assert run.error is None and run.results == ["0"], run.text
+    for rank in (0, 1):
+        assert f"[rank {rank}] Cell In[{run.count}], line 4: UserWarning: careful on rank {rank}" in run.stderr, \
+            run.text
+    assert "warnings.warn(f'careful on rank {rank}')" in run.stderr  # the source line under it, as Python shows it
+    assert "ipykernel_" not in run.text, run.text
+
+
+def test_a_warning_from_a_file_keeps_pythons_own_format(kernel, tmp_path):
+    module = tmp_path / "noisy_module_for_polish.py"
+    module.write_text("import warnings\n\ndef noisy():\n    warnings.warn('from a file')\n")
+    kernel.execute(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport noisy_module_for_polish")
+    run = kernel.execute("%%ddp -n 1\ndef warns(rank):\n    noisy_module_for_polish.noisy()\n", timeout=180)
+    assert run.error is None, run.text
+    assert f"[rank 0] {module}:4: UserWarning: from a file" in run.stderr, run.text
+
+
+def test_a_warning_in_a_ranks_cell_names_the_cell_and_its_line(kernel):
+    started = kernel.execute("%ddp_start -n 2", timeout=180)
+    assert started.error is None, started.text
+    try:
+        run = kernel.execute("%%ranks\nimport warnings\nx = 1\nwarnings.warn('in a session cell')\n")
+        assert run.error is None, run.text
+        assert f"Cell In[{run.count}], line 4: UserWarning: in a session cell" in run.stderr, run.text
+        assert "ipykernel_" not in run.text, run.text
+    finally:
+        kernel.execute("%ddp_stop")

@@ -173,6 +173,7 @@ class Command:
     code: str = ""  # EXECUTE: the cell, as IPython transformed it
     filename: str = ""  # EXECUTE: the name IPython gave the cell, so tracebacks say `Cell In[N], line L`
     lines: tuple[str, ...] = ()  # EXECUTE: the cell's source for the rank's tracebacks
+    cell_name: str = ""  # EXECUTE: 'Cell In[N]', so the rank's warnings name the cell
     values: dict[str, Any] = field(default_factory=dict)  # PUSH
     names: tuple[str, ...] = ()  # PULL
     call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None  # CALL: fn, args, kwargs

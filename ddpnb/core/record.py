@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -481,17 +482,27 @@ def _compute_text(rank: RankRecord) -> str:
 
 def cell_names(traceback: str) -> str:
     """`File "/tmp/ipykernel_7/2718.py", line 5` as IPython names its own cells: `Cell In[7], line 5`."""
+
+    def cell(match: re.Match[str]) -> str:
+        name = cell_name(match.group(1))
+        return f"{name}, line {match.group(2)}" if name else match.group(0)
+
+    return re.sub(r'File "([^"]+)", line (\d+)', cell, traceback)
+
+
+def cell_name(filename: str) -> str:
+    """'Cell In[7]' for the file IPython compiled cell 7 as, in this kernel; '' for any other file (or outside
+    IPython)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     name_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
-    if name_of is None:
-        return traceback
+    named = name_of(filename) if name_of is not None else None
+    return " ".join(named) if named else ""
 
-    def cell(match: re.Match[str]) -> str:
-        named = name_of(match.group(1))
-        return f"{' '.join(named)}, line {match.group(2)}" if named else match.group(0)
 
-    return re.sub(r'File "([^"]+)", line (\d+)', cell, traceback)
+def cell_names_of(filenames: Iterable[str]) -> dict[str, str]:
+    """{filename: 'Cell In[7]'} for those of `filenames` that are this kernel's cells: what ranks name them by."""
+    return {filename: name for filename in filenames if (name := cell_name(filename))}
 
 
 def stopped_line(record: RunRecord) -> str:

@@ -63,6 +63,7 @@ class WorkerSpec:
     environ: dict[str, str]
     run_dir: str
     sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
+    cell_names: dict[str, str] = field(default_factory=dict)  # their files' names, 'Cell In[7]', for warnings
     torch_threads: int | None = None
     interactive: bool = False  # a session: ranks also receive commands from the kernel (`Engine.send`)
     # restarts and checkpoints (`--max-restarts`, `ddpnb.save_checkpoint`): each attempt gets its own spec

@@ -4,7 +4,6 @@ call, the result, and failures reported as data."""
 from __future__ import annotations
 
 import inspect
-import linecache
 import os
 import sys
 import threading
@@ -16,7 +15,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core import shared
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_traceback
-from ddpnb.rank import checkpoint, group, progress, radar
+from ddpnb.rank import cells, checkpoint, group, progress, radar
 from ddpnb.rank import context as ctx
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
@@ -40,7 +39,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         context.device = setup(rank, spec)
         shared.set_device(context.device)  # notebook CUDA tensors onto this rank's own device, now it is set up
         context.send(msg.Started(rank=rank, device=context.device))
-        linecache.cache.update({name: (len("".join(lines)), None, lines, name) for name, lines in spec.sources.items()})
+        cells.register(spec.sources, spec.cell_names)
         group.patch_init_process_group()
         progress.install_hook()
         if context.device.startswith("cuda"):

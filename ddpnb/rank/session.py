@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import linecache
 import signal
 import threading
 from typing import Any
@@ -17,6 +16,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core import shared
 from ddpnb.core.pickling import dumps, unpicklable_path
 from ddpnb.core.stacks import user_traceback
+from ddpnb.rank import cells
 from ddpnb.rank import context as ctx
 
 
@@ -86,7 +86,7 @@ def _run(command: msg.Command, namespace: dict[str, Any]) -> Any:
 def _execute(command: msg.Command, namespace: dict[str, Any]) -> Any:
     """The cell's statements, then its last expression's value, as IPython runs a cell."""
     filename = command.filename or "<session cell>"
-    linecache.cache[filename] = (len(command.code), None, list(command.lines), filename)
+    cells.register({filename: command.lines}, {filename: command.cell_name} if command.cell_name else {})
     tree = ast.parse(command.code, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - the user's own cell
