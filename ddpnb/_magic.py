@@ -28,7 +28,7 @@ from IPython.utils.process import arg_split
 
 from ddpnb import _api, _session
 from ddpnb.core.pickling import NotPicklableError
-from ddpnb.core.record import Outcome, format_duration
+from ddpnb.core.record import Outcome, format_duration, size_text
 from ddpnb.core.run import Run
 from ddpnb.core.spec import EngineKind, ViewKind
 
@@ -284,7 +284,7 @@ class _SyntaxShown(Exception):
 
 
 def state_dict_summary(value: object) -> str | None:
-    """'state dict: 62 tensors, 11.2 M parameters (float32), 44.7 MB' for a non-empty mapping whose values are
+    """'state dict: 62 tensors, 11.2 M parameters (float32), 42.7 MiB' for a non-empty mapping whose values are
     all tensors (a model's state_dict()); None for any other value."""
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, Mapping) or not value \
@@ -295,7 +295,7 @@ def state_dict_summary(value: object) -> str | None:
     size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     dtypes = ", ".join(sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}))
     return (f"state dict: {len(tensors)} tensor{'s' * (len(tensors) != 1)}, {_count(count)} parameters ({dtypes}), "
-            f"{_size(size)}")
+            f"{size_text(size)}")
 
 
 def _count(number: int) -> str:
@@ -303,13 +303,6 @@ def _count(number: int) -> str:
         if number >= limit:
             return f"{number / limit:.1f} {unit}"
     return str(number)
-
-
-def _size(size: int) -> str:
-    for limit, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if size >= limit:
-            return f"{size / limit:.1f} {unit}"
-    return f"{size} bytes"
 
 
 NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"

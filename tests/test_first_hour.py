@@ -213,7 +213,7 @@ def test_state_dict_value_shows_one_line_and_stays_the_real_dict(kernel):
     run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    import torch\n"
                          "    return torch.nn.Linear(4, 3).state_dict()\n")
     assert run.error is None and "tensor(" not in run.text
-    assert run.results == [f"state dict: 2 tensors, 15 parameters (float32), 60 bytes (the dict is Out[{run.count}])"]
+    assert run.results == [f"state dict: 2 tensors, 15 parameters (float32), 60 B (the dict is Out[{run.count}])"]
     assert _value(kernel, f"[type(Out[{run.count}]).__name__, sorted(_), _ is Out[{run.count}]]") == [
         "OrderedDict", ["bias", "weight"], True]
 
@@ -222,7 +222,7 @@ def test_state_dict_summary_counts_tensors_parameters_and_bytes():
     import torch
 
     state = {"a": torch.zeros(1000, 1000), "b": torch.zeros(10, dtype=torch.float16)}
-    assert state_dict_summary(state) == "state dict: 2 tensors, 1.0 M parameters (float16, float32), 4.0 MB"
+    assert state_dict_summary(state) == "state dict: 2 tensors, 1.0 M parameters (float16, float32), 3.8 MiB"
     assert state_dict_summary({"a": torch.zeros(2), "step": 3}) is None  # not only tensors: shown as it is
     assert state_dict_summary({}) is None and state_dict_summary([torch.zeros(2)]) is None
 

@@ -165,3 +165,19 @@ def test_a_warning_in_a_ranks_cell_names_the_cell_and_its_line(kernel):
         assert "ipykernel_" not in run.text, run.text
     finally:
         kernel.execute("%ddp_stop")
+
+
+# --- 4. one byte format ----------------------------------------------------------------------------------------------
+
+def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_memory():
+    import torch
+
+    from ddpnb._magic import state_dict_summary
+    from ddpnb.core import shared
+    from ddpnb.core.record import DataSent, size_text
+
+    assert state_dict_summary({"w": torch.zeros(2**18)}) == "state dict: 1 tensor, 262.1 k parameters (float32), 1.0 MiB"
+    note = shared.note(DataSent(written=3 * 2**30, reused=512 * 2**20, blocks=2, seconds=0.5))
+    assert note.startswith("wrote 3.0 GiB of notebook data into shared memory") and ", 512.0 MiB reused" in note, note
+    assert shared.note(DataSent(written=99 * 2**20, reused=0, blocks=1, seconds=0.1)) == ""  # under 100 MiB: quiet
+    assert [size_text(n) for n in (60, 1536, 5 * 2**20, 2**31)] == ["60 B", "1.5 KiB", "5.0 MiB", "2.0 GiB"]

@@ -201,7 +201,8 @@ def sparkline(values: list[float], top: float | None = None) -> str:
 
 
 def size_text(count: float) -> str:
-    """Bytes as '512.0 MiB', '1.2 GiB'."""
+    """Bytes as '512.0 MiB', '1.2 GiB': the one byte format of every view, binary as torch's memory summaries
+    and nvidia-smi print memory, so a number reads the same in both."""
     for unit in ("B", "KiB", "MiB"):
         if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
