@@ -181,3 +181,32 @@ def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_me
     assert note.startswith("wrote 3.0 GiB of notebook data into shared memory") and ", 512.0 MiB reused" in note, note
     assert shared.note(DataSent(written=99 * 2**20, reused=0, blocks=1, seconds=0.1)) == ""  # under 100 MiB: quiet
     assert [size_text(n) for n in (60, 1536, 5 * 2**20, 2**31)] == ["60 B", "1.5 KiB", "5.0 MiB", "2.0 GiB"]
+
+
+# --- 5. on-demand stacks are the caller's; a timeout's stay in the record ----------------------------------------------
+
+def _sleeps_for_ever(rank):
+    import time
+
+    while True:
+        time.sleep(0.2)
+
+
+def test_on_demand_stacks_are_the_callers_and_a_timeouts_stay_in_the_record():
+    import ddpnb
+    from ddpnb.core.record import Outcome, RankState
+
+    handle = ddpnb.launch(_sleeps_for_ever, nprocs=2, timeout=20, view="none")
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.state is RankState.RUNNING for r in handle.record.ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stacks = handle.stacks(wait=30)
+        assert sorted(stacks) == [0, 1] and all("_sleeps_for_ever" in stacks[r] for r in (0, 1)), stacks
+        assert [r.stack for r in handle.record.ranks] == ["", ""]  # asked for now: the caller's, not the record's
+        record = handle.wait(120)
+    finally:
+        handle.stop()
+    assert record.outcome is Outcome.TIMED_OUT, record.note
+    assert all("_sleeps_for_ever" in r.stack and r.stalled_state is RankState.RUNNING for r in record.ranks)
+    assert "_sleeps_for_ever" in str(ddpnb.WorkerError(record))  # the report shows where each rank was

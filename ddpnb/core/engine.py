@@ -72,8 +72,9 @@ class Engine(Protocol):
     def escalate(self) -> float | None:
         """Stop harder (SIGKILL; kill the run's actor). Returns seconds until the next escalation, or None."""
 
-    def collect_stacks(self, ranks: list[int]) -> None:
-        """Have `ranks` send `Stacks` messages (delivered before this returns, or never)."""
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """`ranks`' Python stacks now, from the user's code down, by rank (one that sent none in time is missing);
+        they are the caller's, never the record's."""
 
     def send(self, ranks: list[int], command: bytes) -> None:
         """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`)."""

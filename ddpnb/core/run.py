@@ -319,8 +319,6 @@ class Run:
             self._radar_due = True  # judged in `tick`, at most once a RADAR_INTERVAL however many ranks report
         elif isinstance(message, msg.Hardware):
             record.hardware.append(message)
-        elif isinstance(message, msg.Stacks):
-            record.stack, record.stalled_state = message.text, record.state
         elif isinstance(message, msg.Placed):
             self.placed(rank, message.pid, message.node_id)
             line = f"[ddpnb] on Ray node {message.node_id[:12]} ({message.node_ip}), pid {message.pid}\n"
@@ -429,7 +427,7 @@ class Run:
         self._judge_stragglers()
         while self._stack_requests:  # asked for by another thread: collected in the reader's thread
             ranks, taken, collected = self._stack_requests.pop(0)
-            taken.update(self._take_stacks(ranks))
+            taken.update(self.engine.collect_stacks(ranks))
             collected.set()
         if self._stop_requested and self._stop_reason is None:
             self._begin_stop(*self._stop_requested)
@@ -500,23 +498,13 @@ class Run:
         running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
         nccl = self.record.backend == "nccl" and self.record.engine is EngineKind.LOCAL
         asked = flight.request(self.spec.run_dir, running) if nccl else 0.0  # dumped while the stacks come
+        stacks = self.engine.collect_stacks(running)
         if keep:
-            self.engine.collect_stacks(running)
-            stacks = {rank: self.record.ranks[rank].stack for rank in running}
-        else:
-            stacks = self._take_stacks(running)
+            for rank, stack in stacks.items():
+                kept = self.record.ranks[rank]
+                kept.stack, kept.stalled_state = stack, kept.state
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if nccl else []
         return diagnose(self.record.ranks, stacks, self._active, self._returned, recorded)
-
-    def _take_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """`ranks`' stacks now, leaving the record's as they were (those are what a timeout found)."""
-        records = self.record.ranks
-        kept = {rank: (records[rank].stack, records[rank].stalled_state) for rank in ranks}
-        self.engine.collect_stacks(ranks)
-        taken = {rank: records[rank].stack for rank in ranks}
-        for rank, (stack, state) in kept.items():
-            records[rank].stack, records[rank].stalled_state = stack, state
-        return taken
 
     def _serve(self) -> None:
         """The reader thread: serve each attempt until the last one ends, then conclude the run."""

@@ -23,7 +23,6 @@ from typing import Any
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import RunEvents
-from ddpnb.core.messages import Stacks
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, LaunchError, Plan, Stream, WorkerSpec, local_gpu_count
 from ddpnb.core.stacks import user_stack_dump
@@ -286,20 +285,20 @@ class LocalEngine:
         self._signalled.setdefault(rank, set()).add(sig)
         _kill_group(self._procs[rank].pid, sig)
 
-    def collect_stacks(self, ranks: list[int]) -> None:
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """SIGUSR1 makes each rank's faulthandler write every thread's stack to its `rankN.stack` file."""
-        assert self._events is not None
         live = [rank for rank in ranks if self._procs[rank].exitcode is None]
+        stacks = {}
         for rank in live:
             _kill_group(self._procs[rank].pid, signal.SIGUSR1, group=False)
         time.sleep(STACK_WAIT)
         for rank in live:
             path = Path(self.spec.run_dir) / f"rank{rank}.stack"
             # the rank writes at its own offset: an earlier dump, truncated away, leaves zeros before this one
-            text = user_stack_dump(path.read_text(errors="replace").lstrip("\0")) if path.exists() else ""
-            self._events.message(rank, Stacks(rank=rank, text=text))
+            stacks[rank] = user_stack_dump(path.read_text(errors="replace").lstrip("\0")) if path.exists() else ""
             if path.exists():
                 os.truncate(path, 0)
+        return stacks
 
     def send(self, ranks: list[int], command: bytes) -> None:
         with self._send_lock:

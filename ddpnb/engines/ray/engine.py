@@ -98,7 +98,7 @@ class RayEngine:
         self._placement_groups: dict[str, Any] = {}
         self._returned: set[int] = set()
         self._failed: set[int] = set()
-        self._stacks: set[int] = set()
+        self._stacks: dict[int, str] = {}  # the stacks ranks sent, until `collect_stacks` hands them over
         self._ray_restarts = 0  # restarts Ray Train makes itself (FailureConfig); the run's others are ddpnb's
         self._restarted = 0  # ... of which it made so far
 
@@ -176,8 +176,9 @@ class RayEngine:
                 self._returned.add(message.rank)
             elif isinstance(message, msg.Failed):
                 self._failed.add(message.rank)
-            elif isinstance(message, msg.Stacks):
-                self._stacks.add(message.rank)
+            elif isinstance(message, msg.Stacks):  # the answer `collect_stacks` waits for, not the run's news
+                self._stacks[message.rank] = message.text
+                continue
             self._events.message(message.rank, message)
 
     def _new_attempt(self, mark: NewAttempt) -> None:
@@ -186,7 +187,7 @@ class RayEngine:
         assert self._events is not None
         self._settle_ranks(FitOutcome(rank_errors=mark.rank_errors))
         self._restarted = mark.restarts
-        self._returned, self._failed, self._stacks = set(), set(), set()
+        self._returned, self._failed, self._stacks = set(), set(), {}
         if not self._events.restarted():
             self._stopped = True
             self.escalate()
@@ -253,17 +254,19 @@ class RayEngine:
                 print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
                       "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
 
-    def collect_stacks(self, ranks: list[int]) -> None:
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         import ray
 
-        self._stacks.difference_update(ranks)  # a session asks again: wait for the new ones
+        for rank in ranks:  # an earlier request's late answers: wait for the new ones
+            self._stacks.pop(rank, None)
         self._actor.request.remote("stacks")
         deadline = time.monotonic() + STACK_WAIT
-        while time.monotonic() < deadline and not set(ranks) <= self._stacks:
+        while time.monotonic() < deadline and not set(ranks) <= self._stacks.keys():
             ready, _ = ray.wait([self._fit_ref], timeout=POLL)
             self._drain()
             if ready:
-                return
+                break
+        return {rank: self._stacks[rank] for rank in ranks if rank in self._stacks}
 
     def send(self, ranks: list[int], command: bytes) -> None:
         self._actor.send_cell.remote(ranks, command)
