@@ -75,8 +75,9 @@ class Engine(Protocol):
     def collect_stacks(self, ranks: list[int]) -> None:
         """Have `ranks` send `Stacks` messages (delivered before this returns, or never)."""
 
-    def send(self, ranks: list[int], command: bytes) -> None:
-        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`)."""
+    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
+        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`), with
+        the shipment its pickle refers to (`EngineType.shipment`)."""
 
     def interrupt(self, ranks: list[int]) -> None:
         """Sessions: raise KeyboardInterrupt in the command `ranks` are running (any thread)."""
