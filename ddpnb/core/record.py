@@ -339,7 +339,8 @@ def named(ranks: list[int]) -> str:
 
 @dataclass(frozen=True)
 class DataSent:
-    """What a launch sent the ranks through shared memory (`core.shared`) rather than in a pickle."""
+    """What a launch sent the ranks through shared memory (`core.shared`) or Ray's object store rather than in a
+    pickle."""
 
     written: int  # bytes written into memory files at this launch
     reused: int  # bytes earlier launches wrote that were unchanged, so not written again
@@ -369,7 +370,7 @@ class RunRecord:
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
-    data: DataSent | None = None  # notebook data sent through shared memory (local engine)
+    data: DataSent | None = None  # notebook data sent through shared memory (local) or the object store (ray)
     launch_note: str = ""  # how the request was read (a CPU fallback), said in every view's header
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
