@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ddpnb.core.shared import KEEP_LAUNCHES
 from tests.test_ray import CELL_TIMEOUT, RAY_TEST_TIMEOUT, needs_ray, ray_kernel, run_actors_left
 
 __all__ = ["ray_kernel"]  # the module's one kernel and Ray instance (a fixture)
@@ -86,12 +87,12 @@ for i in range(20):
     assert s.data.written == 16 << 20 and s.data.reused == 0, s.data
 print(s.pull("fresh")[0][0].item(), len(ray_data.store.held), ray_data.store.held_bytes())
 ''')[0]
-    assert held.split() == ["19.0", "4", str(4 * 16 * MB)]
+    assert held.split() == ["19.0", str(KEEP_LAUNCHES), str(KEEP_LAUNCHES * 16 * MB)]
     deadline = time.monotonic() + 60  # Ray frees an object once no reference to it is left, asynchronously
-    while (used := _plasma(ray_session)) and used[1] > 5 and time.monotonic() < deadline:
+    while (used := _plasma(ray_session)) and used[1] > KEEP_LAUNCHES + 1 and time.monotonic() < deadline:
         time.sleep(1)
-    # the 4 the kernel keeps, and at most the latest command's, which its ranks hold until the next one
-    assert used[1] <= 5 and used[0] <= 5 * 16 + 1, used
+    # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
+    assert used[1] <= KEEP_LAUNCHES + 1 and used[0] <= (KEEP_LAUNCHES + 1) * 16 + 1, used
     released = last_lines(ray_session, "del kept\ngc.collect()\nprint(len(ray_data.store.held))")[0]
     assert released == "0"
 
