@@ -65,6 +65,28 @@ for row in sent:
     assert run_actors_left([ray_kernel.pid]) == []
 
 
+def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
+    """(Before the session tests: their session holds the instance's CPUs.) Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
+    lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
+    died = ray_kernel.execute('''%%ddp --engine ray -n 2
+def dies(rank):
+    import signal
+    if rank == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+''', timeout=CELL_TIMEOUT)
+    assert died.error is not None and died.error["ename"] == "WorkerError", died.text
+    later = ray_kernel.execute("time.sleep(3)")  # a message that came after the cell ended lands in this one
+    shown = died.stdout + died.stderr + later.stdout + later.stderr
+    assert "\x1b[" not in shown
+    assert "(raylet)" not in shown, shown
+    ray_lines = [line for line in shown.splitlines() if "A worker died or was killed" in line]
+    assert ray_lines and all(line.startswith("[ray] raylet: A worker died") for line in ray_lines), shown
+    assert all(line in died.stderr + later.stderr for line in ray_lines)
+    assert not any("A worker died" in line for line in died.stdout.splitlines() if line.startswith("[rank"))
+
+
 def _plasma(kernel) -> tuple[float, int]:
     """The object store's use as Ray reports it (a private helper: this is a test), in MiB and objects."""
     line = last_lines(kernel, "from ray._private.internal_api import memory_summary\n"
@@ -144,24 +166,3 @@ print(list(s.call(rebuilt_on_this_rank)))
 ''')[0]
     assert shown == "[('Parameter', True, 'cpu', True), ('Parameter', True, 'cpu', True)]"
 
-
-def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
-    """Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
-    lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
-    died = ray_kernel.execute('''%%ddp --engine ray -n 2
-def dies(rank):
-    import signal
-    if rank == 1:
-        time.sleep(1)
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
-''', timeout=CELL_TIMEOUT)
-    assert died.error is not None and died.error["ename"] == "WorkerError", died.text
-    later = ray_kernel.execute("time.sleep(3)")  # a message that came after the cell ended lands in this one
-    shown = died.stdout + died.stderr + later.stdout + later.stderr
-    assert "\x1b[" not in shown
-    assert "(raylet)" not in shown, shown
-    ray_lines = [line for line in shown.splitlines() if "A worker died or was killed" in line]
-    assert ray_lines and all(line.startswith("[ray] raylet: A worker died") for line in ray_lines), shown
-    assert all(line in died.stderr + later.stderr for line in ray_lines)
-    assert not any("A worker died" in line for line in died.stdout.splitlines() if line.startswith("[rank"))
