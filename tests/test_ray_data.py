@@ -65,8 +65,9 @@ for row in sent:
     assert run_actors_left([ray_kernel.pid]) == []
 
 
+# before the session tests: their session holds the CPUs this run needs
 def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
-    """(Before the session tests: their session holds the instance's CPUs.) Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
+    """Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
     lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
     died = ray_kernel.execute('''%%ddp --engine ray -n 2
 def dies(rank):
