@@ -370,7 +370,7 @@ class RunRecord:
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
-    data: DataSent | None = None  # notebook data sent through shared memory (local) or the object store (ray)
+    data: DataSent | None = None  # notebook data sent through shared memory (local engine)
     launch_note: str = ""  # how the request was read (a CPU fallback), said in every view's header
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
