@@ -97,6 +97,31 @@ def ray_restart_failure(state: object) -> object | None:
     return state.training_failed_error if isinstance(state, RestartingState) else None
 
 
+def ray_route_raylet_lines(route: Callable[[list[str]], None]) -> None:
+    """Hand `route` the raylet's messages (a worker that died) that Ray's driver thread prints to this process's
+    stdout, coloured, as `(raylet) ...` (`listen_error_messages`, even with log_to_driver=False); whatever else Ray
+    prints is left alone. Once per process: later calls change the route."""
+    from ray._private import worker
+
+    global _raylet_route
+    _raylet_route = route
+    if getattr(worker.print_to_stdstream, "ddpnb_routed", False):
+        return
+    original = worker.print_to_stdstream
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet" and _raylet_route is not None:
+            _raylet_route(list(data.get("lines") or ()))
+        else:
+            original(data, ignore_prefix)
+
+    print_to_stdstream.ddpnb_routed = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = print_to_stdstream
+
+
+_raylet_route: Callable[[list[str]], None] | None = None
+
+
 def ray_report_logger() -> object:
     """The logger Ray Train v2 writes a line to at every `ray.train.report` of every worker ("Reporting training
     result ..."), named by its module's file, outside `ray.train`'s logger tree (its LoggingConfig misses it)."""

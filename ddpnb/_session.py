@@ -21,7 +21,6 @@ from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
 from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_name, cell_names
 from ddpnb.core.run import Run
-from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
 from ddpnb.rank.session import serve
@@ -99,7 +98,7 @@ class Session:
         self._fold = fold  # the same line from every rank shows once (`views.fold`)
         self._number = 0
         self._stall_said: object = None  # the run's stall whose lines were printed
-        self.data: DataSent | None = None  # what the latest command sent through shared memory (`push`)
+        self.data: DataSent | None = None  # what the latest command sent out of its pickle (`push`)
         self.state = SessionState.STOPPED
         self.run: Run | None = None
         self._start()
@@ -198,14 +197,14 @@ class Session:
         run = self.run
         selected = self._selected(ranks)
         command = msg.Command(self._next(), kind, **fields)
-        # big tensors and arrays go through shared memory, as a launch's do, where the ranks are on this machine
-        shipment = Shipment() if engines.engine_type(run.engine.kind).maps_data else None
+        # big tensors and arrays go as a launch's do: through shared memory (local), Ray's object store (ray)
+        shipment = engines.engine_type(run.engine.kind).shipment()
         body = dumps(command, shared=shipment)  # here, before anything is sent: what cannot travel is the caller's error
         # the rank maps the memory files, through /proc/<this pid>/fd, before it unpickles the command
         payload = dumps((os.getpid(), shipment.fds() if shipment else {}, body))
         seen = run.lines_since(0)[2]
         folder = Folder(len(selected), enabled=self._fold)  # a command's output, folded across its ranks
-        run.send(selected, payload)
+        run.send(selected, payload, shipment)
         answers: dict[int, msg.Reply] = {}
         began = time.monotonic()
         ending_at: float | None = None  # a rank failed or was interrupted: the others answer by then, or are stuck
@@ -243,7 +242,7 @@ class Session:
         finally:  # however the wait ended, every line read is shown, those still waiting to be folded too
             new, skipped, seen = run.lines_since(seen)
             self._show_output(run, new, skipped, folder, final=True)
-        if shipment is not None and shipment.used:  # every rank mapped it: the store keeps it for the next push
+        if shipment is not None and shipment.used:  # every rank has it: the store keeps it for the next push
             self.data = shipment.commit()
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
         if failed:

@@ -88,3 +88,11 @@ def test_ray_private_helpers_still_exist():
     error = WorkerGroupError("rank 1 died", {1: RuntimeError("died")})
     assert _compat.ray_restart_failure(RestartingState(training_failed_error=error)) is error
     assert call(_compat.ray_report_logger, "ray").name.endswith("context.py")
+    from ray._private import worker
+
+    # the raylet's messages still go through the module's print_to_stdstream, looked up at each call
+    assert "print_to_stdstream" in worker.listen_error_messages.__code__.co_names
+    routed: list[list[str]] = []
+    call(_compat.ray_route_raylet_lines, "ray", routed.append)
+    worker.print_to_stdstream({"lines": ["A worker died"], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert routed == [["A worker died"]]

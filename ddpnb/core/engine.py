@@ -76,8 +76,9 @@ class Engine(Protocol):
         """`ranks`' Python stacks now, from the user's code down, by rank (one that sent none in time is missing);
         they are the caller's, never the record's."""
 
-    def send(self, ranks: list[int], command: bytes) -> None:
-        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`)."""
+    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
+        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`), with
+        the shipment its pickle refers to (`EngineType.shipment`)."""
 
     def interrupt(self, ranks: list[int]) -> None:
         """Sessions: raise KeyboardInterrupt in the command `ranks` are running (any thread)."""

@@ -341,7 +341,8 @@ def named(ranks: list[int]) -> str:
 
 @dataclass(frozen=True)
 class DataSent:
-    """What a launch sent the ranks through shared memory (`core.shared`) rather than in a pickle."""
+    """What a launch sent the ranks through shared memory (`core.shared`) or Ray's object store rather than in a
+    pickle."""
 
     written: int  # bytes written into memory files at this launch
     reused: int  # bytes earlier launches wrote that were unchanged, so not written again

@@ -395,11 +395,12 @@ class Run:
         return not eager and not self._returned and self._stop_reason is None and self._stop_requested is None
 
     # --- sessions: commands to ranks that stay --------------------------------------------------------------------
-    def send(self, ranks: list[int], command: bytes) -> None:
-        """Deliver a session command to `ranks`; their `Reply` messages arrive in `replies`."""
+    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
+        """Deliver a session command to `ranks`; their `Reply` messages arrive in `replies`. `shared`: the
+        engine's shipment of the command's big tensors and arrays (`EngineType.shipment`)."""
         self._sent_at = time.monotonic()
         self._awaiting.update(ranks)
-        self.engine.send(ranks, command)
+        self.engine.send(ranks, command, shared)
 
     def interrupt(self, ranks: list[int]) -> None:
         self.engine.interrupt(ranks)

@@ -191,9 +191,7 @@ class Shipment:
         import torch
 
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
-            copy = tensor.detach().cpu()  # tensor), moved to each rank's own device there (`_from_cuda`)
-            copy = torch.nn.Parameter(copy, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) \
-                else copy.requires_grad_(tensor.requires_grad)
+            copy = cpu_copy(tensor)  # tensor), moved to each rank's own device there (`_from_cuda`)
             self.keepalive.append(copy)
             return _from_cuda, (copy,)
         if not _plain_tensor(tensor, torch):
@@ -269,6 +267,16 @@ def note(sent: DataSent) -> str:
     reused = f", {size_text(sent.reused)} reused from earlier launches" if sent.reused else ""
     return (f"wrote {size_text(sent.written)} of notebook data into shared memory for the ranks in "
             f"{sent.seconds:.2f} s{reused} (later launches reuse it while it is unchanged)")
+
+
+def cpu_copy(tensor: Any) -> Any:
+    """A notebook CUDA tensor's CPU copy, a `Parameter` still a `Parameter`, with its `requires_grad`."""
+    import torch
+
+    copy = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
 
 
 def _plain_tensor(tensor: Any, torch: Any) -> bool:

@@ -300,7 +300,7 @@ class LocalEngine:
                 os.truncate(path, 0)
         return stacks
 
-    def send(self, ranks: list[int], command: bytes) -> None:
+    def send(self, ranks: list[int], command: bytes, shared: Shipment | None = None) -> None:  # its fds: in `command`
         with self._send_lock:
             for rank in ranks:
                 try:

@@ -57,7 +57,9 @@ class RunActor:
         self._lock = threading.Condition()
         self._inbox: list[bytes | NewAttempt] = []
         self._commands: list[str] = []
-        self._cells: dict[int, collections.deque[bytes]] = collections.defaultdict(collections.deque)  # sessions
+        # sessions: each rank's commands, with their data's object references
+        self._cells: dict[int, collections.deque[tuple[bytes, dict[int, Any]]]] = \
+            collections.defaultdict(collections.deque)
         self._controller: Any = None  # Ray Train's controller, once it announced itself
         self._fit_started = False
         self._announcing = False  # Ray Train v2: the controller announces itself (`_AnnounceController`)
@@ -96,14 +98,15 @@ class RunActor:
             self._commands.append(command)
             self._lock.notify_all()
 
-    def send_cell(self, ranks: list[int], command: bytes) -> None:
-        """Sessions: a command for each of `ranks`, taken by the rank's `next_cell`."""
+    def send_cell(self, ranks: list[int], command: bytes, data: dict[int, Any] | None = None) -> None:
+        """Sessions: a command for each of `ranks`, taken by the rank's `next_cell`, with the object references of
+        its notebook data (`data.py`): nested in a dict, they travel as references, not fetched here."""
         with self._lock:
             for rank in ranks:
-                self._cells[rank].append(command)
+                self._cells[rank].append((command, data or {}))
             self._lock.notify_all()
 
-    def next_cell(self, rank: int, wait: float) -> bytes | None:
+    def next_cell(self, rank: int, wait: float) -> tuple[bytes, dict[int, Any]] | None:
         with self._lock:
             self._lock.wait_for(lambda: bool(self._cells[rank]), timeout=wait)
             return self._cells[rank].popleft() if self._cells[rank] else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 
 from ddpnb import _compat
 from ddpnb.core.run import live_runs
@@ -14,6 +16,7 @@ LOCAL_START_ATTEMPTS = 2  # Ray gives a raylet 30 s to start, which a busy machi
 
 _connection: str | None = None  # how ddpnb connected this kernel to Ray: LOCAL, an address, or None (not ddpnb)
 _local_resources: dict[str, int] = {}
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def connect(address: str | None, cpus: int, gpus: int) -> str:
@@ -29,6 +32,7 @@ def connect(address: str | None, cpus: int, gpus: int) -> str:
     global _connection
     import ray
 
+    _compat.ray_route_raylet_lines(_say_raylet_lines)
     wants_local = address == LOCAL  # `--address local`: the local instance, even where a cluster is running
     address = None if wants_local else address
     if ray.is_initialized():
@@ -54,6 +58,14 @@ def connect(address: str | None, cpus: int, gpus: int) -> str:
         raise LaunchError(f"cannot connect to the Ray cluster at {found}{where}: {type(exc).__name__}: {exc}") from None
     _connection = address or found
     return _describe("connected to Ray")
+
+
+def _say_raylet_lines(lines: list[str]) -> None:
+    """The raylet's messages (a worker died: a rank killed, or out of memory) arrive in whichever cell is running,
+    between the ranks' lines: without Ray's colour codes, on stderr, and labelled as Ray's, not a rank's."""
+    for line in lines:
+        sys.stderr.write(f"[ray] raylet: {ANSI.sub('', line)}\n")
+    sys.stderr.flush()
 
 
 def _is_current(address: str) -> bool:

@@ -1,46 +1,130 @@
 """Notebook data for Ray ranks through Ray's object store: put once by the kernel, fetched by every rank.
 
-Kernel side: a launch's `ObjectStoreShipment`, consulted by the pickler as `core.shared.Shipment` is on the local
-engine, keeps each big CPU tensor's storage and each big NumPy array out of the pickle and leaves a key there;
-the engine puts each one into the object store once (`ray.put`) and hands every rank the references. Rank side:
-`_rebuild_tensor` / `_rebuild_array` fetch the object (on the rank's node Ray keeps one copy in shared memory,
-which every rank there reads) and copy it into the rank's own memory, since the object store's copy is read-only:
-a rank that writes into its tensor changes neither the notebook's nor another rank's, as with a pickle.
+Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulted by the pickler as
+`core.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
+the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
+the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
+from, so that the next launch reuses what did not change instead of putting it again. Rank side: `_rebuild_tensor`
+/ `_rebuild_array` fetch the object (on the rank's node Ray keeps one copy in shared memory, which every rank there
+reads) and copy it into the rank's own memory, since the object store's copy is read-only: a rank that writes into
+its tensor changes neither the notebook's nor another rank's, as with a pickle.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from ddpnb.core import shared
 from ddpnb.core.record import DataSent
-from ddpnb.core.shared import MIN_BYTES
+from ddpnb.core.shared import CHUNK, KEEP_LAUNCHES, MIN_BYTES
 
 
 # --- kernel side ---------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Held:
+    """One tensor storage's or array's bytes in the object store, and the notebook object they were taken from."""
+
+    ref: Any  # its ObjectRef: holding it keeps the object in the store
+    nbytes: int
+    source: weakref.ref  # the notebook's storage or array: its death lets the object go
+    version: int | None  # a tensor's version counter when put; None for an array (compared instead)
+    launch: int = 0  # the latest launch that used it
+
+
+class RefStore:
+    """The object references the latest launches used, by the notebook object they came from; the kernel has
+    one. Unlike memory files, each object stands alone in Ray's store: one dropped reference frees one object."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Held] = {}
+        self.launches = 0  # launches committed so far
+        self.connection: tuple[str, ...] | None = None  # the Ray connection the references belong to
+        self.lock = threading.RLock()  # a source may die (and `forget`) in any thread
+
+    def connected(self, connection: tuple[str, ...]) -> None:
+        """References from an earlier connection (another cluster, or Ray restarted) name nothing now: drop them."""
+        with self.lock:
+            if connection != self.connection:
+                self.held, self.connection = {}, connection
+
+    def find(self, key: int, source: Any) -> Held | None:
+        with self.lock:
+            held = self.held.get(key)
+        return held if held is not None and held.source() is source else None
+
+    def forget(self, key: int, ref: weakref.ref) -> None:
+        with self.lock:
+            if (held := self.held.get(key)) is not None and held.source is ref:
+                del self.held[key]
+
+    def keep(self, used: Iterable[Held]) -> None:
+        """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `core.shared.Store` does),
+        while the notebook still holds each source; the rest is let go, so the object store does not grow run
+        after run."""
+        with self.lock:
+            self.launches += 1
+            held_now = dict(self.held)
+            for held in used:
+                held.launch = self.launches
+                if (source := held.source()) is not None:
+                    held_now[id(source)] = held
+            self.held = {key: held for key, held in held_now.items()
+                         if held.source() is not None and held.launch > self.launches - KEEP_LAUNCHES}
+
+    def held_bytes(self) -> int:
+        with self.lock:
+            return sum(held.nbytes for held in self.held.values())
+
+
+store = RefStore()
+
+
+@dataclass
+class _Pending:
+    """An object the pickler kept out of the pickle, not put yet."""
+
+    source: weakref.ref
+    version: int | None
+    data: Any  # the bytes to put: a flat uint8 array (a storage's, or an array's in its own order)
+
+
 class ObjectStoreShipment:
     """One launch's data for Ray: what the pickler kept out of the pickle, and its object references once put."""
 
-    def __init__(self) -> None:
-        self.objects: dict[int, Any] = {}  # key -> the bytes to put (a uint8 view of a storage, or an array)
-        self.refs: dict[int, Any] = {}  # key -> its ObjectRef, once put; held for the run's life
+    def __init__(self, target: RefStore | None = None) -> None:
+        self.store = target or store
+        self.pending: dict[int, _Pending] = {}  # key -> what to put
+        self.used: dict[int, Held] = {}  # key -> what this launch sent, put or reused
+        self.refs: dict[int, Any] = {}  # key -> its ObjectRef, once put; held for the run's life (a restart's)
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(source) -> (source, key), within this launch
-        self.written = 0
+        self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `put`
+        self.written = self.reused = 0
         self.seconds = 0.0
 
+    # the pickler's hooks: a reduction, or None to pickle the object as usual
     def reduce_tensor(self, tensor: Any) -> tuple[Any, ...] | None:
         import torch
 
-        if (tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
-                or tensor.layout is not torch.strided or tensor.grad_fn is not None or tensor.is_quantized
-                or tensor.is_conj() or tensor.is_neg() or tensor.__dict__):
+        if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
+            copy = shared.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`_from_cuda`)
+            self.keepalive.append(copy)
+            reduced = self._reduce_cpu(copy, torch)
+            return (_rebuild_from_cuda, reduced[1]) if reduced is not None else (shared._from_cuda, (copy,))
+        return self._reduce_cpu(tensor, torch)
+
+    def _reduce_cpu(self, tensor: Any, torch: Any) -> tuple[Any, ...] | None:
+        if not shared._plain_tensor(tensor, torch):
             return None
         storage = tensor.untyped_storage()
         if storage.nbytes() < MIN_BYTES:
             return None
-        key = self._key(storage, lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+        key = self._key(storage, tensor._version, lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
         return _rebuild_tensor, (key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()),
                                  tuple(tensor.stride()), tensor.requires_grad, type(tensor) is torch.nn.Parameter)
 
@@ -48,45 +132,106 @@ class ObjectStoreShipment:
         numpy = sys.modules["numpy"]
         if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
             return None
-        return _rebuild_array, (self._key(array, lambda: array),)
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        key = self._key(array, None, lambda: _flat_bytes(array, numpy))
+        return _rebuild_array, (key, array.dtype, array.shape, order)
 
-    def _key(self, source: Any, data: Any) -> int:
+    def _key(self, source: Any, version: int | None, data: Any) -> int:
         found = self._keys.get(id(source))
         if found is not None and found[0]() is source:  # twice in one launch (views of one storage)
             return found[1]
         key = len(self._keys)
         self._keys[id(source)] = (weakref.ref(source), key)
-        self.objects[key] = data()
+        self.pending[key] = _Pending(weakref.ref(source), version, data())
         return key
 
     def put(self) -> dict[int, Any]:
-        """Put what is not in the object store yet, once (a restart's new engine reuses the references)."""
-        import ray
-
+        """Put what the object store does not hold yet, once: what an earlier launch put for the same, unchanged
+        source is reused (a restart's new engine reuses this launch's references too)."""
         began = time.perf_counter()
-        for key, data in list(self.objects.items()):
+        self.store.connected(_connection())
+        for key, pending in list(self.pending.items()):
             if key not in self.refs:
-                self.refs[key] = ray.put(data)
-                self.written += data.nbytes
-            del self.objects[key]  # the object store has its copy; the notebook's object is not held
+                held = self._held(pending)
+                self.used[key] = held
+                self.refs[key] = held.ref
+            del self.pending[key]  # the object store has its copy; the notebook's object is not held
+        self.keepalive = []
         self.seconds += time.perf_counter() - began
         return dict(self.refs)
+
+    def _held(self, pending: _Pending) -> Held:
+        """What an earlier launch put for this very source, if it is unchanged; else the source, put now."""
+        import ray
+
+        source = pending.source()
+        if source is None:  # gone since it was pickled: put, not kept
+            held = None
+        else:
+            source_key = id(source)
+            held = self.store.find(source_key, source)
+        if held is not None and _unchanged(held, pending):
+            self.reused += held.nbytes
+            return held
+        ref = pending.source if source is None else \
+            weakref.ref(source, lambda ref, key=source_key, target=self.store: target.forget(key, ref))
+        self.written += pending.data.nbytes
+        return Held(ray.put(pending.data), pending.data.nbytes, ref, pending.version)
 
     def fds(self) -> dict[int, int]:
         return {}
 
     def commit(self) -> DataSent:
-        """What this launch put into the object store (the references stay, for a restart, until the run goes)."""
-        return DataSent(written=self.written, reused=0, blocks=len(self.refs), seconds=self.seconds)
+        """What this launch put into the object store and reused; the store now holds what it used, for the next
+        launch (this launch's references stay too, for a restart, until the run goes)."""
+        sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.refs), seconds=self.seconds)
+        self.store.keep(self.used.values())
+        self.used = {}
+        return sent
+
+
+def _flat_bytes(array: Any, numpy: Any) -> Any:
+    """An array's bytes as one flat uint8 array, in its own memory order (no copy where it is contiguous)."""
+    flat = array.ravel(order="K") if array.flags.forc else numpy.ascontiguousarray(array).ravel()
+    return flat.view(numpy.uint8)
+
+
+def _unchanged(held: Held, pending: _Pending) -> bool:
+    """A tensor: its version counter has not moved. An array has none: its bytes are compared with the object
+    store's copy, which `ray.get` maps in place on the kernel's node (a chunk at a time, no copy)."""
+    if held.version is not None or pending.version is not None:
+        return held.version == pending.version
+    import ray
+
+    stored = ray.get(held.ref)
+    if stored.nbytes != pending.data.nbytes:
+        return False
+    return all((stored[start:start + CHUNK] == pending.data[start:start + CHUNK]).all()
+               for start in range(0, stored.nbytes, CHUNK))
+
+
+def _connection() -> tuple[str, ...]:
+    """This kernel's Ray connection: a new node (Ray restarted, another cluster) or job (reconnected) is another."""
+    import ray
+
+    context = ray.get_runtime_context()
+    try:
+        return context.get_job_id(), context.get_node_id()
+    except Exception:  # noqa: BLE001 - a Ray Client connection has no node of its own: its job names it
+        return (context.get_job_id(),)
 
 
 # --- rank side -----------------------------------------------------------------------------------------------------
-_refs: dict[int, Any] = {}  # key -> ObjectRef, given by the run (`receive`)
+_refs: dict[int, Any] = {}  # key -> ObjectRef, given by the run or the session command (`receive`)
 _storages: dict[int, Any] = {}  # key -> the storage rebuilt from it in this rank: views share it
 
 
 def receive(refs: dict[int, Any]) -> None:
-    """The references of this run's data, before anything refers to them is unpickled."""
+    """The references of a launch's (or a session command's) data, before anything that refers to them is
+    unpickled. Each command's keys are its own: what an earlier one rebuilt is not reused (a push always brings
+    the notebook's values, not what this rank wrote into an earlier copy)."""
+    _refs.clear()
+    _storages.clear()
     _refs.update(refs)
 
 
@@ -114,5 +259,11 @@ def _rebuild_tensor(key: int, dtype: Any, storage_offset: int, size: tuple[int, 
     return tensor.requires_grad_(requires_grad)
 
 
-def _rebuild_array(key: int) -> Any:
-    return _fetch(key)
+def _rebuild_from_cuda(*args: Any) -> Any:
+    """A notebook CUDA tensor, put as a CPU copy: rebuilt on the CPU, then onto this rank's own device once it is
+    set up, as on the local engine (`core.shared._from_cuda`)."""
+    return shared._from_cuda(_rebuild_tensor(*args))
+
+
+def _rebuild_array(key: int, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
+    return _fetch(key).view(dtype).reshape(shape, order=order)

@@ -268,8 +268,10 @@ class RayEngine:
                 break
         return {rank: self._stacks[rank] for rank in ranks if rank in self._stacks}
 
-    def send(self, ranks: list[int], command: bytes) -> None:
-        self._actor.send_cell.remote(ranks, command)
+    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
+        # the command's big tensors and arrays: put once (or reused), their references travel with the command
+        data = shared.put() if isinstance(shared, ObjectStoreShipment) else {}
+        self._actor.send_cell.remote(ranks, command, data)
 
     def interrupt(self, ranks: list[int]) -> None:
         self._actor.request.remote("interrupt:" + ",".join(map(str, ranks)))

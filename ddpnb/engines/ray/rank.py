@@ -160,10 +160,12 @@ class _Link:
 
         while True:
             try:
-                command = ray.get(self.channel.next_cell.remote(self.rank, COMMAND_POLL))
+                cell = ray.get(self.channel.next_cell.remote(self.rank, COMMAND_POLL))
             except ray.exceptions.RayActorError:
                 return None
-            if command is not None:
+            if cell is not None:
+                command, refs = cell
+                data.receive(refs)  # before the command, whose big tensors and arrays refer to them, is unpickled
                 return command
 
     def _put(self, data: bytes) -> None:
