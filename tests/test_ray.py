@@ -569,7 +569,7 @@ def test_a_session_on_ray_keeps_state_across_cells_and_survives_an_error(ray_ker
         failed = ray_kernel.execute("%%ranks\nif rank == 1:\n    raise ValueError('bad on purpose')\n'fine'",
                                     timeout=CELL_TIMEOUT)
         assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
-        assert re.search(r"Cell In\[\d+\], line 2", "\n".join(failed.error["traceback"]))
+        assert re.search(r"Cell In\[\d+\], line 3", "\n".join(failed.error["traceback"]))
         pulled = ray_kernel.execute("s = ddpnb._session.current()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))",
                                     timeout=CELL_TIMEOUT)
         assert pulled.stdout.strip() == "[5, 5] [tensor([3.]), tensor([3.])]", pulled.text

@@ -348,6 +348,7 @@ class DataSent:
     reused: int  # bytes earlier launches wrote that were unchanged, so not written again
     blocks: int  # tensor storages and arrays sent this way
     seconds: float  # spent writing them (and comparing arrays with what was written before)
+    into: str = "shared memory"  # where they went, as the launch's note names it
 
 
 @dataclass

@@ -265,7 +265,7 @@ def note(sent: DataSent) -> str:
     if sent.written < NOTE_BYTES:
         return ""
     reused = f", {size_text(sent.reused)} reused from earlier launches" if sent.reused else ""
-    return (f"wrote {size_text(sent.written)} of notebook data into shared memory for the ranks in "
+    return (f"wrote {size_text(sent.written)} of notebook data into {sent.into} for the ranks in "
             f"{sent.seconds:.2f} s{reused} (later launches reuse it while it is unchanged)")
 
 

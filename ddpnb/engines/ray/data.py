@@ -184,7 +184,8 @@ class ObjectStoreShipment:
     def commit(self) -> DataSent:
         """What this launch put into the object store and reused; the store now holds what it used, for the next
         launch (this launch's references stay too, for a restart, until the run goes)."""
-        sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.refs), seconds=self.seconds)
+        sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.refs), seconds=self.seconds,
+                        into="Ray's object store")
         self.store.keep(self.used.values())
         self.used = {}
         return sent
