@@ -10,6 +10,9 @@ from __future__ import annotations
 import collections
 import gc
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import psutil
@@ -206,3 +209,30 @@ def test_fifty_launches_with_new_data_keep_kernel_memory_and_shared_memory_bound
     kept.clear()  # the notebook lets go of them all: so does ddpnb
     gc.collect()
     assert _kernel_memory_files() == {}
+
+
+def test_data_that_cannot_be_written_is_a_clear_error_that_starts_nothing_and_loses_nothing(tmp_path):
+    """A fresh Python whose files may not grow past 32 MiB (RLIMIT_FSIZE: the memory files hit it as they would a
+    full memory) launches over a 64 MiB tensor: a LaunchError saying what to do, no rank, no memory file kept, the
+    tensor as it was, and the next launch without it runs."""
+    script = tmp_path / "limited.py"
+    script.write_text(textwrap.dedent('''
+        import os, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 20, 32 << 20))
+        import torch, ddpnb
+        data = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+        try:
+            ddpnb.run(lambda: data.sum().item(), nprocs=2, view="none")
+        except ddpnb.LaunchError as exc:
+            print("ERROR:", exc)
+        held = [n for n in os.listdir("/proc/self/fd") if "ddpnb-data" in os.path.realpath(f"/proc/self/fd/{n}")]
+        print("HELD:", held, "INTACT:", data[-1].item() == (16 << 20) - 1)
+        print("NEXT:", ddpnb.run(lambda: 7, nprocs=2, view="none"))
+    '''))
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    error = next(line for line in done.stdout.splitlines() if line.startswith("ERROR:"))
+    assert "64.0 MiB" in error and "could not be written into shared memory" in error and "File too large" in error
+    assert "Nothing was started" in error and "del tensors you no longer need" in error
+    assert "HELD: [] INTACT: True" in done.stdout and "NEXT: 7" in done.stdout, done.stdout

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpnb.core.record import DataSent, size_text
+from ddpnb.core.spec import LaunchError
 
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own
@@ -65,16 +66,25 @@ class Segment:
             return
         files = min(WRITERS, -(-self.size // STRIPE))
         self.fds = tuple(os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC) for _ in range(files))
-        weakref.finalize(self, _close, self.fds)  # with the last block held in it
-        for fd, length in zip(self.fds, _file_sizes(self.size, files)):
-            os.ftruncate(fd, length)  # exactly the stripes it holds: a rank adds the sizes up to the segment's
+        closing = weakref.finalize(self, _close, self.fds)  # with the last block held in it
         work: list[list[tuple[int, memoryview]]] = [[] for _ in self.fds]
         for offset, data, _ in self._queued:
             for index, at, start, stop in _pieces(offset, len(data), files):
                 work[index].append((at, data[start:stop]))
-        with ThreadPoolExecutor(files, thread_name_prefix="ddpnb-data") as writers:
-            list(writers.map(_write, self.fds, work))  # raises the first writer's error, if any
-        self._queued = []
+        try:
+            for fd, length in zip(self.fds, _file_sizes(self.size, files)):
+                os.ftruncate(fd, length)  # exactly the stripes it holds: a rank adds the sizes up to the segment's
+            with ThreadPoolExecutor(files, thread_name_prefix="ddpnb-data") as writers:
+                list(writers.map(_write, self.fds, work))  # raises the first writer's error, if any
+        except OSError as exc:
+            closing()  # what was written goes at once
+            self.fds = ()
+            raise LaunchError(f"ddpnb: the notebook data the function uses ({size_text(self.size)}) could not be "
+                              f"written into shared memory for the ranks: {exc.strerror or exc}. Nothing was started "
+                              "and nothing in the notebook changed: free memory (del tensors you no longer need) or "
+                              "give the ranks less data (e.g. load it inside the function).") from exc
+        finally:
+            self._queued = []
 
     def same(self, offset: int, data: memoryview) -> bool:
         """Whether the bytes at `offset` are `data`, compared a chunk at a time (bytearray compares with memcmp)."""
