@@ -193,6 +193,9 @@ class Shipment:
         self.used: dict[int, Block] = {}
         self.segment: Segment | None = None
         self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `commit`
+        # the sources pickled, held until `fds`: `used` is by id, and one freed between two pickles of a launch
+        # (a temporary a reducer made) must not lend its id to another, which would drop its block from `used`
+        self._sources: list[Any] = []
         self.written = self.reused = 0
         self.seconds = 0.0
 
@@ -244,12 +247,14 @@ class Shipment:
             self.written += block.nbytes
         self.seconds += time.perf_counter() - began
         self.used[key] = block
+        self._sources.append(source)
         return block
 
     def fds(self) -> dict[int, tuple[int, ...]]:
         """Segment id -> its files, for every segment this launch's pickles refer to. The ranks map them next, so
         what the pickler placed in this launch's segment is written now."""
         self._write()
+        self._sources = []
         return {block.segment.id: block.segment.fds for block in self.used.values()}
 
     def _write(self) -> None:

@@ -12,6 +12,7 @@ its tensor changes neither the notebook's nor another rank's, as with a pickle.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -103,6 +104,8 @@ class ObjectStoreShipment:
         self.used: dict[int, Held] = {}  # key -> what this launch sent, put or reused
         self.refs: dict[int, Any] = {}  # key -> its ObjectRef, once put; held for the run's life (a restart's)
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(source) -> (source, key), within this launch
+        self._numbers = itertools.count()  # keys are never reused: an id freed and taken again gets a new key
+        self._sources: list[Any] = []  # the sources pickled, held until `put`, so their ids stay theirs
         self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `put`
         self.written = self.reused = 0
         self.seconds = 0.0
@@ -140,8 +143,9 @@ class ObjectStoreShipment:
         found = self._keys.get(id(source))
         if found is not None and found[0]() is source:  # twice in one launch (views of one storage)
             return found[1]
-        key = len(self._keys)
+        key = next(self._numbers)
         self._keys[id(source)] = (weakref.ref(source), key)
+        self._sources.append(source)
         self.pending[key] = _Pending(weakref.ref(source), version, data())
         return key
 
@@ -156,7 +160,7 @@ class ObjectStoreShipment:
                 self.used[key] = held
                 self.refs[key] = held.ref
             del self.pending[key]  # the object store has its copy; the notebook's object is not held
-        self.keepalive = []
+        self.keepalive, self._sources = [], []
         self.seconds += time.perf_counter() - began
         return dict(self.refs)
 
