@@ -6,9 +6,13 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
+import torch
 
+import ddpnb
 from ddpnb.core import shared
 from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
+from tests.conftest import private_runs_dir
 
 MIB = 1 << 20
 
@@ -56,3 +60,24 @@ def test_object_store_keys_stay_distinct_when_a_freed_id_is_taken_again():
     assert len(set(keys)) == len(keys)
     for key, array in zip(keys[1:], arrays):
         assert np.array_equal(shipment.pending[key].data.view(np.float64).reshape(array.shape), array)
+
+
+@pytest.fixture
+def runs_dir(tmp_path_factory):
+    with private_runs_dir(tmp_path_factory) as path:
+        yield path
+
+
+def test_a_restart_gives_the_ranks_the_segment_of_the_functions_closure_data_again(runs_dir, tmp_path):
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB in the closure: in the function's pickle, by segment
+    marker = tmp_path / "failed-once"
+
+    def train(rank, world_size):
+        if not marker.exists():
+            if rank == 0:
+                marker.touch()
+            raise RuntimeError("the first attempt fails")
+        return float(big.sum())
+
+    result = ddpnb.run(train, nprocs=2, max_restarts=1, view="none")
+    assert result == float(big.sum())

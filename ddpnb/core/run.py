@@ -647,6 +647,7 @@ class Run:
         for fd in self._held:
             os.close(fd)
         self._held = []
+        self.shared = None  # no restart comes now: the notebook data the ranks were given may go
         _live_runs.discard(self)
 
     def _outcome(self) -> tuple[Outcome, str]:

@@ -196,6 +196,9 @@ class Shipment:
         # the sources pickled, held until `fds`: `used` is by id, and one freed between two pickles of a launch
         # (a temporary a reducer made) must not lend its id to another, which would drop its block from `used`
         self._sources: list[Any] = []
+        # every segment handed to the ranks, kept past `commit`: a restart re-pickles the args but not the function,
+        # whose pickle still names the segments its closure's data lies in (the run drops its shipment at its end)
+        self.sent: dict[int, Segment] = {}
         self.written = self.reused = 0
         self.seconds = 0.0
 
@@ -255,7 +258,8 @@ class Shipment:
         what the pickler placed in this launch's segment is written now."""
         self._write()
         self._sources = []
-        return {block.segment.id: block.segment.fds for block in self.used.values()}
+        self.sent.update({block.segment.id: block.segment for block in self.used.values()})
+        return {segment_id: segment.fds for segment_id, segment in self.sent.items()}
 
     def _write(self) -> None:
         if self.segment is not None and self.segment.size:
