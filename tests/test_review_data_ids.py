@@ -4,6 +4,7 @@ or a source the notebook let go before a restart re-pickles) must not make two o
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -81,3 +82,24 @@ def test_a_restart_gives_the_ranks_the_segment_of_the_functions_closure_data_aga
 
     result = ddpnb.run(train, nprocs=2, max_restarts=1, view="none")
     assert result == float(big.sum())
+
+
+def test_a_pickle_after_the_ranks_were_given_the_files_never_rewrites_what_they_map():
+    """A restart pickles the args again with the launch's shipment: a new source then must not rewrite the segment
+    earlier blocks lie in (new files holding only the new bytes, zeros where the earlier ones were)."""
+    shipment = shared.Shipment(shared.Store())
+    first, second = torch.full((MIB,), 3.0), torch.full((MIB,), 5.0)
+    shipment.reduce_tensor(first)
+    shipment.fds()  # the first attempt's ranks
+    shipment.reduce_tensor(first)  # the restart's pickle: the same block ...
+    shipment.reduce_tensor(second)  # ... and a new source (a CUDA tensor's fresh CPU copy, say)
+    files = shipment.fds()
+    for tensor in (first, second):
+        block = shipment.used[id(tensor.untyped_storage())]
+        copies = tuple(os.dup(fd) for fd in files[block.segment.id])
+        mapped = shared._map_stripes(copies)
+        for fd in copies:
+            os.close(fd)
+        assert mapped[block.offset:block.offset + block.nbytes] == tensor.numpy().tobytes()
+        mapped.close()
+    shipment.commit()

@@ -266,6 +266,7 @@ class Shipment:
             began = time.perf_counter()
             self.segment.write()
             self.seconds += time.perf_counter() - began
+        self.segment = None  # written once: what a later pickle (a restart's) places goes into a segment of its own
 
     def commit(self) -> DataSent:
         """Every rank has its fds (they are duplicated into a rank as it starts): the store now holds what this
