@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -51,13 +51,16 @@ class Segment:
         self.id = next(Segment._ids)
         self.fds: tuple[int, ...] = ()  # made by `write`, once the size is known
         self.size = 0
-        self._queued: list[tuple[int, memoryview, Any]] = []  # (offset, bytes, what keeps them alive) until `write`
+        # (offset, length, the bytes or what makes them, what keeps them alive) until `write`
+        self._queued: list[tuple[int, int, memoryview | Callable[[], memoryview], Any]] = []
 
-    def append(self, data: memoryview, owner: Any) -> int:
-        """Place `data` at the next page, to be written by `write` (`owner` keeps its memory alive till then)."""
+    def append(self, nbytes: int, data: memoryview | Callable[[], memoryview], owner: Any) -> int:
+        """Place `nbytes` at the next page, to be written by `write`: `data`, the bytes in place, or a function that
+        makes them (a copy, such as a strided array's: made only then, one at a time, so that no two are held at
+        once); `owner` keeps their memory alive till then."""
         offset = -(-self.size // ALIGN) * ALIGN
-        self._queued.append((offset, data, owner))
-        self.size = offset + len(data)
+        self._queued.append((offset, nbytes, data, owner))
+        self.size = offset + nbytes
         return offset
 
     def write(self) -> None:
@@ -65,17 +68,19 @@ class Segment:
         if not self._queued:
             return
         files = min(WRITERS, -(-self.size // STRIPE))
-        self.fds = tuple(os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC) for _ in range(files))
-        closing = weakref.finalize(self, _close, self.fds)  # with the last block held in it
-        work: list[list[tuple[int, memoryview]]] = [[] for _ in self.fds]
-        for offset, data, _ in self._queued:
-            for index, at, start, stop in _pieces(offset, len(data), files):
-                work[index].append((at, data[start:stop]))
+        fds: list[int] = []
+        closing = weakref.finalize(self, _close, fds)  # with the last block held in it
+        in_place = [(offset, data) for offset, _, data, _ in self._queued if isinstance(data, memoryview)]
+        copies = [(offset, data) for offset, _, data, _ in self._queued if not isinstance(data, memoryview)]
         try:
-            for fd, length in zip(self.fds, _file_sizes(self.size, files)):
+            fds.extend(os.memfd_create(f"ddpnb-data-{self.id}", os.MFD_CLOEXEC) for _ in range(files))
+            self.fds = tuple(fds)
+            for fd, length in zip(fds, _file_sizes(self.size, files)):
                 os.ftruncate(fd, length)  # exactly the stripes it holds: a rank adds the sizes up to the segment's
             with ThreadPoolExecutor(files, thread_name_prefix="ddpnb-data") as writers:
-                list(writers.map(_write, self.fds, work))  # raises the first writer's error, if any
+                self._write_blocks(writers, in_place)
+                for offset, make in copies:
+                    self._write_blocks(writers, [(offset, make())])  # each copy goes once written
         except OSError as exc:
             closing()  # what was written goes at once
             self.fds = ()
@@ -85,6 +90,13 @@ class Segment:
                               "give the ranks less data (e.g. load it inside the function).") from exc
         finally:
             self._queued = []
+
+    def _write_blocks(self, writers: ThreadPoolExecutor, blocks: list[tuple[int, memoryview]]) -> None:
+        work: list[list[tuple[int, memoryview]]] = [[] for _ in self.fds]
+        for offset, data in blocks:
+            for index, at, start, stop in _pieces(offset, len(data), len(self.fds)):
+                work[index].append((at, data[start:stop]))
+        list(writers.map(_write, self.fds, work))  # raises the first writer's error, if any
 
     def same(self, offset: int, data: memoryview) -> bool:
         """Whether the bytes at `offset` are `data`, compared a chunk at a time (bytearray compares with memcmp)."""
@@ -122,7 +134,7 @@ def _write(fd: int, pieces: list[tuple[int, memoryview]]) -> None:
             written += os.pwrite(fd, data[written:], at + written)
 
 
-def _close(fds: tuple[int, ...]) -> None:
+def _close(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
 
@@ -216,7 +228,7 @@ class Shipment:
         nbytes = storage.nbytes()
         if nbytes < MIN_BYTES:
             return None
-        block = self._block(storage, tensor._version, lambda: _storage_bytes(storage, nbytes))
+        block = self._block(storage, tensor._version, nbytes, lambda: _storage_bytes(storage, nbytes))
         return _rebuild_tensor, (block.segment.id, block.offset, nbytes, tensor.dtype, tensor.storage_offset(),
                                  tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad,
                                  type(tensor) is torch.nn.Parameter)
@@ -226,11 +238,14 @@ class Shipment:
         if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
             return None
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-        flat = array.ravel(order="K") if array.flags.forc else numpy.ascontiguousarray(array).ravel()
-        block = self._block(array, None, lambda: memoryview(flat.view(numpy.uint8)))
+        block = self._block(array, None, array.nbytes, lambda: memoryview(_flat(array, numpy).view(numpy.uint8)),
+                            in_place=array.flags.forc)
         return _rebuild_array, (block.segment.id, block.offset, array.nbytes, array.dtype, array.shape, order)
 
-    def _block(self, source: Any, version: int | None, data: Any) -> Block:
+    def _block(self, source: Any, version: int | None, nbytes: int, data: Callable[[], memoryview],
+               in_place: bool = True) -> Block:
+        """The block `source` (its bytes: `data()`, a view of them in place or, not `in_place`, a copy) lies in for
+        this launch: one an earlier launch wrote, if unchanged, or one placed in this launch's segment now."""
         key = id(source)
         block = self.used.get(key)
         if block is not None and block.source() is source:  # twice in one launch (views of one storage)
@@ -243,10 +258,9 @@ class Shipment:
         else:
             if self.segment is None:
                 self.segment = Segment()
-            view = data()
-            offset = self.segment.append(view, source)
+            offset = self.segment.append(nbytes, data() if in_place else data, source)
             ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))
-            block = Block(self.segment, offset, len(view), ref, version)
+            block = Block(self.segment, offset, nbytes, ref, version)
             self.written += block.nbytes
         self.seconds += time.perf_counter() - began
         self.used[key] = block
@@ -297,6 +311,11 @@ def cpu_copy(tensor: Any) -> Any:
     if isinstance(tensor, torch.nn.Parameter):
         return torch.nn.Parameter(copy, tensor.requires_grad)
     return copy.requires_grad_(tensor.requires_grad)
+
+
+def _flat(array: Any, numpy: Any) -> Any:
+    """An array's elements in one flat run, in its own memory order: a view where it is contiguous, else a copy."""
+    return array.ravel(order="K") if array.flags.forc else numpy.ascontiguousarray(array).ravel()
 
 
 def _plain_tensor(tensor: Any, torch: Any) -> bool:

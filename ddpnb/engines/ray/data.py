@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +92,7 @@ class _Pending:
 
     source: weakref.ref
     version: int | None
-    data: Any  # the bytes to put: a flat uint8 array (a storage's, or an array's in its own order)
+    data: Callable[[], Any]  # makes the bytes to put, a flat uint8 array: only when put, so no two copies are held
 
 
 class ObjectStoreShipment:
@@ -136,7 +136,7 @@ class ObjectStoreShipment:
         if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
             return None
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-        key = self._key(array, None, lambda: _flat_bytes(array, numpy))
+        key = self._key(array, None, lambda: shared._flat(array, numpy).view(numpy.uint8))
         return _rebuild_array, (key, array.dtype, array.shape, order)
 
     def _key(self, source: Any, version: int | None, data: Any) -> int:
@@ -146,7 +146,7 @@ class ObjectStoreShipment:
         key = next(self._numbers)
         self._keys[id(source)] = (weakref.ref(source), key)
         self._sources.append(source)
-        self.pending[key] = _Pending(weakref.ref(source), version, data())
+        self.pending[key] = _Pending(weakref.ref(source), version, data)
         return key
 
     def put(self) -> dict[int, Any]:
@@ -174,13 +174,14 @@ class ObjectStoreShipment:
         else:
             source_key = id(source)
             held = self.store.find(source_key, source)
-        if held is not None and _unchanged(held, pending):
+        data = pending.data()
+        if held is not None and _unchanged(held, pending.version, data):
             self.reused += held.nbytes
             return held
         ref = pending.source if source is None else \
             weakref.ref(source, lambda ref, key=source_key, target=self.store: target.forget(key, ref))
-        self.written += pending.data.nbytes
-        return Held(ray.put(pending.data), pending.data.nbytes, ref, pending.version)
+        self.written += data.nbytes
+        return Held(ray.put(data), data.nbytes, ref, pending.version)
 
     def fds(self) -> dict[int, int]:
         return {}
@@ -195,23 +196,17 @@ class ObjectStoreShipment:
         return sent
 
 
-def _flat_bytes(array: Any, numpy: Any) -> Any:
-    """An array's bytes as one flat uint8 array, in its own memory order (no copy where it is contiguous)."""
-    flat = array.ravel(order="K") if array.flags.forc else numpy.ascontiguousarray(array).ravel()
-    return flat.view(numpy.uint8)
-
-
-def _unchanged(held: Held, pending: _Pending) -> bool:
+def _unchanged(held: Held, version: int | None, data: Any) -> bool:
     """A tensor: its version counter has not moved. An array has none: its bytes are compared with the object
     store's copy, which `ray.get` maps in place on the kernel's node (a chunk at a time, no copy)."""
-    if held.version is not None or pending.version is not None:
-        return held.version == pending.version
+    if held.version is not None or version is not None:
+        return held.version == version
     import ray
 
     stored = ray.get(held.ref)
-    if stored.nbytes != pending.data.nbytes:
+    if stored.nbytes != data.nbytes:
         return False
-    return all((stored[start:start + CHUNK] == pending.data[start:start + CHUNK]).all()
+    return all((stored[start:start + CHUNK] == data[start:start + CHUNK]).all()
                for start in range(0, stored.nbytes, CHUNK))
 
 

@@ -60,7 +60,7 @@ def test_object_store_keys_stay_distinct_when_a_freed_id_is_taken_again():
     keys += [shipment.reduce_array(array)[1][0] for array in arrays]
     assert len(set(keys)) == len(keys)
     for key, array in zip(keys[1:], arrays):
-        assert np.array_equal(shipment.pending[key].data.view(np.float64).reshape(array.shape), array)
+        assert np.array_equal(shipment.pending[key].data().view(np.float64).reshape(array.shape), array)
 
 
 @pytest.fixture
