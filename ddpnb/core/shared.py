@@ -343,9 +343,11 @@ _pending: list[Any] = []  # tensors from notebook CUDA tensors, waiting for the 
 def attach(fds: dict[int, tuple[int, ...]]) -> None:
     """Map every segment this rank was given, copy-on-write, and close its fds (the mapping keeps the files)."""
     for segment_id, files in fds.items():
-        _maps[segment_id] = _map_stripes(files)
-        for fd in files:
-            os.close(fd)
+        try:
+            _maps[segment_id] = _map_stripes(files)
+        finally:  # mapped or not, the fds are done with
+            for fd in files:
+                os.close(fd)
 
 
 def _map_stripes(files: tuple[int, ...]) -> mmap.mmap:
