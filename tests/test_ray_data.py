@@ -108,7 +108,7 @@ for i in range(20):
     kept.append(torch.full((4 << 20,), float(i)))  # 16 MB, new every time
     s.push(fresh=kept[-1])
     assert s.data.written == 16 << 20 and s.data.reused == 0, s.data
-print(s.pull("fresh")[0][0].item(), len(ray_data.store.held), ray_data.store.held_bytes())
+print(s.pull("fresh")[0][0].item(), len(ray_data.store.entries), ray_data.store.held_bytes())
 ''')[0]
     assert held.split() == ["19.0", str(KEEP_LAUNCHES), str(KEEP_LAUNCHES * 16 * MB)]
     deadline = time.monotonic() + 60  # Ray frees an object once no reference to it is left, asynchronously
@@ -116,7 +116,7 @@ print(s.pull("fresh")[0][0].item(), len(ray_data.store.held), ray_data.store.hel
         time.sleep(1)
     # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
     assert used[1] <= KEEP_LAUNCHES + 1 and used[0] <= (KEEP_LAUNCHES + 1) * 16 + 1, used
-    released = last_lines(ray_session, "del kept\ngc.collect()\nprint(len(ray_data.store.held))")[0]
+    released = last_lines(ray_session, "del kept\ngc.collect()\nprint(len(ray_data.store.entries))")[0]
     assert released == "0"
 
 

@@ -373,7 +373,7 @@ class RunRecord:
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)
-    data: DataSent | None = None  # notebook data sent through shared memory (local engine)
+    data: DataSent | None = None  # notebook data sent out of the pickle (shared memory, Ray's object store)
     # how the launch went, said in every view's header: a CPU fallback, the checkpoint it resumes, the data it wrote
     launch_note: str = ""
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from ddpnb.core.record import DataSent, size_text
 from ddpnb.core.spec import LaunchError
@@ -35,6 +35,13 @@ CHUNK = 16 << 20  # bytes compared at a time when checking whether an array chan
 STRIPE = 64 << 20  # a segment's bytes alternate over its files in runs this long (`Segment`)
 WRITERS = max(1, min(8, len(os.sched_getaffinity(0))))  # a segment's files, at most: one writer thread each
 NOTE_BYTES = 100 * 2**20  # a launch that writes this much says so in its header
+
+
+class _FromSource(Protocol):
+    source: weakref.ref
+
+
+Entry = TypeVar("Entry", bound=_FromSource)
 
 
 # --- kernel side ---------------------------------------------------------------------------------------------------
@@ -151,23 +158,29 @@ class Block:
     launch: int = 0  # the latest launch that used it
 
 
-class Store:
-    """What the latest launches sent, by the notebook object it came from; the kernel has one."""
+class BySource(Generic[Entry]):
+    """Entries by the id of the notebook object each was taken from (its `source`, a weakref): one is found only
+    for that very object, and goes when the object dies. What a launch sent, kept for the next: `Store` here, the
+    Ray engine's `RefStore`."""
 
     def __init__(self) -> None:
-        self.blocks: dict[int, Block] = {}
+        self.entries: dict[int, Entry] = {}
         self.launches = 0  # launches committed so far
-        self.lock = threading.RLock()  # a storage may die (and `_forget`) in any thread
+        self.lock = threading.RLock()  # a source may die (and `forget`) in any thread
 
-    def find(self, key: int, source: Any) -> Block | None:
+    def find(self, key: int, source: Any) -> Entry | None:
         with self.lock:
-            block = self.blocks.get(key)
-        return block if block is not None and block.source() is source else None
+            entry = self.entries.get(key)
+        return entry if entry is not None and entry.source() is source else None
 
     def forget(self, key: int, ref: weakref.ref) -> None:
         with self.lock:
-            if (block := self.blocks.get(key)) is not None and block.source is ref:
-                del self.blocks[key]
+            if (entry := self.entries.get(key)) is not None and entry.source is ref:
+                del self.entries[key]
+
+
+class Store(BySource[Block]):
+    """What the latest launches sent, by the notebook object it came from; the kernel has one."""
 
     def keep(self, used: dict[int, Block]) -> None:
         """Hold what a launch used, next to what the KEEP_LAUNCHES before it used (a quick evaluation launch
@@ -178,20 +191,20 @@ class Store:
             self.launches += 1
             for block in used.values():
                 block.launch = self.launches
-            blocks = {**self.blocks, **used}
+            blocks = {**self.entries, **used}
             live = {key: block for key, block in blocks.items()
                     if block.source() is not None and block.launch > self.launches - KEEP_LAUNCHES}
             held: dict[Segment, int] = {}
             for block in live.values():
                 held[block.segment] = held.get(block.segment, 0) + block.nbytes
             newest = sorted(held, key=lambda segment: segment.id)[-MAX_SEGMENTS:]
-            self.blocks = {key: block for key, block in live.items()
+            self.entries = {key: block for key, block in live.items()
                            if block.segment in newest and 2 * held[block.segment] >= block.segment.size}
 
     def held_bytes(self) -> int:
         """The memory the store keeps for reuse: every segment it still holds a block in."""
         with self.lock:
-            return sum(segment.size for segment in {block.segment for block in self.blocks.values()})
+            return sum(segment.size for segment in {block.segment for block in self.entries.values()})
 
 
 store = Store()
@@ -204,7 +217,6 @@ class Shipment:
         self.store = target or store
         self.used: dict[int, Block] = {}
         self.segment: Segment | None = None
-        self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `commit`
         # the sources pickled, held until `fds`: `used` is by id, and one freed between two pickles of a launch
         # (a temporary a reducer made) must not lend its id to another, which would drop its block from `used`
         self._sources: list[Any] = []
@@ -220,7 +232,6 @@ class Shipment:
 
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
             copy = cpu_copy(tensor)  # tensor), moved to each rank's own device there (`_from_cuda`)
-            self.keepalive.append(copy)
             return _from_cuda, (copy,)
         if not _plain_tensor(tensor, torch):
             return None
@@ -288,7 +299,7 @@ class Shipment:
         self._write()  # written already by `fds`; a segment is never kept unwritten
         sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.used), seconds=self.seconds)
         self.store.keep(self.used)
-        self.used, self.segment, self.keepalive = {}, None, []
+        self.used, self.segment = {}, None
         self.written = self.reused = 0
         self.seconds = 0.0
         return sent

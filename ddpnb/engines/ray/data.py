@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -38,31 +37,19 @@ class Held:
     launch: int = 0  # the latest launch that used it
 
 
-class RefStore:
+class RefStore(shared.BySource[Held]):
     """The object references the latest launches used, by the notebook object they came from; the kernel has
     one. Unlike memory files, each object stands alone in Ray's store: one dropped reference frees one object."""
 
     def __init__(self) -> None:
-        self.held: dict[int, Held] = {}
-        self.launches = 0  # launches committed so far
+        super().__init__()
         self.connection: tuple[str, ...] | None = None  # the Ray connection the references belong to
-        self.lock = threading.RLock()  # a source may die (and `forget`) in any thread
 
     def connected(self, connection: tuple[str, ...]) -> None:
         """References from an earlier connection (another cluster, or Ray restarted) name nothing now: drop them."""
         with self.lock:
             if connection != self.connection:
-                self.held, self.connection = {}, connection
-
-    def find(self, key: int, source: Any) -> Held | None:
-        with self.lock:
-            held = self.held.get(key)
-        return held if held is not None and held.source() is source else None
-
-    def forget(self, key: int, ref: weakref.ref) -> None:
-        with self.lock:
-            if (held := self.held.get(key)) is not None and held.source is ref:
-                del self.held[key]
+                self.entries, self.connection = {}, connection
 
     def keep(self, used: Iterable[Held]) -> None:
         """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `core.shared.Store` does),
@@ -70,17 +57,17 @@ class RefStore:
         after run."""
         with self.lock:
             self.launches += 1
-            held_now = dict(self.held)
+            held_now = dict(self.entries)
             for held in used:
                 held.launch = self.launches
                 if (source := held.source()) is not None:
                     held_now[id(source)] = held
-            self.held = {key: held for key, held in held_now.items()
+            self.entries = {key: held for key, held in held_now.items()
                          if held.source() is not None and held.launch > self.launches - KEEP_LAUNCHES}
 
     def held_bytes(self) -> int:
         with self.lock:
-            return sum(held.nbytes for held in self.held.values())
+            return sum(held.nbytes for held in self.entries.values())
 
 
 store = RefStore()
@@ -106,7 +93,6 @@ class ObjectStoreShipment:
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(source) -> (source, key), within this launch
         self._numbers = itertools.count()  # keys are never reused: an id freed and taken again gets a new key
         self._sources: list[Any] = []  # the sources pickled, held until `put`, so their ids stay theirs
-        self.keepalive: list[Any] = []  # CPU copies of CUDA tensors, so their ids stay theirs until `put`
         self.written = self.reused = 0
         self.seconds = 0.0
 
@@ -116,7 +102,6 @@ class ObjectStoreShipment:
 
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
             copy = shared.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`_from_cuda`)
-            self.keepalive.append(copy)
             reduced = self._reduce_cpu(copy, torch)
             return (_rebuild_from_cuda, reduced[1]) if reduced is not None else (shared._from_cuda, (copy,))
         return self._reduce_cpu(tensor, torch)
@@ -160,7 +145,7 @@ class ObjectStoreShipment:
                 self.used[key] = held
                 self.refs[key] = held.ref
             del self.pending[key]  # the object store has its copy; the notebook's object is not held
-        self.keepalive, self._sources = [], []
+        self._sources = []
         self.seconds += time.perf_counter() - began
         return dict(self.refs)
 
