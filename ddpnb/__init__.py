@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpnb._api import LaunchError, attempt, device, last_run, launch, log, preload, run, runs, spawn
+from ddpnb._api import LaunchError, LaunchOptions, attempt, device, last_run, launch, log, run, runs, spawn
 from ddpnb._session import PerRank, Session, SessionBroken, SessionError, current_session, session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
 from ddpnb.engines.local.forkserver import PreloadError
+from ddpnb.engines.local.preload import preload
 from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
-    "LaunchError", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
+    "LaunchError", "LaunchOptions", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
     "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "attempt", "current_session", "device",
     "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "run", "runs", "save_checkpoint",
     "session", "spawn",
@@ -41,10 +42,10 @@ def load_ipython_extension(ipython: Any) -> None:
 
     check_platform()  # before anything Linux-only starts (the forkserver's warm-up)
     from ddpnb._magic import DDPMagics, SessionMagics
-    from ddpnb.core.run import stop_all_runs
+    from ddpnb.core.live import stop_all
     from ddpnb.engines.local import forkserver
 
     ipython.register_magics(DDPMagics, SessionMagics)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
-    atexit.register(stop_all_runs)
+    atexit.register(stop_all)
     forkserver.warm_up_in_background()

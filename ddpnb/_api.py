@@ -1,129 +1,48 @@
-"""`run`, `launch` and `spawn`: check the caller's arguments, plan the run with its engine, start a `Run` and its
-view. The public functions in `ddpnb` are these."""
+"""`run`, `launch` and `spawn`: check the caller's options once (`_options`), start a `Run` on the engine they name,
+and its view. The public functions in `ddpnb` are these."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import os
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpnb import engines
-from ddpnb.core import checkpoints, flight, pickling, rundir, shared
+from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
+from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
+from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord, cell_names_of
-from ddpnb.core.run import Run, live_runs
+from ddpnb.core.run import Run, RunSetup
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,
     CallStyle,
-    EngineKind,
     LaunchError,
-    Plan,
     ViewKind,
     WorkerSpec,
     check_platform,
     local_gpu_count,
-    stall_seconds,
 )
-from ddpnb.engines.local import forkserver
-from ddpnb.engines.local.forkserver import PreloadError
 from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 
-__all__ = ["DEFAULT_CPU_RANKS", "LaunchError", "attempt", "check_options", "check_restarts", "device", "last_run",
-           "launch", "log", "plan", "preload", "run", "runs", "spawn", "stall_seconds", "start"]
+__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "LaunchError", "LaunchOptions", "attempt", "device", "last_run",
+           "launch", "log", "run", "runs", "spawn", "start"]
 
-VIEW_VAR = "DDPNB_VIEW"
-MAX_LINES_VAR = "DDPNB_MAX_LINES"
-DEFAULT_MAX_LINES = 1000  # lines of output the text view shows; every line is in the logs
-
-DEFAULT_KEEP = 3  # complete checkpoints a run keeps
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
 
-def plan(gpus: int | str | None, nprocs: int | None, backend: str | None,
-         engine: str | EngineKind = EngineKind.LOCAL) -> Plan:
-    """The world size, devices and backend for the flags given, counted by the engine; raises LaunchError for
-    impossible ones. `%%ddp` calls it, with `check_options`, before the cell runs."""
-    from ddpnb.core import spec
-
-    engine_type = engines.engine_type(engines.kind_of(engine))  # raises if the engine cannot be used here
-    available = None if gpus is None else engine_type.gpus_available()
-    return spec.plan(gpus, nprocs, backend, available)
-
-
-def check_options(view: str | None, engine: str | EngineKind, address: str | None,
-                  placement: str | None) -> tuple[ViewKind, dict[str, Any]]:
-    """(view, the engine's options) as the run will use them; raises LaunchError for options that cannot be used.
-    `%%ddp` calls it, with `plan`, before the cell runs: a bad flag or setting defines nothing and starts nothing."""
-    chosen = choose_view(view)
-    if chosen is ViewKind.TEXT:
-        max_lines()
-    return chosen, engines.engine_type(engines.kind_of(engine)).check(address, placement)
-
-
-def max_lines() -> int:
-    """How many lines of output the text view shows: $DDPNB_MAX_LINES, else DEFAULT_MAX_LINES."""
-    value = os.environ.get(MAX_LINES_VAR, "").strip()
-    if not value:
-        return DEFAULT_MAX_LINES
-    try:
-        lines = int(value)
-    except ValueError:
-        lines = -1
-    if lines < 0:
-        raise LaunchError(f"{MAX_LINES_VAR} must be a number of lines (0 or more), not {value!r}: set it to one, "
-                          f"or unset it for the default ({DEFAULT_MAX_LINES}).")
-    return lines
-
-
-def choose_view(view: str | None = None) -> ViewKind:
-    """'widget', 'text' or 'none': `view`, else $DDPNB_VIEW, else 'auto'.
-
-    'auto' is the dashboard inside a Jupyter kernel (ZMQInteractiveShell) where ipywidgets imports, plain text
-    everywhere else (terminal IPython, scripts). A kernel cannot tell whether its front end renders widgets, so
-    executing notebooks headless (nbclient, nbconvert) without storing widget state should set DDPNB_VIEW=text
-    to get `[rank N]` lines as stream output; the dashboard's own fallback is the final summary.
-    """
-    choice = (view or os.environ.get(VIEW_VAR) or "auto").strip().lower()
-    try:
-        chosen = ViewKind(choice)
-    except ValueError:
-        names = ", ".join(kind.value for kind in ViewKind)
-        raise LaunchError(f"view must be one of {names}, not {choice!r} (from {VIEW_VAR} or view=).") from None
-    if chosen is not ViewKind.AUTO:
-        return chosen
-    shell_module = sys.modules.get("IPython")
-    shell = shell_module.get_ipython() if shell_module is not None else None
-    if shell is None or not any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__):
-        return ViewKind.TEXT
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return ViewKind.TEXT
-    return ViewKind.WIDGET
-
-
-def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
-           backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-           args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
-           placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
-           keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
-           tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Run:
+def launch(fn: Callable[..., Any], /, **options: Any) -> Run:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
-    The handle has `wait()`, `result()`, `stop()`, `done` and `status`. `view` is 'auto' (default: the live
-    dashboard in Jupyter, text elsewhere; see $DDPNB_VIEW), 'widget', 'text' or 'none'. In a notebook the
-    dashboard keeps updating while other cells run and has a Stop button; the text view prints the ranks'
-    output when `wait()` or `result()` is called.
-
-    `engine='ray'` runs the ranks on a Ray cluster through Ray Train (`pip install -e '.[ray]'`): `address` is
-    the cluster's ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: see the README), `placement` 'pack'
-    (default: few nodes) or 'spread' (across nodes).
+    The handle has `wait()`, `result()`, `stop()`, `stacks()`, `done` and `status`. The options are
+    `ddpnb.LaunchOptions`' (gpus, nprocs, backend, timeout, env, args, view, engine, max_restarts, checkpoint_dir,
+    keep_checkpoints, resume, fold, tensorboard, stall) and the engine's own beside them (`engine='ray'`:
+    `address`, `placement`). `view` is 'auto' (default: the live dashboard in Jupyter, text elsewhere; see
+    $DDPNB_VIEW), 'widget', 'text' or 'none'. In a notebook the dashboard keeps updating while other cells run
+    and has a Stop button; the text view prints the ranks' output when `wait()` or `result()` is called.
 
     `max_restarts=N`: when a rank fails (an error, a crash, the timeout), every rank is stopped and all start
     again as fresh processes, up to N times; `timeout` bounds each attempt. `ddpnb.save_checkpoint` writes under
@@ -139,10 +58,7 @@ def launch(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int
     stalled, with where each rank is, and goes on (default: adapted to the run; 0: never). `run.stacks()` gives
     every rank's stack at any time.
     """
-    return start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args, view=view,
-                 foreground=False, engine=engine, address=address, placement=placement, max_restarts=max_restarts,
-                 checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints, resume=resume, fold=fold,
-                 tensorboard=tensorboard, stall=stall)
+    return start(fn, LaunchOptions.of(options).check(), foreground=False)
 
 
 def function_name(fn: Any) -> str:
@@ -179,40 +95,29 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> No
                           f"{rule}.") from None
 
 
-def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
-          backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-          args: Sequence[Any] = (), call_style: CallStyle = CallStyle.AUTO, view: str | None = None,
-          foreground: bool, engine: str = "local", address: str | None = None, placement: str | None = None,
-          max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
-          keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None,
-          interactive: bool = False, fold: bool = True, tensorboard: str | os.PathLike[str] | None = None,
-          stall: float | None = None) -> Run:
-    """`launch`, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not (`--background`);
-    `interactive`: the ranks also take commands (a session's ranks, running `rank.session.serve`)."""
+def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands: bool = False) -> Run:
+    """Start a checked launch, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not
+    (`--background`); `commands`: the ranks also take commands over the engine's channel (a session's ranks,
+    running `rank.session.serve`)."""
     global _last_record
     check_platform()
-    if timeout is not None and not timeout > 0:  # nan too
-        raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
-    check_restarts(max_restarts, keep_checkpoints)
-    stall = stall_seconds(stall)
-    call_style = CallStyle(call_style)
-    _check_callable(fn, tuple(args), call_style)
-    kind = engines.kind_of(engine)
-    planned = plan(gpus, nprocs, backend, kind)
-    chosen_view, options = check_options(view, kind, address, placement)
-    engine_type = engines.engine_type(kind)
+    options, engine_type = launch.options, launch.engine
+    if commands and not engine_type.capabilities.commands:
+        raise LaunchError(f"the {options.engine} engine cannot run sessions (it has no command channel to its "
+                          "ranks): use %%ddp / ddpnb.run on it, or a session on the local engine.")
+    args = tuple(options.args)
+    _check_callable(fn, args, CallStyle(options.call_style))
     # the function's (and then the args') big tensors and arrays go where the engine's ranks read them: shared
     # memory they map (local), Ray's object store (ray)
     shipment = engine_type.shipment()
     payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
-    resumed = checkpoints.resume_source(resume) if resume is not None else None  # before the run dir: none if refused
-    board_dir = check_tensorboard(tensorboard) if tensorboard is not None else None
-    if checkpoint_dir is not None:
+    if options.checkpoint_dir is not None:
         try:
-            Path(checkpoint_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
+            Path(options.checkpoint_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise LaunchError(f"checkpoint_dir {str(checkpoint_dir)!r} cannot be created ({exc.strerror}): pass a "
-                              "directory you can write to.") from None
+            raise LaunchError(f"checkpoint_dir {str(options.checkpoint_dir)!r} cannot be created ({exc.strerror}): "
+                              "pass a directory you can write to.") from None
+    resumed = launch.resumed
     held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`new_run_dir`) may delete it
     try:
         run_dir = rundir.new_run_dir()
@@ -220,122 +125,85 @@ def start(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int 
         if held is not None:
             os.close(held)
         raise
-    environ = {key: str(value) for key, value in engine_type.environment(dict(env or {})).items()}
-    if planned.backend == "nccl" and kind is EngineKind.LOCAL:  # the kernel can dump it at a stall or timeout
+    planned = launch.plan
+    environ = {key: str(value) for key, value in engine_type.environment(dict(options.env)).items()}
+    if planned.backend == "nccl" and engine_type.capabilities.shares_run_dir:  # dumped at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
     sources = pickling.notebook_sources()
     spec = WorkerSpec(
-        fn_payload=payload, args=tuple(args), call_style=call_style, world_size=planned.world_size,
+        fn_payload=payload, args=args, call_style=CallStyle(options.call_style), world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
         sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
-        checkpoint_dir=str(checkpoints.for_run(run_dir, checkpoint_dir)),
-        resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=keep_checkpoints, interactive=interactive,
+        timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
+        resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
     )
-    devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
-    run = Run(spec, devices, engine_type.create(spec, timeout, options), timeout=timeout, function=function_name(fn),
-              max_restarts=max_restarts,
-              new_engine=lambda attempt_spec: engine_type.create(attempt_spec, timeout, options),
-              shared=shipment, stall=stall)
+    run = Run(RunSetup(
+        spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],
+        engine=options.engine, capabilities=engine_type.capabilities,
+        new_engine=functools.partial(engine_type.create, options=launch.engine_options),
+        function=function_name(fn), policy=RestartPolicy(options.max_restarts), shipment=shipment,
+        stall=launch.stall, commands=commands))
     run.hold(held)
     run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
         run.record.add_launch_note(f"resuming from {resumed[0]}: its latest complete checkpoint is step "
                                    f"{resumed[1]} (ddpnb.load_checkpoint loads it)")
     run.start()
-    if shipment is not None:  # every rank has the memory files: the store keeps them for the next launch
+    if shipment is not None:  # every rank has what the pickles refer to: the store keeps it for the next launch
         run.record.data = shipment.commit()
-        run.record.add_launch_note(shared.note(run.record.data))
+        run.record.add_launch_note(data.note(run.record.data))
     _last_record = run.record
-    if chosen_view is ViewKind.WIDGET:
+    if launch.view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard
 
-        Dashboard(run, foreground=foreground, fold=fold)
-    elif chosen_view is ViewKind.TEXT:
+        Dashboard(run, foreground=foreground, fold=options.fold)
+    elif launch.view is ViewKind.TEXT:
         from ddpnb.views.text import TextView
 
-        TextView(run, max_lines(), fold=fold)
+        TextView(run, max_lines(), fold=options.fold)
         if not foreground:
             print("[ddpnb] running in the background: its output shows here when you call .wait() or .result()")
-    if board_dir is not None:
-        board.TensorBoardWriter(run, board_dir)
+    if launch.tensorboard is not None:
+        board.TensorBoardWriter(run, launch.tensorboard)
     return run
 
 
-def run(fn: Callable[..., Any], *, gpus: int | str | None = None, nprocs: int | None = None,
-        backend: str | None = None, timeout: float | None = None, env: Mapping[str, str] | None = None,
-        args: Sequence[Any] = (), view: str | None = None, engine: str = "local", address: str | None = None,
-        placement: str | None = None, max_restarts: int = 0, checkpoint_dir: str | os.PathLike[str] | None = None,
-        keep_checkpoints: int = DEFAULT_KEEP, resume: str | os.PathLike[str] | None = None, fold: bool = True,
-        tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Any:
+def run(fn: Callable[..., Any], /, **options: Any) -> Any:
     """Run `fn` on every rank, show their output here, and return rank 0's return value.
 
     `fn` is called as `fn()`, `fn(rank)` or `fn(rank, world_size)` (by its signature), followed by `args`.
     `gpus=N|'all'` starts one rank per GPU over NCCL; otherwise `nprocs` CPU ranks over gloo (default 2).
-    `view`, `engine`, `address`, `placement`, restarts, checkpoints, `fold`, `tensorboard`, `stall`: see `launch`.
+    Every other option: see `launch` and `ddpnb.LaunchOptions`.
     Raises `WorkerError` if a rank fails (in the last attempt), with that rank's own traceback.
     """
-    handle = start(fn, gpus=gpus, nprocs=nprocs, backend=backend, timeout=timeout, env=env, args=args,
-                   view=view, foreground=True, engine=engine, address=address, placement=placement,
-                   max_restarts=max_restarts, checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
-                   resume=resume, fold=fold, tensorboard=tensorboard, stall=stall)
-    return handle.result()
+    return start(fn, LaunchOptions.of(options).check(), foreground=True).result()
 
 
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn", *, fold: bool = True,
-          tensorboard: str | os.PathLike[str] | None = None, stall: float | None = None) -> Run | None:
+          daemon: bool = False, start_method: str = "spawn", **options: Any) -> Run | None:
     """Drop-in for `torch.multiprocessing.spawn`: calls `fn(rank, *args)` on `nprocs` ranks.
 
     Unlike mp.spawn it works with functions defined in a notebook and streams their output. Ranks use one
     GPU each (device set, NCCL) when the machine has `nprocs` GPUs, else CPU ranks over gloo. `join=False`
     returns the `Run`, whose `join()` waits like mp.spawn's context. `daemon` and `start_method` are accepted for
-    compatibility and ignored: ranks are always fresh processes that ddpnb stops. `fold`, `tensorboard`, `stall`:
-    see `launch`.
+    compatibility and ignored: ranks are always fresh processes that ddpnb stops. Other options (`fold`,
+    `tensorboard`, `stall`, ...): see `launch`.
     """
     del daemon, start_method
     gpus = nprocs if nprocs <= local_gpu_count() else None
-    handle = start(fn, gpus=gpus, nprocs=None if gpus else nprocs, args=args, call_style=CallStyle.SPAWN,
-                   foreground=join, fold=fold, tensorboard=tensorboard, stall=stall)
+    checked = LaunchOptions.of({**options, "gpus": gpus, "nprocs": None if gpus else nprocs, "args": args,
+                                "call_style": CallStyle.SPAWN}).check()
+    handle = start(fn, checked, foreground=join)
     if not join:
         return handle
     handle.result()
     return None
 
 
-def preload(*modules: str) -> list[str]:
-    """Import `modules` once in the process ranks are forked from, so that every later launch starts with them:
-    `ddpnb.preload("torchvision")` in a notebook's first cell. Ranks are still fresh processes; a module's import
-    just happened before the fork instead of in every rank at every launch.
-
-    Restarts that process (one `import torch` plus every preloaded module, now, in this call; calling it again
-    re-imports a module you edited) and checks it: if a module cannot be imported there, is imported from another
-    file than here, starts a thread or initialises CUDA when imported, nothing is added, with a `PreloadError`
-    that says why. Returns every module preloaded so far; `ddpnb.preload()` only returns them.
-    Do not preload a library that reads RANK or LOCAL_RANK when it is imported: it would read the kernel's.
-    For the local engine only: Ray's workers import for themselves.
-    """
-    if rank_context.current() is not None:
-        raise PreloadError("ddpnb.preload is for the notebook (it prepares the process ranks start from), not a rank.")
-    engines.engine_type(EngineKind.LOCAL).check(None, None)  # ranks start in the kernel's working directory
-    origins: dict[str, str | None] = {}  # where this kernel finds each module's top-level package
-    for name in modules:
-        if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
-            raise PreloadError(f"ddpnb.preload takes module names such as 'torchvision', not {name!r}.")
-        top = name.partition(".")[0]
-        try:  # the top-level name only: finding a submodule would import its package here, in the kernel
-            found = importlib.util.find_spec(top)
-        except (ImportError, ValueError):  # ValueError: __main__, or a module without a spec
-            found = None
-        if found is None:
-            raise PreloadError(f"ddpnb.preload: no module named {top!r} here; install it, or check the name.")
-        origins[name] = found.origin if found.has_location else None
-    return forkserver.preload(origins, busy=lambda: bool(live_runs(EngineKind.LOCAL)))
-
-
 def runs() -> list[Run]:
     """The runs of this kernel still going, oldest first: the handles of background cells and `launch`es, each
     with `.stop()`, `.wait()`, `.result()` and a repr that says how it is now."""
-    return live_runs()
+    return live.runs()
 
 
 def last_run() -> RunRecord | None:
@@ -369,20 +237,3 @@ def device() -> str:
 def attempt() -> int:
     """In a rank: which attempt of the run this is, 0 until a restart (`max_restarts`); 0 outside a worker."""
     return rank_context.attempt()
-
-
-def check_tensorboard(directory: str | os.PathLike[str]) -> Path:
-    """Refuse `tensorboard=` without TensorBoard installed, or with a directory that cannot be created (`%%ddp`
-    calls it before the cell runs)."""
-    return board.check(directory)
-
-
-def check_restarts(max_restarts: int, keep_checkpoints: int, resume: str | os.PathLike[str] | None = None) -> None:
-    """Refuse restart settings that cannot be used, and a `resume` with nothing to resume (`%%ddp` calls it
-    before the cell runs)."""
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise LaunchError(f"max_restarts must be a whole number of 0 or more, not {max_restarts!r}.")
-    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
-        raise LaunchError(f"keep_checkpoints must be a whole number of 1 or more, not {keep_checkpoints!r}.")
-    if resume is not None:
-        checkpoints.resume_source(resume)

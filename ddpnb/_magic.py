@@ -26,27 +26,25 @@ from IPython.core.magic_arguments import (
 )
 from IPython.utils.process import arg_split
 
-from ddpnb import _api, _session
+from ddpnb import _api, _session, engines
+from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, format_duration, size_text
 from ddpnb.core.run import Run
-from ddpnb.core.spec import EngineKind, ViewKind
+from ddpnb.core.spec import DEFAULT_CPU_RANKS, ViewKind
 
 RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
     argument("--gpus", metavar="N|all",
              help="one rank per GPU over NCCL: a number or 'all'. Without it, ranks run on CPU over gloo."),
     argument("-n", "--nprocs", type=int, metavar="N",
-             help=f"number of CPU ranks over gloo when --gpus is not given (default {_api.DEFAULT_CPU_RANKS})."),
+             help=f"number of CPU ranks over gloo when --gpus is not given (default {DEFAULT_CPU_RANKS})."),
     argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
-    argument("--engine", choices=[kind.value for kind in EngineKind], default=EngineKind.LOCAL.value,
+    argument("--engine", choices=engines.names(), default=engines.DEFAULT,
              help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
-                  "Train (pip install -e '.[ray]')."),
-    argument("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
-             help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
-                  "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
-                  "run, which 'local' asks for in any case)."),
-    argument("--placement", choices=["pack", "spread"],
-             help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
+                  "Train (pip install -e '.[ray]'); or any other registered engine."),
+    # each engine's own options, as the engine describes them (`EngineType.flags`)
+    *(argument(flag.name, metavar=flag.metavar, choices=flag.choices, help=flag.help)
+      for _, engine_flags in engines.flags() for flag in engine_flags),
     argument("--env", action="append", default=[], metavar="KEY=VALUE",
              help="set an environment variable in every rank (repeatable)."),
     argument("--no-fold", action="store_true",
@@ -102,6 +100,24 @@ def _check_out_and_timeout(out: str | None, timeout: float | None, example: str)
         raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}.")
 
 
+def _rank_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options the rank flags give (`RANK_FLAGS`): ours, and the chosen engine's own that were given."""
+    given = {name: getattr(args, name) for name in ("gpus", "nprocs", "backend", "engine")}
+    given |= {"env": dict(_parse_env(item) for item in args.env), "fold": not args.no_fold, "stall": args.stall}
+    for _, engine_flags in engines.flags():  # an engine's flag given with another engine: `options` says so
+        given |= {flag.option: getattr(args, flag.option) for flag in engine_flags
+                  if getattr(args, flag.option, None) is not None}
+    return given
+
+
+def _checked(args: argparse.Namespace, **more: Any) -> Launch:
+    """The cell's flags as checked launch options; a UsageError saying what to do, before the cell runs."""
+    try:
+        return LaunchOptions.of({**_rank_options(args), **more}).check()
+    except _api.LaunchError as exc:
+        raise UsageError(str(exc)) from None
+
+
 @magics_class
 class DDPMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
@@ -128,8 +144,8 @@ class DDPMagics(Magics):
                    "complete checkpoint, and ddpnb.attempt() says which attempt runs.")
     @argument("--checkpoint-dir", metavar="DIR",
               help="where ddpnb.save_checkpoint writes, in DIR/<run name> (default: the run directory).")
-    @argument("--keep-checkpoints", type=int, default=_api.DEFAULT_KEEP, metavar="K",
-              help=f"complete checkpoints kept per run; older ones are deleted (default {_api.DEFAULT_KEEP}).")
+    @argument("--keep-checkpoints", type=int, default=DEFAULT_KEEP, metavar="K",
+              help=f"complete checkpoints kept per run; older ones are deleted (default {DEFAULT_KEEP}).")
     @argument("--resume", metavar="last|DIR",
               help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
                    "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).")
@@ -155,19 +171,12 @@ class DDPMagics(Magics):
         key = self._cell_key(line, cell)
         self._stop_earlier_run(key)  # first, as any cell run again replaces what it did, whatever it does now
         args = _parse(self.ddp, line, "See %%ddp? for every flag, e.g. %%ddp -n 2 or %%ddp --gpus all.")
-        env = dict(_parse_env(item) for item in args.env)
         _check_out_and_timeout(args.out, args.timeout, "weights")
         if args.nprocs is not None and args.nprocs < 1:
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
-        try:  # fail before the cell defines anything
-            _api.plan(args.gpus, args.nprocs, args.backend, args.engine)
-            _api.check_options(args.view, args.engine, args.address, args.placement)
-            _api.check_restarts(args.max_restarts, args.keep_checkpoints, args.resume)
-            if args.tensorboard is not None:
-                _api.check_tensorboard(args.tensorboard)
-            stall = _api.stall_seconds(args.stall)
-        except _api.LaunchError as exc:
-            raise UsageError(str(exc)) from None
+        launch = _checked(args, timeout=args.timeout, view=args.view, max_restarts=args.max_restarts,
+                          checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
+                          resume=args.resume, tensorboard=args.tensorboard)  # before the cell defines anything
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
         try:
@@ -181,12 +190,7 @@ class DDPMagics(Magics):
         if not callable(fn):
             raise UsageError(f"--fn {name}: {name} is not a function (its type is {type(fn).__name__}).")
         try:
-            run = _api.start(fn, gpus=args.gpus, nprocs=args.nprocs, backend=args.backend,
-                             timeout=args.timeout, env=env, view=args.view, foreground=not args.background,
-                             engine=args.engine, address=args.address, placement=args.placement,
-                             max_restarts=args.max_restarts, checkpoint_dir=args.checkpoint_dir,
-                             keep_checkpoints=args.keep_checkpoints, resume=args.resume, fold=not args.no_fold,
-                             tensorboard=args.tensorboard, stall=stall)
+            run = _api.start(fn, launch, foreground=not args.background)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
         self._cell_runs[key] = run
@@ -375,11 +379,8 @@ class SessionMagics(Magics):
         own namespace (`rank`, `world_size` and `ddpnb` defined, the process group up). One session per kernel;
         `%%ddp` cells keep starting fresh ranks of their own."""
         args = _parse(self.ddp_start, line, "See %ddp_start? for every flag, e.g. %ddp_start -n 2.")
-        env = dict(_parse_env(item) for item in args.env)
         try:
-            _session.start_for_magics(gpus=args.gpus, nprocs=args.nprocs, backend=args.backend, env=env,
-                                      engine=args.engine, address=args.address, placement=args.placement,
-                                      fold=not args.no_fold, stall=_api.stall_seconds(args.stall))
+            _session.start_for_magics(**_rank_options(args))
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
 
@@ -394,7 +395,7 @@ class SessionMagics(Magics):
         """Run the cell on the session's ranks; its last expression's value comes back, one per rank. The line
         form runs one expression on every rank: `%ranks loss.item()`."""
         __tracebackhide__ = True
-        session = _session.current()
+        session = _session.current_session()
         if session is None:
             raise UsageError("no session is running: start one with %ddp_start -n 2 (or --gpus N), then run %%ranks "
                              "cells.")
@@ -417,7 +418,7 @@ class SessionMagics(Magics):
     @line_magic
     def ddp_restart(self, line: str) -> None:
         """Fresh ranks for the session, with its flags: new processes and process group, empty namespaces."""
-        session = _session.current()
+        session = _session.current_session()
         if session is None:
             raise UsageError("no session to restart: start one with %ddp_start -n 2.")
         session.restart()
@@ -425,7 +426,7 @@ class SessionMagics(Magics):
     @line_magic
     def ddp_stop(self, line: str) -> None:
         """End the session's ranks (and their namespaces)."""
-        session = _session.current()
+        session = _session.current_session()
         if session is None:
             raise UsageError("no session is running.")
         session.stop()

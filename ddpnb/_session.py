@@ -7,16 +7,17 @@ as a `%%ddp` run's ranks do; between commands they wait for the next one. `%ddp_
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import os
 import pickle
 import queue
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from ddpnb import _api, engines
+from ddpnb import _api
+from ddpnb._options import Launch, LaunchOptions
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps
 from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_name, cell_names
@@ -31,6 +32,8 @@ GRACE = 5.0  # seconds the other ranks get to answer once one rank failed or was
 START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first session imports torch once)
 STACK_WAIT = 3.0  # seconds stuck ranks get to say where they are
 STOP_WAIT = 10.0  # seconds the ranks get to leave on their own at `stop()` before they are stopped
+# what a session takes of the launch options (and its engine's own): where and how many ranks, and how it shows
+OPTIONS = ("gpus", "nprocs", "backend", "env", "engine", "fold", "stall")
 
 
 class SessionState(enum.Enum):
@@ -82,20 +85,16 @@ class PerRank(list):
 _current: Session | None = None  # the session the magics use: one per kernel
 
 
-def current() -> Session | None:
-    return _current
-
-
 class Session:
     """Ranks that keep their state across commands. Use `execute`, `push`, `pull`, `call`, `restart`, `stop`, or
     `with ddpnb.session(nprocs=2) as s: ...`."""
 
-    def __init__(self, *, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
-                 env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-                 placement: str | None = None, fold: bool = True, stall: float | None = None) -> None:
-        self._flags = {"gpus": gpus, "nprocs": nprocs, "backend": backend, "env": dict(env or {}), "engine": engine,
-                       "address": address, "placement": placement, "stall": stall}
-        self._fold = fold  # the same line from every rank shows once (`views.fold`)
+    def __init__(self, **options: Any) -> None:
+        """`options`: gpus, nprocs, backend, env, engine (and the engine's own), fold, stall; see `ddpnb.session`."""
+        chosen = LaunchOptions.of(options, allowed=OPTIONS)
+        # checked once: `restart()` starts the same ranks again
+        self._launch: Launch = dataclasses.replace(chosen, view="none").check()
+        self._fold = chosen.fold  # the same line from every rank shows once (`views.fold`)
         self._number = 0
         self._stall_said: object = None  # the run's stall whose lines were printed
         self.data: DataSent | None = None  # what the latest command sent out of its pickle (`push`)
@@ -105,7 +104,7 @@ class Session:
 
     # --- lifecycle ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:
-        self.run = _api.start(serve, view="none", foreground=False, interactive=True, **self._flags)
+        self.run = _api.start(serve, self._launch, foreground=False, commands=True)
         record = self.run.record
         self._say(f"session of {record.world_size} ranks ({record.engine}, {record.backend}, "
                   f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}")
@@ -132,8 +131,8 @@ class Session:
         """End every rank; the session's namespaces are gone."""
         run = self.run
         if run is not None and not run.done:
-            stop = dumps(msg.Command(self._next(), msg.CommandKind.STOP))
-            run.send(list(range(run.record.world_size)), dumps((os.getpid(), {}, stop)))
+            assert run.channel is not None
+            run.channel.send(list(range(run.record.world_size)), dumps(msg.Command(self._next(), msg.CommandKind.STOP)))
             run.wait(STOP_WAIT)
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
@@ -194,17 +193,16 @@ class Session:
             advice = "%ddp_restart (or .restart())" if self.run is not None else "%ddp_start (or ddpnb.session())"
             raise SessionBroken(f"the session is {self.state.value}",
                                 f"ddpnb: this session is {self.state.value}: start fresh ranks with {advice}.")
-        run = self.run
+        run, channel = self.run, self.run.channel
+        assert channel is not None
         selected = self._selected(ranks)
         command = msg.Command(self._next(), kind, **fields)
         # big tensors and arrays go as a launch's do: through shared memory (local), Ray's object store (ray)
-        shipment = engines.engine_type(run.engine.kind).shipment()
+        shipment = self._launch.engine.shipment()
         body = dumps(command, shared=shipment)  # here, before anything is sent: what cannot travel is the caller's error
-        # the rank maps the memory files, through /proc/<this pid>/fd, before it unpickles the command
-        payload = dumps((os.getpid(), shipment.fds() if shipment else {}, body))
         seen = run.lines_since(0)[2]
         folder = Folder(len(selected), enabled=self._fold)  # a command's output, folded across its ranks
-        run.send(selected, payload, shipment)
+        channel.send(selected, body, shipment)
         answers: dict[int, msg.Reply] = {}
         began = time.monotonic()
         ending_at: float | None = None  # a rank failed or was interrupted: the others answer by then, or are stuck
@@ -213,7 +211,7 @@ class Session:
             while len(answers) < len(selected):
                 try:  # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost
                     try:
-                        reply = run.replies.get(timeout=0.1)
+                        reply = channel.replies.get(timeout=0.1)
                     except queue.Empty:
                         reply = None
                     new, skipped, seen = run.lines_since(seen)  # read before shown: an interrupt shows none twice
@@ -222,7 +220,7 @@ class Session:
                     if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
                         self._break(selected, answers, "a second interrupt ended the wait")
                     interrupted = True
-                    run.interrupt([rank for rank in selected if rank not in answers])
+                    channel.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = time.monotonic() + GRACE
                     continue
                 if reply is not None and reply.command == command.number:
@@ -233,7 +231,7 @@ class Session:
                     self._died(run)
                 now = time.monotonic()
                 if timeout is not None and ending_at is None and now - began > timeout:
-                    run.interrupt([rank for rank in selected if rank not in answers])
+                    channel.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = now + GRACE
                 if ending_at is not None and now > ending_at and len(answers) < len(selected):
                     timed_out = timeout is not None and now - began > timeout
@@ -262,8 +260,7 @@ class Session:
         stall = run.record.stall
         if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
             self._stall_said = stall
-            sys.stdout.write(stall_lines(stall).replace("the run goes on; run.stacks()", "the command goes on; "
-                                                        "session.run.stacks()"))
+            sys.stdout.write(stall_lines(stall, going="the command", handle="session.run"))
         if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -325,14 +322,12 @@ def _named(ranks: Iterable[int]) -> str:
     return f"rank{'s' if len(chosen) > 1 else ''} {_ranks(chosen)}"
 
 
-def session(*, gpus: int | str | None = None, nprocs: int | None = None, backend: str | None = None,
-            env: Mapping[str, str] | None = None, engine: str = "local", address: str | None = None,
-            placement: str | None = None, fold: bool = True, stall: float | None = None) -> Session:
-    """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Same flags as `ddpnb.run`;
-    `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up. `stall`:
-    seconds a command may go without progress on any rank before the session says where each rank is."""
-    return Session(gpus=gpus, nprocs=nprocs, backend=backend, env=env, engine=engine, address=address,
-                   placement=placement, fold=fold, stall=stall)
+def session(**options: Any) -> Session:
+    """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Its options are
+    `ddpnb.run`'s that say where and how many ranks run (gpus, nprocs, backend, env, engine and the engine's own),
+    `fold`, and `stall`: seconds a command may go without progress on any rank before the session says where each
+    rank is. `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
+    return Session(**options)
 
 
 def current_session() -> Session | None:
@@ -340,12 +335,12 @@ def current_session() -> Session | None:
     return _current
 
 
-def start_for_magics(**flags: Any) -> Session:
+def start_for_magics(**options: Any) -> Session:
     """`%ddp_start`: one session per kernel."""
     global _current
     if _current is not None and _current.state is SessionState.READY:
         raise _api.LaunchError(f"a session of {_current.world_size} ranks is already running in this kernel: "
                                "%ddp_restart gives fresh ranks with its flags, %ddp_stop ends it (then %ddp_start "
                                "with new flags).")
-    _current = Session(**flags)
+    _current = Session(**options)
     return _current

@@ -1,4 +1,4 @@
-"""Notebook data reaching the ranks once, through shared memory mapped copy-on-write (`ddpnb/core/shared.py`).
+"""Notebook data reaching the ranks once, through shared memory mapped copy-on-write (`ddpnb/engines/local/shared.py`).
 
 Each function is defined inside its test, so that it travels by value with what it closes over, as a notebook
 cell's does. Every rank also says whether its tensor's bytes are pages of one of ddpnb's memory files
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import ddpnb
-from ddpnb.core import shared
+from ddpnb.core import data as notebook_data
+from ddpnb.engines.local import mapped, shared
 
 MB = 1 << 20
 
@@ -80,8 +81,8 @@ def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank(
 def test_data_striped_over_several_files_arrives_in_order_byte_for_byte():
     """A segment alternates over its files in STRIPE-long runs, written in parallel; a rank maps them back to back.
     A tensor over several stripes and an array starting mid-stripe must come out whole and in order."""
-    big = torch.randint(0, 1 << 30, (7 * shared.STRIPE // 8 // 2 + 12345,), dtype=torch.int64)  # 3.5 stripes
-    array = np.random.default_rng(0).integers(0, 255, 3 * shared.STRIPE // 2, dtype=np.uint8)
+    big = torch.randint(0, 1 << 30, (7 * mapped.STRIPE // 8 // 2 + 12345,), dtype=torch.int64)  # 3.5 stripes
+    array = np.random.default_rng(0).integers(0, 255, 3 * mapped.STRIPE // 2, dtype=np.uint8)
 
     def digest(values: torch.Tensor) -> list[int]:  # a position-weighted sum: a stripe out of place changes it
         weights = torch.arange(1, len(values) + 1, dtype=torch.int64) % 1009
@@ -204,7 +205,7 @@ def test_fifty_launches_with_new_data_keep_kernel_memory_and_shared_memory_bound
     for _ in range(40):
         launch()
         held = _kernel_memory_files()
-        assert len(held) <= shared.KEEP_LAUNCHES and sum(held.values()) <= shared.KEEP_LAUNCHES * 64 * MB, held
+        assert len(held) <= notebook_data.KEEP_LAUNCHES and sum(held.values()) <= notebook_data.KEEP_LAUNCHES * 64 * MB, held
     gc.collect()
     assert process.memory_info().rss - rss < 64 * MB  # not one tensor's worth of growth over 40 launches
     kept.clear()  # the notebook lets go of them all: so does ddpnb

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ddpnb
-from ddpnb.core import shared
+from ddpnb.engines.local import mapped as rank_side
+from ddpnb.engines.local import shared
 from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
 from tests.conftest import private_runs_dir
 
@@ -97,7 +98,7 @@ def test_a_pickle_after_the_ranks_were_given_the_files_never_rewrites_what_they_
     for tensor in (first, second):
         block = shipment.used[id(tensor.untyped_storage())]
         copies = tuple(os.dup(fd) for fd in files[block.segment.id])
-        mapped = shared._map_stripes(copies)
+        mapped = rank_side._map_stripes(copies)
         for fd in copies:
             os.close(fd)
         assert mapped[block.offset:block.offset + block.nbytes] == tensor.numpy().tobytes()

@@ -173,7 +173,7 @@ def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_me
     import torch
 
     from ddpnb._magic import state_dict_summary
-    from ddpnb.core import shared
+    from ddpnb.core import data as shared
     from ddpnb.core.record import DataSent, size_text
 
     assert state_dict_summary({"w": torch.zeros(2**18)}) == "state dict: 1 tensor, 262.1 k parameters (float32), 1.0 MiB"

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import ddpnb
-from ddpnb.core import run as _run
+from ddpnb.core import hints
 from ddpnb.engines.local import forkserver as _forkserver
 
 MODULES = {
@@ -49,7 +49,7 @@ def modules(tmp_path, monkeypatch):
     with _forkserver.lock:
         _forkserver._preloaded.clear()
         _forkserver._stop()  # the next run starts the usual one
-    _run._hinted.clear()
+    hints._hinted.clear()
     for name in MODULES:
         sys.modules.pop(name.rpartition("/")[2], None)
 
@@ -108,7 +108,7 @@ def test_a_slow_import_is_pointed_out_once_and_preload_removes_it(modules, capsy
     assert hint in capsys.readouterr().out  # the text view says it after the summary
     assert ddpnb.run(imported_before_the_fork, nprocs=2) is False
     assert ddpnb.last_run().hint == ""  # said once per kernel
-    _run._hinted.clear()
+    hints._hinted.clear()
     ddpnb.preload("ddpnb_test_slow")
     assert ddpnb.run(imported_before_the_fork, nprocs=2) is True
     assert ddpnb.last_run().hint == ""  # nothing left to import

@@ -126,7 +126,7 @@ def test_engine_ray_without_ray_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name.split(".")[0] == "ray" else real_find_spec(name, *args))
     with pytest.raises(_api.LaunchError, match=re.escape("pip install -e '.[ray]'")):
-        _api.plan(None, 2, None, engine="ray")
+        _api.LaunchOptions(nprocs=2, engine="ray").check()
 
 
 def test_address_and_placement_need_the_ray_engine():

@@ -11,8 +11,8 @@ import re
 import time
 
 import pytest
-
 from ddpnb.core.shared import KEEP_LAUNCHES
+
 from tests.test_ray import CELL_TIMEOUT, RAY_TEST_TIMEOUT, needs_ray, ray_kernel, run_actors_left
 
 __all__ = ["ray_kernel"]  # the module's one kernel and Ray instance (a fixture)
@@ -154,7 +154,7 @@ def test_a_notebook_cuda_tensor_put_as_its_cpu_copy_is_rebuilt_on_a_cpu_rank_as_
     """CUDA tensors on Ray, the part a machine without a GPU can run: a CUDA tensor's CPU copy, put into the object
     store, is rebuilt by the rank-side function the kernel's reduction names (`_rebuild_from_cuda`), a Parameter
     still a Parameter with its requires_grad, and kept on the CPU on a CPU rank (a GPU rank moves it onto its own
-    device, `core.shared._from_cuda`). No CUDA tensor can be made here, so the rank puts the copy itself."""
+    device, `rank.data.from_cuda`). No CUDA tensor can be made here, so the rank puts the copy itself."""
     shown = last_lines(ray_session, '''
 def rebuilt_on_this_rank():
     import ray

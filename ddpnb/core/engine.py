@@ -1,67 +1,97 @@
-"""The interface between a `Run` and the engine that runs its ranks (in the spirit of torch elastic's `PContext`).
+"""What an engine implements, and what it tells the attempt it runs (in the spirit of torch elastic's `PContext`).
 
-An engine moves bytes and processes: it starts the ranks, reads what they send, signals them, and says when each
-has ended. Everything a run *means* (the record, failures and their root cause, the stop deadline, the result,
-the views) is the `Run`'s, written once for every engine. All engine calls but `start` come from the run's reader
-thread, inside `serve`.
+An engine moves bytes and processes: it starts one attempt's ranks, reads what they send, signals them, and says
+when each has ended. What a run *means* (the record, failures and their root cause, the stop deadline, restarts,
+the result, the views) is core's, written once for every engine. Everything specific to an engine (its options
+and magic flags, its checks, how it places ranks) lives in its own package under `engines/`, found by name in
+the registry (`ddpnb.engines`). All `Engine` calls but `start`, `send` and `interrupt` come from the attempt's
+reader thread, inside `serve`. Adding an engine: see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ddpnb.core.messages import Message
-from ddpnb.core.spec import EngineKind, Plan, Stream, WorkerSpec
+from ddpnb.core.spec import Plan, Stream, WorkerSpec
 
 if TYPE_CHECKING:
-    from ddpnb.core.shared import Shipment
+    from ddpnb.core.data import Shipment
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond starting, reading and stopping ranks; core asks these, never the engine's name."""
+
+    shares_memory: bool = False  # ranks map memory files the kernel writes: notebook data in, rank 0's result out
+    shares_run_dir: bool = False  # ranks write into the kernel's run directory (NCCL's flight recorder dumps)
+    commands: bool = False  # a command channel to running ranks (`Engine.send`, `interrupt`): sessions
+    announce_every: float = 0.2  # seconds between two announcements of output to the views (a rank's turn: at once)
+    stop_wait: float = 10.0  # seconds `Run.stop()` waits for the ranks to be gone
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One of an engine's options as a magic flag (`--address`): its option is the flag's name without the dashes,
+    `-` read as `_`. Plain data, so the engine imports no IPython; the magics build their parser from it."""
+
+    name: str
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | list[str] | None = None
+
+    @property
+    def option(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    """What one attempt's `Engine.start` is given."""
+
+    result_fd: int | None = None  # the kernel's memory file for rank 0's result (engines that share memory)
+    shipment: Shipment | None = None  # where the spec's big tensors and arrays go (`EngineType.shipment`)
+    commands: bool = False  # open the command channel (a session's ranks)
+    restarts: int = 0  # restarts the engine may make itself (Ray Train's FailureConfig), from the run's policy
 
 
 class RunEvents(Protocol):
-    """What an engine tells its run, from inside `Engine.serve`."""
+    """What an engine tells the attempt it runs, from inside `Engine.serve`. Events only: an engine never asks."""
 
     def placed(self, rank: int, pid: int | None, node: str = "") -> None:
-        """The rank's process exists (locally: forked; on Ray: placed on a node)."""
+        """The rank's process exists (locally: forked; on a cluster: placed on a node)."""
 
     def message(self, rank: int, message: Message) -> None:
         """A typed message the rank sent."""
 
     def output(self, rank: int, stream: Stream, data: bytes) -> None:
-        """Raw bytes the rank wrote to its stdout or stderr."""
+        """Raw bytes the rank wrote to its stdout or stderr (b"": the stream ended)."""
 
     def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
                traceback: str = "") -> None:
         """The rank has ended. `stopped`: by the engine's stop, not by itself; `cause`: why it failed, where the
         engine knows better than its exit code (Ray Train's own account)."""
 
-    def restarts_left(self) -> int:
-        """How many more times the run may restart its ranks (`--max-restarts`), for an engine that restarts them
-        itself (Ray Train's FailureConfig)."""
-
-    def restarted(self) -> bool:
-        """The engine started every rank again itself after a failure, once the failed attempt's ranks have all
-        `exited`: the run opens a new attempt. False: the run may not restart, and the engine must stop."""
+    def restarted(self) -> None:
+        """The engine started every rank again itself (within `AttemptStart.restarts`), once the failed attempt's
+        ranks have all `exited`. The run keeps that attempt and opens the next; where its policy says the run ends
+        after all (a stop was asked meanwhile), it stops the new ranks through `Engine.stop`."""
 
     def tick(self) -> None:
-        """Called after every wake-up of the engine's loop: the run checks its stops, timeout and announcements."""
+        """Called after every wake-up of the engine's loop: the attempt checks its stop, watchdog and announcements."""
 
     def quiet(self) -> bool:
-        """Whether nothing is ending and no answer is awaited soon: no rank has returned or failed, no stop
-        began, no session command was just sent. An engine may then wait longer between two reads (local:
-        COALESCE) without delaying anything that matters."""
+        """Whether nothing is ending and no answer is awaited soon. An engine may then wait longer between two
+        reads (local: COALESCE) without delaying anything that matters."""
 
 
 class Engine(Protocol):
-    """One run's ranks on one engine."""
+    """One attempt's ranks on one engine."""
 
-    kind: EngineKind
-    stop_wait: float  # seconds `Run.stop()` waits for the ranks to be gone
-    maps_results: bool  # rank 0 can write a result holding tensors into the kernel's memory file
-    announce_every: float  # seconds between two announcements of output to the views (a rank's turn: at once)
-
-    def start(self, events: RunEvents, result_fd: int | None, shared: Shipment | None = None) -> None:
-        """Start every rank, or raise with nothing left running. `shared`: where the spec's big tensors and arrays
-        go (pickle the spec with it, and give every rank its `fds()`), where the engine type `maps_data`."""
+    def start(self, events: RunEvents, start: AttemptStart) -> None:
+        """Start every rank, or raise with nothing left running. Pickle the spec with `start.shipment` and give
+        every rank what it refers to."""
 
     def serve(self) -> None:
         """Read what the ranks send, delivering it to `events`, until every rank has ended."""
@@ -73,32 +103,32 @@ class Engine(Protocol):
         """Stop harder (SIGKILL; kill the run's actor). Returns seconds until the next escalation, or None."""
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """`ranks`' Python stacks now, from the user's code down, by rank (one that sent none in time is missing);
-        they are the caller's, never the record's."""
+        """`ranks`' Python stacks now, from the user's code down, by rank (one that sent none in time is missing)."""
 
-    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
-        """Sessions: deliver one command to each of `ranks` (any thread; the ranks answer with `Reply`), with
-        the shipment its pickle refers to (`EngineType.shipment`)."""
+    def send(self, ranks: list[int], command: bytes, shipment: Shipment | None = None) -> None:
+        """Capabilities.commands: deliver one command to each of `ranks` (any thread), with the shipment its
+        pickle refers to; the rank side's `Link.receive` returns `command` with that data in place."""
 
     def interrupt(self, ranks: list[int]) -> None:
-        """Sessions: raise KeyboardInterrupt in the command `ranks` are running (any thread)."""
+        """Capabilities.commands: raise KeyboardInterrupt in the command `ranks` are running (any thread)."""
 
     def close(self) -> None:
-        """Release everything, the `events` given to `start` included; nothing of the run may outlive this."""
+        """Release everything, the `events` given to `start` included; nothing of the attempt may outlive this."""
 
 
 class EngineType(Protocol):
-    """What the API asks of an engine before a run exists: its own checks, GPU count and environment."""
+    """An engine before a run: its name, options, magic flags, capabilities and checks (see `ddpnb.engines`)."""
 
-    kind: EngineKind
-    maps_data: bool  # ranks can map memory files the kernel writes (`core.shared`): notebook data goes that way
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    Options: ClassVar[type]  # a frozen dataclass of the engine's own options (`ddpnb.run(..., **options)`)
+    flags: ClassVar[list[Flag]]  # those options' magic flags (`%%ddp --address ...`)
 
-    def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
-        """The engine's options from the user's, or LaunchError."""
+    def check(self, options: Any) -> None:
+        """Raise LaunchError where the options, or this kernel, cannot run the engine (before anything starts)."""
 
     def shipment(self) -> Shipment | None:
-        """Where a launch's big notebook tensors and arrays go instead of the pickle (`core.shared.Shipment`, or
-        an engine's own with the same `reduce_tensor`, `reduce_array`, `fds` and `commit`); None: the pickle."""
+        """Where a launch's big notebook tensors and arrays go instead of the pickle; None: in the pickle."""
 
     def gpus_available(self) -> int | None:
         """GPUs `--gpus` can use here; None where the cluster places the ranks."""
@@ -109,5 +139,5 @@ class EngineType(Protocol):
     def torch_threads(self, plan: Plan, environ: dict[str, str]) -> int | None:
         """CPU threads per rank, or None to leave torch's choice."""
 
-    def create(self, spec: WorkerSpec, timeout: float | None, options: dict[str, Any]) -> Engine:
-        """The engine for one run."""
+    def create(self, spec: WorkerSpec, options: Any) -> Engine:
+        """The engine for one attempt (a fresh one per attempt)."""

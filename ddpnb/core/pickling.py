@@ -15,7 +15,7 @@ import cloudpickle
 from ddpnb import _compat
 
 if TYPE_CHECKING:
-    from ddpnb.core.shared import Shipment
+    from ddpnb.core.data import Shipment
 
 MAX_DEPTH = 6
 
@@ -33,7 +33,7 @@ class _Pickler(cloudpickle.CloudPickler):
     (cloudpickle >= 3.1 replaces it with '<dynamic-code>'), so a worker's traceback names the user's cell and,
     with its source shipped, shows its lines; and it moves every tensor to the CPU, however deeply nested, so a
     result never makes the kernel initialise CUDA. With a `Shipment` (notebook data on its way to local ranks),
-    big CPU tensors and NumPy arrays go into shared memory instead (`core.shared`), CUDA tensors via the CPU."""
+    big CPU tensors and NumPy arrays go into shared memory instead (`core.data`: the engine's shipment), CUDA tensors via the CPU."""
 
     tensors = True  # False: raise HoldsTensors at the first tensor
     shared: Shipment | None = None  # notebook data for the ranks: big tensors and arrays go through shared memory

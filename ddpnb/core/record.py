@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ddpnb.core.messages import Hardware, Progress, StepTimes
-from ddpnb.core.spec import EngineKind, Stream
+from ddpnb.core.spec import Stream
 
 KEEP_CLOSED_BARS = 4
 STRAGGLER_RATIO = 1.25  # compute per step, against the median of the other ranks', that flags a rank
@@ -358,7 +358,7 @@ class RunRecord:
     run_dir: Path
     world_size: int
     backend: str
-    engine: EngineKind = EngineKind.LOCAL
+    engine: str = "local"  # the engine's name (`ddpnb.engines`)
     function: str = ""  # the name of the function the ranks run
     ranks: list[RankRecord] = field(default_factory=list)
     outcome: Outcome = Outcome.RUNNING

@@ -16,11 +16,6 @@ class Named(str, enum.Enum):
         return self.value
 
 
-class EngineKind(Named):
-    LOCAL = "local"  # ranks are processes on this machine, forked from the forkserver
-    RAY = "ray"  # ranks are Ray Train workers on a Ray cluster
-
-
 class ViewKind(Named):
     AUTO = "auto"
     WIDGET = "widget"
@@ -65,7 +60,7 @@ class WorkerSpec:
     sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines
     cell_names: dict[str, str] = field(default_factory=dict)  # their files' names, 'Cell In[7]', for warnings
     torch_threads: int | None = None
-    interactive: bool = False  # a session: ranks also receive commands from the kernel (`Engine.send`)
+    timeout: float | None = None  # seconds an attempt may run (--timeout); an engine may bound its own waits by it
     # restarts and checkpoints (`--max-restarts`, `ddpnb.save_checkpoint`): each attempt gets its own spec
     attempt: int = 0  # 0 for the first attempt, n after n restarts (`ddpnb.attempt()`)
     checkpoint_dir: str = ""  # where this run's checkpoints go (under the run directory unless --checkpoint-dir)
@@ -104,9 +99,10 @@ def enabled(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None) -> Plan:
+def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None,
+         engine: str = "local") -> Plan:
     """The world size, devices and backend for the flags given; raises LaunchError for impossible ones.
-    `available` is the GPUs the engine can count here, None where the cluster places the ranks (Ray)."""
+    `available` is the GPUs `engine` can count here, None where its cluster places the ranks."""
     if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
         raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
     if backend is not None and backend not in ("nccl", "gloo"):
@@ -117,8 +113,8 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, availa
     else:
         if gpus == "all":
             if available is None:
-                raise LaunchError("--engine ray takes a number of GPUs (--gpus N), not 'all': the ranks go where the "
-                                  "cluster has GPUs, so 'all' has no meaning there.")
+                raise LaunchError(f"--engine {engine} takes a number of GPUs (--gpus N), not 'all': the ranks go where "
+                                  "the cluster has GPUs, so 'all' has no meaning there.")
             if available == 0 and not enabled(CPU_FALLBACK_VAR):
                 raise LaunchError(no_gpus_message("all", available))
             wanted = available or nprocs or DEFAULT_CPU_RANKS

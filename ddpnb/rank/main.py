@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core import shared
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_traceback
-from ddpnb.rank import cells, checkpoint, group, progress, radar
+from ddpnb.rank import cells, checkpoint, data, group, progress, radar
 from ddpnb.rank import context as ctx
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
@@ -37,7 +36,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         context.spec = spec
         _reseed()
         context.device = setup(rank, spec)
-        shared.set_device(context.device)  # notebook CUDA tensors onto this rank's own device, now it is set up
+        data.set_device(context.device)  # notebook CUDA tensors onto this rank's own device, now it is set up
         context.send(msg.Started(rank=rank, device=context.device))
         cells.register(spec.sources, spec.cell_names)
         group.patch_init_process_group()

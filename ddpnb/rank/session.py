@@ -13,7 +13,6 @@ import threading
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core import shared
 from ddpnb.core.pickling import dumps, unpicklable_path
 from ddpnb.core.stacks import user_traceback
 from ddpnb.rank import cells
@@ -33,11 +32,9 @@ def serve(rank: int, world_size: int) -> None:
                                  "world_size": world_size}
     while True:
         try:
-            data = context.link.receive()
-            if data is None:
+            body = context.link.receive()  # the engine's link puts the command's big data in place first
+            if body is None:
                 return
-            kernel, segments, body = cloudpickle.loads(data)
-            shared.attach_from(kernel, segments)  # the command's big tensors and arrays are in the kernel's memory
             command: msg.Command = cloudpickle.loads(body)
         except KeyboardInterrupt:  # meant for a command that had just ended: nothing to stop
             continue

@@ -116,9 +116,10 @@ class TextView:
         self.out.flush()
 
 
-def stall_lines(stall: Stall) -> str:
-    """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's."""
+def stall_lines(stall: Stall, going: str = "the run", handle: str = "run") -> str:
+    """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's; `going`
+    is what goes on meanwhile, `handle` what the user calls `stacks()` on."""
     lines = [f"[ddpnb] {stall.headline()}"]
     lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
-    lines.append("[ddpnb]   the run goes on; run.stacks() gives every rank's stack now")
+    lines.append(f"[ddpnb]   {going} goes on; {handle}.stacks() gives every rank's stack now")
     return "\n".join(lines) + "\n"

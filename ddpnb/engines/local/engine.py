@@ -12,22 +12,24 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import selectors
 import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
-from ddpnb.core.engine import RunEvents
-from ddpnb.core.shared import Shipment
-from ddpnb.core.spec import EngineKind, LaunchError, Plan, Stream, WorkerSpec, local_gpu_count
+from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
+from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec, local_gpu_count
 from ddpnb.core.stacks import user_stack_dump
 from ddpnb.engines.local import forkserver
 from ddpnb.engines.local.rank import PROCESS_PREFIX, FdForChild, entry
+from ddpnb.engines.local.shared import Shipment
 
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when ranks are stopped
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
@@ -38,22 +40,28 @@ PIPE_SIZE = 1 << 20  # bytes a rank may write before it waits for the kernel to 
 COALESCE = 0.2
 
 
+@dataclass(frozen=True)
+class LocalOptions:
+    """The local engine takes no options of its own: its ranks are this machine's processes."""
+
+
 class LocalType:
     """The local engine before a run: this machine's GPUs, the kernel's environment."""
 
-    kind = EngineKind.LOCAL
-    maps_data = True
+    name: ClassVar[str] = "local"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        shares_memory=True, shares_run_dir=True, commands=True, announce_every=COALESCE,
+        stop_wait=STOP_GRACE + STACK_WAIT + 5)
+    Options: ClassVar[type] = LocalOptions
+    flags: ClassVar[list[Flag]] = []
 
-    def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
-        if address is not None or placement is not None:
-            raise LaunchError("address and placement are for the ray engine: add engine='ray' (--engine ray).")
+    def check(self, options: LocalOptions) -> None:
         try:  # ranks start in the kernel's working directory, as every multiprocessing child does
             os.getcwd()
         except FileNotFoundError:
             raise LaunchError("this kernel's working directory no longer exists (deleted, or moved?), and ranks start "
                               "in it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the "
                               "cell again.") from None
-        return {}
 
     def shipment(self) -> Shipment:
         return Shipment()
@@ -74,17 +82,12 @@ class LocalType:
             usable = os.cpu_count() or 1
         return max(1, usable // plan.world_size)
 
-    def create(self, spec: WorkerSpec, timeout: float | None, options: dict[str, Any]) -> LocalEngine:
+    def create(self, spec: WorkerSpec, options: LocalOptions) -> LocalEngine:
         return LocalEngine(spec)
 
 
 class LocalEngine:
-    """One run's ranks as processes forked from the forkserver."""
-
-    kind = EngineKind.LOCAL
-    stop_wait = STOP_GRACE + STACK_WAIT + 5
-    maps_results = True
-    announce_every = COALESCE
+    """One attempt's ranks as processes forked from the forkserver."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -96,20 +99,22 @@ class LocalEngine:
         self._signalled: dict[int, set[int]] = {}  # rank -> the stop signals sent to it
         self._pipe_room = PIPE_SIZE  # what the smallest of the run's pipes holds
         self._events: RunEvents | None = None
+        self._open_commands = False  # a session: each rank gets a pipe for the kernel's commands
         self._commands: list[Any] = []  # sessions: each rank's command pipe, the kernel's (write) end
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()  # ends the reader's pause when a session command was sent
         os.set_blocking(self._wake_w, False)
 
     # --- start -------------------------------------------------------------------------------------------------
-    def start(self, events: RunEvents, result_fd: int | None, shared: Shipment | None = None) -> None:
+    def start(self, events: RunEvents, start: AttemptStart) -> None:
         self._events = events
+        self._open_commands = start.commands
         # under the forkserver's lock until every rank is forked: `preload` must not restart the forkserver meanwhile
         with forkserver.lock:
-            self._start_ranks(forkserver.context_held(), result_fd, shared)
+            self._start_ranks(forkserver.context_held(), start.result_fd, start.shipment)
 
     def _start_ranks(self, context: multiprocessing.context.BaseContext, result_fd: int | None,
-                     shared: Shipment | None) -> None:
+                     shared: Any) -> None:
         store_socket = _bind_store_socket()
         self.spec.master_port = store_socket.getsockname()[1]
         try:
@@ -144,7 +149,7 @@ class LocalEngine:
         self._pipe_room = min(self._pipe_room, *(_enlarge_pipe(end.fileno()) for end in (channel_w, out_w, err_w)))
         result = None if result_fd is None else FdForChild(result_fd)
         commands_r = None
-        if self.spec.interactive:
+        if self._open_commands:
             commands_r, commands_w = multiprocessing.Pipe(duplex=False)
             self._commands.append(commands_w)
         proc = context.Process(
@@ -300,11 +305,14 @@ class LocalEngine:
                 os.truncate(path, 0)
         return stacks
 
-    def send(self, ranks: list[int], command: bytes, shared: Shipment | None = None) -> None:  # its fds: in `command`
+    def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
+        # a running rank maps the command's memory files through /proc/<this pid>/fd (`PipeLink.receive`)
+        fds = shipment.fds() if isinstance(shipment, Shipment) else {}
+        payload = pickle.dumps((os.getpid(), fds, command))
         with self._send_lock:
             for rank in ranks:
                 try:
-                    self._commands[rank].send_bytes(command)
+                    self._commands[rank].send_bytes(payload)
                 except OSError:  # the rank is gone: its exit tells the run
                     continue
         try:

@@ -10,6 +10,7 @@ import faulthandler
 import gc
 import io
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -19,8 +20,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core import rundir, shared
+from ddpnb.core import rundir
 from ddpnb.core.spec import WorkerSpec
+from ddpnb.engines.local import mapped
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -67,12 +69,15 @@ class PipeLink:
         sys.stderr.flush()
 
     def receive(self) -> bytes | None:
+        """A command, with the notebook data its pickle refers to mapped first (`LocalEngine.send`)."""
         if self.commands is None:
             return None
         try:
-            return self.commands.recv_bytes()
+            kernel, segments, command = pickle.loads(self.commands.recv_bytes())
         except (EOFError, OSError):  # the kernel closed its end: the session is over
             return None
+        mapped.attach_from(kernel, segments)  # the command's big tensors and arrays are in the kernel's memory
+        return command
 
     def send(self, message: msg.Message) -> None:
         self._write(msg.encode(message))
@@ -101,7 +106,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
     the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
     `WorkerSpec`, unpickled after the output is redirected, so that a failure to rebuild it is reported like any
-    other. `data`: the memory files holding the notebook's big tensors and arrays (`core.shared`), mapped before
+    other. `data`: the memory files holding the notebook's big tensors and arrays (`shared`), mapped before
     anything is unpickled. Rank 0 also gets the socket for its TCPStore and the file for its result; a session's
     ranks get a pipe for the kernel's commands."""
     global _store_fd
@@ -117,7 +122,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
 
     code = 0
     try:
-        shared.attach(data)
+        mapped.attach(data)
         run_function(context, spec_payload, _setup, _join_group, result_fd)
         _leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)

@@ -8,8 +8,8 @@ import re
 import sys
 
 from ddpnb import _compat
-from ddpnb.core.run import live_runs
-from ddpnb.core.spec import EngineKind, LaunchError, local_gpu_count, no_gpus_message
+from ddpnb.core import live
+from ddpnb.core.spec import LaunchError, local_gpu_count, no_gpus_message
 
 LOCAL = "local"  # `_connection` when this kernel runs the local Ray instance ddpnb started
 LOCAL_START_ATTEMPTS = 2  # Ray gives a raylet 30 s to start, which a busy machine can overrun
@@ -117,7 +117,7 @@ def _start_local(cpus: int, gpus: int) -> None:
 def _restart_local(cpus: int, gpus: int) -> None:
     import ray
 
-    if live_runs(EngineKind.RAY):
+    if live.runs("ray"):
         raise LaunchError(f"the local Ray instance has {_local_resources.get('CPU', 0)} CPUs and "
                           f"{_local_resources.get('GPU', 0)} GPUs, and a run is still using it: wait for that run "
                           "(or stop it) before starting a bigger one.")

@@ -1,7 +1,7 @@
 """Notebook data for Ray ranks through Ray's object store: put once by the kernel, fetched by every rank.
 
 Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulted by the pickler as
-`core.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
+`engines.local.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
 the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
 the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
 from, so that the next launch reuses what did not change instead of putting it again. Rank side: `_rebuild_tensor`
@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpnb.core import shared
+from ddpnb.core import data as notebook_data
+from ddpnb.core.data import CHUNK, KEEP_LAUNCHES, MIN_BYTES
 from ddpnb.core.record import DataSent
-from ddpnb.core.shared import CHUNK, KEEP_LAUNCHES, MIN_BYTES
+from ddpnb.rank.data import from_cuda
 
 
 # --- kernel side ---------------------------------------------------------------------------------------------------
@@ -37,7 +38,7 @@ class Held:
     launch: int = 0  # the latest launch that used it
 
 
-class RefStore(shared.BySource[Held]):
+class RefStore(notebook_data.BySource[Held]):
     """The object references the latest launches used, by the notebook object they came from; the kernel has
     one. Unlike memory files, each object stands alone in Ray's store: one dropped reference frees one object."""
 
@@ -52,7 +53,7 @@ class RefStore(shared.BySource[Held]):
                 self.entries, self.connection = {}, connection
 
     def keep(self, used: Iterable[Held]) -> None:
-        """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `core.shared.Store` does),
+        """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `engines.local.shared.Store` does),
         while the notebook still holds each source; the rest is let go, so the object store does not grow run
         after run."""
         with self.lock:
@@ -101,13 +102,13 @@ class ObjectStoreShipment:
         import torch
 
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
-            copy = shared.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`_from_cuda`)
+            copy = notebook_data.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`rank.data.from_cuda`)
             reduced = self._reduce_cpu(copy, torch)
-            return (_rebuild_from_cuda, reduced[1]) if reduced is not None else (shared._from_cuda, (copy,))
+            return (_rebuild_from_cuda, reduced[1]) if reduced is not None else (from_cuda, (copy,))
         return self._reduce_cpu(tensor, torch)
 
     def _reduce_cpu(self, tensor: Any, torch: Any) -> tuple[Any, ...] | None:
-        if not shared._plain_tensor(tensor, torch):
+        if not notebook_data.plain_tensor(tensor, torch):
             return None
         storage = tensor.untyped_storage()
         if storage.nbytes() < MIN_BYTES:
@@ -121,7 +122,7 @@ class ObjectStoreShipment:
         if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
             return None
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-        key = self._key(array, None, lambda: shared._flat(array, numpy).view(numpy.uint8))
+        key = self._key(array, None, lambda: notebook_data.flat(array, numpy).view(numpy.uint8))
         return _rebuild_array, (key, array.dtype, array.shape, order)
 
     def _key(self, source: Any, version: int | None, data: Any) -> int:
@@ -246,8 +247,8 @@ def _rebuild_tensor(key: int, dtype: Any, storage_offset: int, size: tuple[int, 
 
 def _rebuild_from_cuda(*args: Any) -> Any:
     """A notebook CUDA tensor, put as a CPU copy: rebuilt on the CPU, then onto this rank's own device once it is
-    set up, as on the local engine (`core.shared._from_cuda`)."""
-    return shared._from_cuda(_rebuild_tensor(*args))
+    set up, as on the local engine (`rank.data.from_cuda`)."""
+    return from_cuda(_rebuild_tensor(*args))
 
 
 def _rebuild_array(key: int, dtype: Any, shape: tuple[int, ...], order: str) -> Any:

@@ -13,14 +13,15 @@ import importlib.util
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ddpnb import _compat
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
-from ddpnb.core.engine import RunEvents
-from ddpnb.core.spec import EngineKind, LaunchError, Plan, WorkerSpec
+from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
+from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
 from ddpnb.engines.ray.actor import FitOutcome, FitRequest, NewAttempt
 from ddpnb.engines.ray.data import ObjectStoreShipment
@@ -40,23 +41,46 @@ class Placement(enum.Enum):
     SPREAD = "spread"  # across as many nodes as possible
 
 
+@dataclass(frozen=True)
+class RayOptions:
+    """`address`: the cluster ('auto', 'HOST:PORT', 'ray://HOST:PORT', 'local'; default: the one this kernel is
+    connected to, else $RAY_ADDRESS or a `ray start` cluster here, else a local Ray instance sized for the run);
+    `placement`: 'pack' (few nodes, the default) or 'spread' (across nodes)."""
+
+    address: str | None = None
+    placement: Placement = Placement.PACK
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "placement", Placement(self.placement))
+        except ValueError:
+            choices = ", ".join(p.value for p in Placement)
+            raise LaunchError(f"placement must be one of {choices}, not {self.placement!r}.") from None
+
+
 class RayType:
     """The ray engine before a run: Ray Train installed, a placement; the GPUs are the cluster's."""
 
-    kind = EngineKind.RAY
-    maps_data = False  # ranks may be on other nodes: notebook data goes through Ray's object store (`shipment`)
+    name: ClassVar[str] = "ray"
+    # ranks may be on other nodes: notebook data goes through Ray's object store (`shipment`), results in messages
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        commands=True, announce_every=POLL, stop_wait=STACK_WAIT + 2 * ABORT_WAIT + 5)  # abort, then kill the actor
+    Options: ClassVar[type] = RayOptions
+    flags: ClassVar[list[Flag]] = [
+        Flag("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
+                 help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
+                      "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
+                      "run, which 'local' asks for in any case)."),
+        Flag("--placement", choices=[p.value for p in Placement],
+                 help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
+    ]
 
     def __init__(self) -> None:
         if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
             raise LaunchError(INSTALL_HINT)
 
-    def check(self, address: str | None, placement: str | None) -> dict[str, Any]:
-        try:
-            chosen = Placement(placement or Placement.PACK.value)
-        except ValueError:
-            choices = ", ".join(p.value for p in Placement)
-            raise LaunchError(f"placement must be one of {choices}, not {placement!r}.") from None
-        return {"address": address, "placement": chosen}
+    def check(self, options: RayOptions) -> None:
+        """Nothing more to check before the cluster is reached (`cluster.connect`, at start)."""
 
     def shipment(self) -> ObjectStoreShipment:
         return ObjectStoreShipment()
@@ -70,21 +94,16 @@ class RayType:
     def torch_threads(self, plan: Plan, environ: dict[str, str]) -> int | None:
         return None  # Ray Train sets the workers' threads from their CPUs
 
-    def create(self, spec: WorkerSpec, timeout: float | None, options: dict[str, Any]) -> RayEngine:
-        return RayEngine(spec, timeout, options["address"], options["placement"])
+    def create(self, spec: WorkerSpec, options: RayOptions) -> RayEngine:
+        return RayEngine(spec, options.address, options.placement)
 
 
 class RayEngine:
-    """One run's ranks as Ray Train workers."""
+    """One run's ranks as Ray Train workers (one engine for every attempt Ray Train restarts itself)."""
 
-    kind = EngineKind.RAY
-    stop_wait = STACK_WAIT + 2 * ABORT_WAIT + 5  # Ray Train's abort, then (if need be) killing the run actor
-    maps_results = False  # rank 0 may be on another node: its value travels in its last message
-    announce_every = POLL
-
-    def __init__(self, spec: WorkerSpec, timeout: float | None, address: str | None, placement: Placement) -> None:
+    def __init__(self, spec: WorkerSpec, address: str | None, placement: Placement) -> None:
         self.spec = spec
-        self.timeout = timeout
+        self.timeout = spec.timeout
         self.address = address
         self.placement = placement
         self._events: RunEvents | None = None
@@ -102,14 +121,15 @@ class RayEngine:
         self._ray_restarts = 0  # restarts Ray Train makes itself (FailureConfig); the run's others are ddpnb's
         self._restarted = 0  # ... of which it made so far
 
-    def start(self, events: RunEvents, result_fd: int | None, shared: Any = None) -> None:
+    def start(self, events: RunEvents, start: AttemptStart) -> None:
         import ray
 
         from ddpnb.engines.ray import cluster
         from ddpnb.engines.ray.actor import RunActor
 
         self._events = events
-        self._ray_restarts = events.restarts_left() if _compat.ray_train_v2() and not self.spec.interactive else 0
+        self._ray_restarts = start.restarts if _compat.ray_train_v2() else 0  # the run's policy's budget
+        shared = start.shipment
         spec = self.spec
         spec_payload = pickling.dump_spec(spec, shared)  # before anything starts: args that cannot be sent
         print(cluster.connect(self.address, cpus=spec.world_size, gpus=spec.world_size if spec.use_gpus else 0))
@@ -170,9 +190,10 @@ class RayEngine:
                 self._new_attempt(data)
                 continue
             message = msg.decode(data)
-            if isinstance(message, msg.Placed) and message.placement_group is not None:
-                self._placement_groups[message.placement_group.id.hex()] = message.placement_group
-            elif isinstance(message, msg.Returned):
+            if isinstance(message, msg.Placed):
+                self._placed(message)
+                continue
+            if isinstance(message, msg.Returned):
                 self._returned.add(message.rank)
             elif isinstance(message, msg.Failed):
                 self._failed.add(message.rank)
@@ -188,9 +209,15 @@ class RayEngine:
         self._settle_ranks(FitOutcome(rank_errors=mark.rank_errors))
         self._restarted = mark.restarts
         self._returned, self._failed, self._stacks = set(), set(), {}
-        if not self._events.restarted():
-            self._stopped = True
-            self.escalate()
+        self._events.restarted()  # where the run's policy says it ends after all, it stops us (`stop`)
+
+    def _placed(self, message: msg.Placed) -> None:
+        assert self._events is not None
+        if message.placement_group is not None:
+            self._placement_groups[message.placement_group.id.hex()] = message.placement_group
+        self._events.placed(message.rank, message.pid, message.node_id)
+        line = f"[ddpnb] on Ray node {message.node_id[:12]} ({message.node_ip}), pid {message.pid}\n"
+        self._events.output(message.rank, Stream.STDOUT, line.encode())
 
     def _settle_ranks(self, outcome: FitOutcome | None = None) -> None:
         """Each rank's end: Ray reports no exit codes, so they are inferred as a local run's would be."""
@@ -268,9 +295,9 @@ class RayEngine:
                 break
         return {rank: self._stacks[rank] for rank in ranks if rank in self._stacks}
 
-    def send(self, ranks: list[int], command: bytes, shared: Any = None) -> None:
+    def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
         # the command's big tensors and arrays: put once (or reused), their references travel with the command
-        data = shared.put() if isinstance(shared, ObjectStoreShipment) else {}
+        data = shipment.put() if isinstance(shipment, ObjectStoreShipment) else {}
         self._actor.send_cell.remote(ranks, command, data)
 
     def interrupt(self, ranks: list[int]) -> None:

@@ -1,0 +1,341 @@
+"""One attempt of a run: every rank started once on one engine, until all have ended.
+
+The attempt is what its engine reports to (`core.engine.RunEvents`): it turns messages and exits into rank
+states and failures, feeds the rank logs and the watchdog, holds rank 0's result, and stops every rank against
+one deadline. It announces what changed to the run's views. Whether another attempt follows is the restart
+policy's decision (`core.policy`), acted on by the run.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+from ddpnb.core import flight, hints
+from ddpnb.core import messages as msg
+from ddpnb.core.announce import Announcer
+from ddpnb.core.channel import CommandChannel
+from ddpnb.core.data import Shipment
+from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
+from ddpnb.core.output import LineBuffer
+from ddpnb.core.policy import AttemptSnapshot
+from ddpnb.core.ranklogs import RankLogs
+from ddpnb.core.record import (
+    Diagnosis,
+    Failure,
+    Outcome,
+    Point,
+    RankState,
+    RunRecord,
+    Stall,
+    describe_exit,
+    is_knock_on,
+)
+from ddpnb.core.result import ResultSlot
+from ddpnb.core.spec import Stream, WorkerSpec
+from ddpnb.core.stall import diagnose
+from ddpnb.core.watchdog import Alarm, Watchdog
+
+_RUNNING = (RankState.STARTING, RankState.RUNNING)
+StopAsk = tuple[Outcome, str]
+
+
+class StopRequest:
+    """The stop a run was asked for (an interrupt, the user, a session), shared with its attempts: a plain slot,
+    written by the asking thread, read by the reader's at each tick."""
+
+    def __init__(self) -> None:
+        self.asked: StopAsk | None = None
+
+
+class AttemptState(enum.Enum):
+    """STARTING (the engine starts the ranks) → RUNNING (the reader serves them) → STOPPING (a rank failed, the
+    timeout passed, or a stop was asked: every rank is being stopped against one deadline) → ENDED (every rank
+    has exited and the engine is closed). An attempt can go from RUNNING to ENDED directly (every rank returned),
+    and from STOPPING to ENDED only; a start that raises ends it at once."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    ENDED = "ended"
+
+
+class Attempt:
+    """One attempt's ranks, as its engine reports them (`RunEvents`, but `restarted`, which is the run's).
+    `number`: 0 for the first attempt; `stop_request`: the run's, read each tick."""
+
+    def __init__(self, number: int, spec: WorkerSpec, capabilities: Capabilities, record: RunRecord,
+                 lines: LineBuffer, watchdog: Watchdog, announcer: Announcer, channel: CommandChannel | None,
+                 stop_request: StopRequest) -> None:
+        self.number = number
+        self.spec = spec
+        self.engine: Engine = None  # type: ignore[assignment]  # from `start` or `adopt` on
+        self.capabilities = capabilities
+        self.record = record  # its `ranks` and `failures` are this attempt's
+        self._lines = lines
+        self.logs: RankLogs | None = None
+        self.watchdog = watchdog
+        self.announcer = announcer
+        self.channel = channel
+        self.result = ResultSlot(memory_file=capabilities.shares_memory)
+        self.state = AttemptState.STARTING
+        self.started = time.time()
+        self._request = stop_request
+        self._returned: set[int] = set()
+        self._stopping: dict[int, float] = {}  # rank -> when the engine was first asked to stop it (time.time())
+        self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
+        self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
+        self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
+
+    # --- lifecycle, driven by the run -------------------------------------------------------------------------
+    def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
+              restarts: int) -> None:
+        """Open the logs, make the engine and start every rank, reporting to `events` (a relay to this attempt);
+        raises with nothing left running (`abandon` then lets go of the logs and the result file)."""
+        self._open()
+        self.engine = new_engine(self.spec)
+        if self.channel is not None:
+            self.channel.engine = self.engine
+        self.engine.start(events, AttemptStart(result_fd=self.result.fd, shipment=shipment,
+                                               commands=self.channel is not None, restarts=restarts))
+        self.started = self.record.ranks[0].started  # the duration counts from the first rank's start
+        self._running()
+
+    def adopt(self, engine: Engine) -> None:
+        """Take over the ranks `engine` restarted itself (it reports to the same relay)."""
+        self._open()
+        self.engine = engine
+        if self.channel is not None:
+            self.channel.engine = engine
+        self._running()
+
+    def _open(self) -> None:
+        for rank in self.record.ranks:
+            rank.started = self.started
+        self.logs = RankLogs(self.record.ranks, self.record.failures, self._lines)
+
+    def _running(self) -> None:
+        self.state = AttemptState.RUNNING
+        self.watchdog.begin()
+
+    def abandon(self, why: str = "") -> None:
+        """The attempt could not start: nothing runs; `why` becomes its outcome's note."""
+        self._stop = (Outcome.FAILED, why)
+        for rank in self.record.ranks:
+            rank.state = RankState.STOPPED
+        self.state = AttemptState.ENDED
+        if self.logs is not None:
+            self.logs.release()
+        self.result.close()
+
+    def end(self, close_engine: bool = True) -> None:
+        """The attempt's ranks are gone: close its engine (unless the next attempt keeps it), end its logs."""
+        self.state = AttemptState.ENDED
+        try:
+            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
+            if close_engine:
+                self.engine.close()
+        finally:
+            if self.logs is not None:
+                self.logs.close(self._stop[1] if self._stop else "")
+            self.release_waiters()
+
+    def release_waiters(self) -> None:
+        for _, _, collected in self._stack_requests:  # no stacks will come now
+            collected.set()
+        self._stack_requests = []
+        if self.channel is not None:
+            self.channel.release()
+
+    def outcome(self) -> StopAsk:
+        """The attempt's outcome from its stop and its ranks' states."""
+        if self._stop is not None:
+            return self._stop
+        if all(r.state is RankState.FINISHED for r in self.record.ranks):
+            return Outcome.SUCCEEDED, ""
+        return Outcome.FAILED, "not every rank finished"
+
+    def snapshot(self) -> AttemptSnapshot:
+        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None)
+
+    def refuse_restart(self) -> None:
+        """The engine restarted its ranks itself, but the run ends: stop what it started."""
+        after = self.engine.stop(list(range(self.spec.world_size)), failed=False)
+        self._escalate_at = None if after is None else time.monotonic() + after
+
+    # --- RunEvents: what the engine reports, from the reader thread -------------------------------------------
+    def placed(self, rank: int, pid: int | None, node: str = "") -> None:
+        record = self.record.ranks[rank]
+        record.pid, record.started = pid, time.time()
+        record.node = node or record.node
+        self.announcer.mark()
+
+    def output(self, rank: int, stream: Stream, data: bytes) -> None:
+        added, explained = self.logs.output(rank, stream, data)  # type: ignore[union-attr]
+        if added:
+            self.watchdog.stamp(rank)
+            self.announcer.mark(turn=explained)
+
+    def message(self, rank: int, message: msg.Message) -> None:
+        record = self.record.ranks[rank]
+        turn = isinstance(message, (msg.Started, msg.Returned, msg.Failed, msg.Reply))
+        self.announcer.mark(turn)
+        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too
+        if isinstance(message, msg.Metric):
+            self.watchdog.stamp(rank)
+            for name, value in message.values.items():
+                record.metrics.setdefault(name, []).append(Point(message.step, message.time, value))
+        elif isinstance(message, msg.Output):
+            self.output(rank, Stream(message.stream), message.data)
+        elif isinstance(message, msg.Progress):
+            self.watchdog.stamp(rank)
+            record.update_progress(message)
+        elif isinstance(message, msg.GpuMemory):
+            record.gpu_memory = (message.reserved, message.peak)
+        elif isinstance(message, msg.StepTimes):
+            record.step_times.append(message)
+            self.watchdog.compute_reported()
+        elif isinstance(message, msg.Hardware):
+            record.hardware.append(message)
+        elif isinstance(message, msg.Imported):
+            self.record.hint = hints.preload_hint(message)
+        elif isinstance(message, msg.Started):
+            record.state, record.device = RankState.RUNNING, message.device
+            self.watchdog.stamp(rank)
+        elif isinstance(message, msg.Returned):
+            self.watchdog.stamp(rank)
+            self._returned.add(rank)
+            if rank == 0:
+                self.result.returned(message.payload, message.saved)
+        elif isinstance(message, msg.Reply):
+            self.watchdog.stamp(rank)
+            if self.channel is not None:
+                self.channel.answered(message)  # released at the end of this read pass, after the output read with it
+        elif isinstance(message, msg.Failed):
+            self._failed(rank, message)
+
+    def _failed(self, rank: int, message: msg.Failed) -> None:
+        self.record.ranks[rank].state = RankState.FAILED
+        if message.exc_type == "SystemExit":
+            summary = f"called sys.exit({message.message}) before its function returned"
+        else:
+            summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
+        # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence;
+        # one raised before, but read after, is the rank's own
+        knock_on = is_knock_on(message.exc_type, message.message) \
+            or message.time >= self._stopping.get(rank, float("inf"))
+        self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on))
+        self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
+
+    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
+               traceback: str = "") -> None:
+        record = self.record.ranks[rank]
+        self.announcer.mark(turn=True)
+        record.exitcode, record.ended = exitcode, record.ended or time.time()
+        if record.state is RankState.FAILED:
+            return
+        if exitcode == 0 and rank in self._returned:
+            record.state = RankState.FINISHED
+        elif stopped:  # ended by ddpnb's stop, not by itself
+            record.state = RankState.STOPPED
+        else:
+            record.state = RankState.FAILED
+            if not cause:
+                cause = describe_exit(exitcode)
+                if exitcode is not None and exitcode >= 0:
+                    cause += " before its function returned (os._exit, or exit() in C code?)"
+            self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self.logs.explain_crash(rank)  # type: ignore[union-attr]
+            self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
+
+    def quiet(self) -> bool:
+        eager = self.channel is not None and self.channel.eager()
+        return not eager and not self._returned and self._stop is None and self._request.asked is None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.channel is not None:
+            self.channel.release()
+        while self._stack_requests:  # asked for by another thread: collected in the reader's thread
+            ranks, taken, collected = self._stack_requests.pop(0)
+            taken.update(self.engine.collect_stacks(ranks))
+            collected.set()
+        asked = self._request.asked
+        if asked and self._stop is None:
+            self._begin_stop(*asked)
+        alarm = self.watchdog.check(now, self.record.ranks, self.record.stall, self._returned, armed=self._stop is None)
+        if alarm is Alarm.TIMEOUT:
+            self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
+            self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
+        elif alarm is Alarm.STALL:
+            self.record.stall = Stall(since=time.time() - self.watchdog.quiet,
+                                      threshold=self.watchdog.stall.threshold(), diagnosis=self.diagnose())
+            self.announcer.mark(turn=True)
+        elif alarm is Alarm.RESUMED and self.record.stall is not None:
+            self.record.stall.resumed = time.time()
+            self.announcer.mark(turn=True)
+        if self._escalate_at is not None and time.monotonic() > self._escalate_at:
+            after = self.engine.escalate()
+            self._escalate_at = None if after is None else time.monotonic() + after
+        self.announcer.maybe()  # output at most once an `announce_every`, however it floods in; a turn at once
+
+    # --- stopping and stacks ------------------------------------------------------------------------------------
+    def _begin_stop(self, outcome: Outcome, note: str) -> None:
+        if self._stop is not None:
+            return
+        self._stop = (outcome, note)
+        self.announcer.mark(turn=True)
+        if self.state is not AttemptState.RUNNING:  # the engine has ended already (its own account of the ranks)
+            return
+        self.state = AttemptState.STOPPING
+        going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
+                 and r.state is not RankState.FAILED]  # a failed rank exits by itself
+        now = time.time()
+        for rank in going:
+            self._stopping.setdefault(rank, now)
+        after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
+        self._escalate_at = None if after is None else time.monotonic() + after
+
+    def diagnose(self, keep: bool = False) -> Diagnosis:
+        """Where every rank is now: its stack (`keep`: left in the record, as a timeout's report shows them) and,
+        on NCCL runs whose ranks write into the run directory, its flight recorder."""
+        running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
+        recorder = self.record.backend == "nccl" and self.capabilities.shares_run_dir
+        asked = flight.request(self.spec.run_dir, running) if recorder else 0.0  # dumped while the stacks come
+        stacks = self.engine.collect_stacks(running)
+        if keep:
+            for rank, stack in stacks.items():
+                kept = self.record.ranks[rank]
+                kept.stack, kept.stalled_state = stack, kept.state
+        recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if recorder else []
+        return diagnose(self.record.ranks, stacks, self.watchdog.active, self._returned, recorded)
+
+    def request_stacks(self, ranks: list[int], wait: float, done: Callable[[], bool]) -> dict[int, str]:
+        """Each of `ranks`' stacks now (from any thread but the reader's, which collects them)."""
+        taken: dict[int, str] = {}
+        collected = threading.Event()
+        self._stack_requests.append((list(ranks), taken, collected))
+        deadline = time.monotonic() + wait
+        while not collected.wait(0.1) and not done() and time.monotonic() < deadline:
+            continue  # a run that ends meanwhile sends no stacks
+        return {rank: taken.get(rank, "") for rank in ranks}
+
+    def running_ranks(self) -> list[int]:
+        return [r.rank for r in self.record.ranks if r.state in _RUNNING]
+
+
+class Relay:
+    """The events an engine reports to (`RunEvents`), bound to the attempt running now: an engine that restarts
+    its ranks itself keeps reporting to one object while the run puts the next attempt behind it (`restarted`)."""
+
+    def __init__(self, attempt: Attempt, restarted: Callable[[], None]) -> None:
+        self.restarted = restarted
+        self.retarget(attempt)
+
+    def retarget(self, attempt: Attempt) -> None:
+        # bound methods, not forwarding calls: an event costs what it cost before there were several attempts
+        self.attempt = attempt
+        self.placed, self.message, self.output = attempt.placed, attempt.message, attempt.output
+        self.exited, self.tick, self.quiet = attempt.exited, attempt.tick, attempt.quiet

@@ -1,0 +1,36 @@
+"""The runs of this kernel still going: what `ddpnb.runs()` lists, and what a shutting-down kernel stops."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ddpnb.core.record import Outcome, RunRecord
+
+
+class Run(Protocol):  # `core.run.Run`, which registers itself here
+    record: RunRecord
+
+    def stop(self, outcome: Outcome = ..., note: str = ...) -> None: ...
+
+
+_live: set[Any] = set()
+
+
+def add(run: Run) -> None:
+    _live.add(run)
+
+
+def discard(run: Run) -> None:
+    _live.discard(run)
+
+
+def runs(engine: str | None = None) -> list[Run]:
+    """The runs still going (of one engine, by name), oldest first."""
+    return sorted((run for run in list(_live) if engine is None or run.record.engine == engine),
+                  key=lambda run: run.record.started)
+
+
+def stop_all() -> None:
+    """atexit: a kernel that shuts down takes its runs with it."""
+    for run in runs():
+        run.stop(Outcome.STOPPED, "the kernel shut down")

@@ -1,0 +1,121 @@
+"""One attempt's rank logs: each rank's output decoded into lines, written to its log file, crash reports read.
+
+Raw bytes go to `rankN.log` (or `rankN.attemptK.log` with restarts) as they come; decoded lines go to the run's
+line buffer (which views read) and to the rank's record (its latest line). A rank killed by a signal has its
+faulthandler report read from its stderr, so its failure can say where in the user's code it died. When the
+attempt ends, each log closes with how its rank ended, so the file alone tells the story.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ddpnb.core import rundir
+from ddpnb.core.output import LineBuffer, LineDecoder, last_text
+from ddpnb.core.record import Failure, RankRecord, RankState, cell_names, describe_exit
+from ddpnb.core.spec import Stream
+from ddpnb.core.stacks import CrashDump
+
+
+def log_paths(run_dir: Path, world_size: int, attempt: int, restarts: bool) -> list[Path]:
+    """Each rank's log; with restarts, each attempt has its own (`rank1.attempt0.log`)."""
+    return [run_dir / (f"rank{r}.attempt{attempt}.log" if restarts else f"rank{r}.log") for r in range(world_size)]
+
+
+class RankLogs:
+    """The attempt's ranks' output: `output` as it arrives, `close` at the attempt's end."""
+
+    def __init__(self, ranks: list[RankRecord], failures: list[Failure], lines: LineBuffer) -> None:
+        self._ranks = ranks
+        self._failures = failures  # the attempt's, appended to by the attempt: crashes are explained in place
+        self._lines = lines
+        self._logs: list[Any] = []
+        self._decoders: dict[tuple[int, Stream], LineDecoder] = {}
+        self._crashes: dict[int, CrashDump] = {}  # faulthandler's report in each rank's stderr, once it starts
+        try:
+            for record in ranks:
+                log = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
+                self._logs.append(log)
+                for stream in Stream:
+                    self._decoders[(record.rank, stream)] = LineDecoder(log)
+        except BaseException:
+            self.release()
+            raise
+
+    def output(self, rank: int, stream: Stream, data: bytes) -> tuple[int, bool]:
+        """Take a rank's raw bytes (b"": the stream ended); returns (lines added, whether a crash's failure now
+        says where it died)."""
+        lines = self._decoders[(rank, stream)].feed(data, final=not data)
+        return (len(lines), self._add(rank, stream, lines)) if lines else (0, False)
+
+    def _add(self, rank: int, stream: Stream, lines: list[str]) -> bool:
+        record = self._ranks[rank]
+        self._lines.add(rank, stream, lines)
+        record.lines += len(lines)
+        own, explained = lines, False
+        if stream is Stream.STDERR:  # a fatal error's report is not the rank's last line: it says where it died
+            crash = self._crashes.get(rank) or CrashDump()
+            own = crash.own_lines(lines)
+            if crash.lines:
+                self._crashes[rank] = crash
+                explained = self.explain_crash(rank)
+        if own:
+            record.last_line = own[-1]
+            # a rank with tqdm bars writes each bar's final state as a line; the dashboard shows the bar already
+            text = last_text(own) if record.progress else own[-1]
+            record.last_text = record.last_text if text is None else text
+        return explained
+
+    def explain_crash(self, rank: int) -> bool:
+        """A rank killed by a signal, with faulthandler's report read: its failure says where, in the user's code,
+        it died (`killed by SIGSEGV in crash (Cell In[3], line 4)`), and holds the report as its traceback.
+        Returns whether the failure's summary changed."""
+        crash = self._crashes.get(rank)
+        failure = next((f for f in self._failures if f.rank == rank), None)
+        code = self._ranks[rank].exitcode
+        if crash is None or failure is None or code is None or code >= 0 or not crash.complete:
+            return False
+        if not failure.traceback:
+            failure.traceback = crash.stack()
+        frame = crash.crash_frame()
+        if not frame or failure.summary != describe_exit(code):
+            return False
+        filename, line, function = frame
+        location = f'File "{filename}", line {line}'
+        named = cell_names(location)
+        failure.summary += f" in {function} ({named if named != location else f'{filename}, line {line}'})"
+        return True
+
+    def close(self, stop_note: str) -> None:
+        """The attempt's ranks are gone: the last partial lines, the crash reports cut short, then each log's
+        ending (`stop_note`: why ddpnb stopped the ranks it stopped)."""
+        try:
+            for (rank, stream), decoder in self._decoders.items():  # a last line without its newline
+                if decoder.partial or decoder.partial_cut:
+                    self._add(rank, stream, decoder.feed(b"", final=True))
+            for rank, crash in self._crashes.items():  # a report cut short (no extension modules line)
+                crash.complete = True
+                self.explain_crash(rank)
+            self._write_endings(stop_note)
+        finally:
+            self.release()
+
+    def _write_endings(self, stop_note: str) -> None:
+        failures = {failure.rank: failure for failure in self._failures}
+        for rank, log in zip(self._ranks, self._logs):
+            if rank.state is RankState.FINISHED:
+                continue
+            failure = failures.get(rank.rank)
+            if failure is not None:
+                ending = f"rank {rank.rank} failed: {failure.summary}\n{failure.traceback}".rstrip()
+            elif rank.state is RankState.STOPPED:
+                ending = f"rank {rank.rank} stopped by ddpnb ({describe_exit(rank.exitcode)}): {stop_note}"
+            else:
+                ending = f"rank {rank.rank} {describe_exit(rank.exitcode)}"
+            log.write(f"\n[ddpnb] {ending}\n".encode())
+
+    def release(self) -> None:
+        for log in self._logs:
+            log.close()
+        self._logs = []

@@ -1,0 +1,82 @@
+"""One attempt's clocks: its timeout, the stall doctor and the straggler radar, behind one `check(now)`.
+
+The watchdog decides and the attempt acts: `check` says what it found (`Alarm`), and the attempt takes the stacks,
+writes the record and stops the ranks. Progress is stamped with the reader's clock, read once a pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from ddpnb.core.record import RankRecord, RankState, Stall, flag_stragglers
+from ddpnb.core.stall import StallWatch
+
+RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
+_RUNNING = (RankState.STARTING, RankState.RUNNING)
+
+
+class Alarm(enum.Enum):
+    TIMEOUT = "timeout"  # the attempt ran past --timeout
+    STALL = "stall"  # no rank made progress for the stall threshold (`quiet` seconds)
+    RESUMED = "resumed"  # a rank made progress again after a stall
+
+
+class Watchdog:
+    """`timeout`: seconds an attempt may run (None: no limit); `stall`: --stall's seconds (None: adaptive, 0: off);
+    `paused()`: whether waiting is the ranks' job just now (a session between commands), so quiet is no stall."""
+
+    def __init__(self, world_size: int, timeout: float | None, stall: float | None,
+                 paused: Callable[[], bool] = lambda: False) -> None:
+        self.timeout = timeout
+        self.stall = StallWatch(world_size, stall)
+        self.active = self.stall.active  # each rank's latest progress, on the reader's clock
+        self.paused = paused
+        self.clock = time.monotonic()  # the reader's clock, read once a pass: what `stamp` stores
+        self.started = self.clock
+        self.quiet = 0.0  # seconds without progress when the latest STALL was found
+        self._stalled_latest = 0.0  # the run's latest progress when the ongoing stall began
+        self._radar_due = False
+        self._radar_at = 0.0
+
+    def begin(self) -> None:
+        """The ranks are up: the timeout counts from now, and their start was no quiet spell of theirs."""
+        self.started = time.monotonic()
+        self.stall.idle(self.started)
+
+    def stamp(self, rank: int) -> None:
+        """The rank made progress (output, a metric, a progress tick, an answer)."""
+        self.active[rank] = self.clock
+
+    def compute_reported(self) -> None:
+        """A rank reported its compute per step: judged at the next check, at most once a RADAR_INTERVAL."""
+        self._radar_due = True
+
+    def judge_stragglers(self, ranks: list[RankRecord], now: float, at_once: bool = False) -> None:
+        if self._radar_due and (at_once or now - self._radar_at >= RADAR_INTERVAL):
+            self._radar_due, self._radar_at = False, now
+            flag_stragglers(ranks)
+
+    def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
+              armed: bool = True) -> Alarm | None:
+        """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (only the
+        stragglers are judged then)."""
+        self.clock = now
+        self.judge_stragglers(ranks, now)
+        if not armed:
+            return None
+        if self.timeout and now - self.started > self.timeout:
+            return Alarm.TIMEOUT
+        if not self.stall.enabled:
+            return None
+        quiet = self.stall.update(now)
+        if stall is not None and stall.ongoing:
+            return Alarm.RESUMED if self.stall.latest > self._stalled_latest else None
+        if self.paused():
+            self.stall.idle(now)
+            return None
+        if quiet <= self.stall.threshold() or not any(r.state in _RUNNING and r.rank not in returned for r in ranks):
+            return None
+        self._stalled_latest, self.quiet = self.stall.latest, quiet
+        return Alarm.STALL
