@@ -270,7 +270,7 @@ def probe_session(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     shell.run_line_magic("ddp_start", "-n 2")  # the kernel's first: it starts the forkserver (imports torch)
     start = time.perf_counter() - started
-    session = _session.current()
+    session = _session.current_session()
     assert session is not None
     try:
         assert session.execute("rank") == [0, 1]

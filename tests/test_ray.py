@@ -570,7 +570,7 @@ def test_a_session_on_ray_keeps_state_across_cells_and_survives_an_error(ray_ker
                                     timeout=CELL_TIMEOUT)
         assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
         assert re.search(r"Cell In\[\d+\], line 3", "\n".join(failed.error["traceback"]))
-        pulled = ray_kernel.execute("s = ddpnb._session.current()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))",
+        pulled = ray_kernel.execute("s = ddpnb._session.current_session()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))",
                                     timeout=CELL_TIMEOUT)
         assert pulled.stdout.strip() == "[5, 5] [tensor([3.]), tensor([3.])]", pulled.text
     finally:
@@ -640,6 +640,40 @@ def test_a_ray_run_restarts_from_the_last_checkpoint_like_a_local_one(ray_kernel
         "      all(torch.equal(restarted['state'][k], plain['state'][k]) for k in plain['state']))")
     assert check.error is None, check.error
     assert check.stdout.split() == ["1", "20", "None", "True"]
+    assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_exhausted_restarts_on_ray_make_exactly_the_budgeted_attempts_and_the_record_says_so(ray_kernel, tmp_path):
+    """The run's policy owns restarts on Ray too: Ray Train is given its budget at start and restarts the workers
+    within one fit (one connection), the ranks' own markers show exactly three attempts, and the record keeps two
+    and ends on the third, failed, as a local run's does (`test_restarts`)."""
+    run = ray_kernel.execute(f'''%%ddp --engine ray -n 2 --max-restarts 2
+def fails_in_every_attempt(rank):
+    import pathlib
+    pathlib.Path({str(tmp_path)!r}, f"attempt{{ddpnb.attempt()}}-rank{{rank}}").touch()
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while not pathlib.Path({str(tmp_path)!r}, f"attempt{{ddpnb.attempt()}}-rank0").exists() \\
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError(f"fails in attempt {{ddpnb.attempt()}}")
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.text
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"attempt{a}-rank{r}" for a in range(3) for r in range(2)]
+    record = ray_kernel.execute(
+        "record = ddpnb.last_run()\n"
+        "print(record.max_restarts, record.attempt, [a.number for a in record.attempts], record.outcome.value)\n"
+        "print([a.first_failure.summary for a in record.attempts], record.first_failure.summary)")
+    assert record.error is None, record.error
+    numbers, failures = record.stdout.splitlines()
+    assert numbers == "2 2 [0, 1] failed", record.stdout
+    assert failures == ("['RuntimeError: fails in attempt 0', 'RuntimeError: fails in attempt 1'] "
+                        "RuntimeError: fails in attempt 2"), record.stdout
+    assert "(restart 1 of 2)" in run.stdout and "(restart 2 of 2)" in run.stdout and "restart 3" not in run.stdout
+    assert run.stdout.count(" node(s), ") == 1, run.stdout  # Ray Train restarted them: one engine, one connection
     assert run_actors_left([ray_kernel.pid]) == []
 
 

@@ -152,16 +152,16 @@ print(list(called), big[0].item(), big[-1].item(), int(table[0, 1]))
 
 def test_a_notebook_cuda_tensor_put_as_its_cpu_copy_is_rebuilt_on_a_cpu_rank_as_it_was(ray_session):
     """CUDA tensors on Ray, the part a machine without a GPU can run: a CUDA tensor's CPU copy, put into the object
-    store, is rebuilt by the rank-side function the kernel's reduction names (`_rebuild_from_cuda`), a Parameter
+    store, is rebuilt by the rank-side function the kernel's reduction names (`fetched.rebuild_from_cuda`), a Parameter
     still a Parameter with its requires_grad, and kept on the CPU on a CPU rank (a GPU rank moves it onto its own
     device, `rank.data.from_cuda`). No CUDA tensor can be made here, so the rank puts the copy itself."""
     shown = last_lines(ray_session, '''
 def rebuilt_on_this_rank():
     import ray
-    from ddpnb.engines.ray import data
+    from ddpnb.engines.ray import fetched as data
     copy = torch.arange(1 << 20, dtype=torch.float32)
     data.receive({0: ray.put(torch.empty(0, dtype=torch.uint8).set_(copy.untyped_storage()).numpy())})
-    tensor = data._rebuild_from_cuda(0, torch.float32, 0, (1 << 20,), (1,), True, True)
+    tensor = data.rebuild_from_cuda(0, torch.float32, 0, (1 << 20,), (1,), True, True)
     return type(tensor).__name__, tensor.requires_grad, tensor.device.type, torch.equal(tensor.data, copy)
 print(list(s.call(rebuilt_on_this_rank)))
 ''')[0]

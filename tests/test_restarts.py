@@ -291,3 +291,37 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
     assert not rundir.in_use(source)  # let go with the run: the next retention may delete it
     rundir.new_run_dir()
     assert not source.exists()
+
+
+# --- one owner of restarts: the budget, the attempt count and the ranks' own markers agree ---------------------------
+
+def _fails_in_every_attempt(rank: int, marks: str) -> None:
+    """Each rank leaves a marker named after the attempt it runs in (`ddpnb.attempt()`); rank 1 then fails, once
+    rank 0's marker is there (a handshake: rank 0 is never stopped before it wrote it)."""
+    import time
+
+    Path(marks, f"attempt{ddpnb.attempt()}-rank{rank}").touch()
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while not Path(marks, f"attempt{ddpnb.attempt()}-rank0").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError(f"fails in attempt {ddpnb.attempt()}")
+
+
+def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_says_so(tmp_path, capsys):
+    """`max_restarts=2` with a rank that always fails: three attempts ran (the ranks' own markers), the record
+    keeps the first two and ends on the third, the logs are one per attempt, and the run says so."""
+    with pytest.raises(ddpnb.WorkerError) as failure:
+        ddpnb.run(_fails_in_every_attempt, nprocs=2, max_restarts=2, args=(str(tmp_path),), view="text")
+    record = ddpnb.last_run()
+    marks = sorted(path.name for path in tmp_path.iterdir())
+    assert marks == [f"attempt{a}-rank{r}" for a in range(3) for r in range(2)]
+    assert (record.max_restarts, record.attempt, [a.number for a in record.attempts]) == (2, 2, [0, 1])
+    assert [a.first_failure.summary for a in record.attempts] == [
+        "RuntimeError: fails in attempt 0", "RuntimeError: fails in attempt 1"]
+    assert record.first_failure.summary == "RuntimeError: fails in attempt 2"
+    assert record.outcome is ddpnb.Outcome.FAILED and "fails in attempt 2" in str(failure.value)
+    assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
+        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
+    said = capsys.readouterr().out
+    assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said

@@ -33,7 +33,7 @@ def session_kernel():
 
 
 def pids_of(kernel: Kernel) -> list[int]:
-    shown = kernel.execute("print(*ddpnb._session.current().pids)").stdout.split()
+    shown = kernel.execute("print(*ddpnb._session.current_session().pids)").stdout.split()
     return [int(pid) for pid in shown]
 
 

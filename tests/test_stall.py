@@ -316,7 +316,7 @@ def test_session_command_that_stalls_says_where_each_rank_is_and_idle_time_is_no
     assert "session of 2 ranks" in started.stdout, started.text
     try:
         time.sleep(4)  # a session between commands makes no progress, and is not stalled
-        assert kernel.execute("print(ddpnb._session.current().run.record.stall)").stdout.strip() == "None"
+        assert kernel.execute("print(ddpnb._session.current_session().run.record.stall)").stdout.strip() == "None"
         executed = kernel.execute(SESSION_CELL, timeout=120)
         assert executed.error is None, executed.error
         cell = f"Cell In[{executed.count}]"

@@ -4,8 +4,8 @@ Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulte
 `engines.local.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
 the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
 the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
-from, so that the next launch reuses what did not change instead of putting it again. Rank side: `_rebuild_tensor`
-/ `_rebuild_array` fetch the object (on the rank's node Ray keeps one copy in shared memory, which every rank there
+from, so that the next launch reuses what did not change instead of putting it again. Rank side (`fetched`): `rebuild_tensor`
+/ `rebuild_array` fetch the object (on the rank's node Ray keeps one copy in shared memory, which every rank there
 reads) and copy it into the rank's own memory, since the object store's copy is read-only: a rank that writes into
 its tensor changes neither the notebook's nor another rank's, as with a pickle.
 """
@@ -23,6 +23,7 @@ from typing import Any
 from ddpnb.core import data as notebook_data
 from ddpnb.core.data import CHUNK, KEEP_LAUNCHES, MIN_BYTES
 from ddpnb.core.record import DataSent
+from ddpnb.engines.ray.fetched import rebuild_array, rebuild_from_cuda, rebuild_tensor
 from ddpnb.rank.data import from_cuda
 
 
@@ -104,7 +105,7 @@ class ObjectStoreShipment:
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
             copy = notebook_data.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`rank.data.from_cuda`)
             reduced = self._reduce_cpu(copy, torch)
-            return (_rebuild_from_cuda, reduced[1]) if reduced is not None else (from_cuda, (copy,))
+            return (rebuild_from_cuda, reduced[1]) if reduced is not None else (from_cuda, (copy,))
         return self._reduce_cpu(tensor, torch)
 
     def _reduce_cpu(self, tensor: Any, torch: Any) -> tuple[Any, ...] | None:
@@ -114,7 +115,7 @@ class ObjectStoreShipment:
         if storage.nbytes() < MIN_BYTES:
             return None
         key = self._key(storage, tensor._version, lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
-        return _rebuild_tensor, (key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()),
+        return rebuild_tensor, (key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()),
                                  tuple(tensor.stride()), tensor.requires_grad, type(tensor) is torch.nn.Parameter)
 
     def reduce_array(self, array: Any) -> tuple[Any, ...] | None:
@@ -123,7 +124,7 @@ class ObjectStoreShipment:
             return None
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
         key = self._key(array, None, lambda: notebook_data.flat(array, numpy).view(numpy.uint8))
-        return _rebuild_array, (key, array.dtype, array.shape, order)
+        return rebuild_array, (key, array.dtype, array.shape, order)
 
     def _key(self, source: Any, version: int | None, data: Any) -> int:
         found = self._keys.get(id(source))
@@ -205,51 +206,3 @@ def _connection() -> tuple[str, ...]:
         return context.get_job_id(), context.get_node_id()
     except Exception:  # noqa: BLE001 - a Ray Client connection has no node of its own: its job names it
         return (context.get_job_id(),)
-
-
-# --- rank side -----------------------------------------------------------------------------------------------------
-_refs: dict[int, Any] = {}  # key -> ObjectRef, given by the run or the session command (`receive`)
-_storages: dict[int, Any] = {}  # key -> the storage rebuilt from it in this rank: views share it
-
-
-def receive(refs: dict[int, Any]) -> None:
-    """The references of a launch's (or a session command's) data, before anything that refers to them is
-    unpickled. Each command's keys are its own: what an earlier one rebuilt is not reused (a push always brings
-    the notebook's values, not what this rank wrote into an earlier copy)."""
-    _refs.clear()
-    _storages.clear()
-    _refs.update(refs)
-
-
-def _fetch(key: int) -> Any:
-    import ray
-
-    try:
-        ref = _refs[key]
-    except KeyError:
-        raise RuntimeError("ddpnb: notebook data was sent through Ray's object store without its reference; this "
-                           "is a bug in ddpnb, please report it") from None
-    return ray.get(ref).copy()  # the object store's copy is read-only: this rank's own, as a pickle's would be
-
-
-def _rebuild_tensor(key: int, dtype: Any, storage_offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-                    requires_grad: bool, parameter: bool) -> Any:
-    import torch
-
-    storage = _storages.get(key)
-    if storage is None:
-        storage = _storages[key] = torch.from_numpy(_fetch(key)).untyped_storage()
-    tensor = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad)
-    return tensor.requires_grad_(requires_grad)
-
-
-def _rebuild_from_cuda(*args: Any) -> Any:
-    """A notebook CUDA tensor, put as a CPU copy: rebuilt on the CPU, then onto this rank's own device once it is
-    set up, as on the local engine (`rank.data.from_cuda`)."""
-    return from_cuda(_rebuild_tensor(*args))
-
-
-def _rebuild_array(key: int, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
-    return _fetch(key).view(dtype).reshape(shape, order=order)

@@ -18,7 +18,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core.messages import Output, Placed, Stacks
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.stacks import thread_stack
-from ddpnb.engines.ray import data, versions
+from ddpnb.engines.ray import fetched, versions
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -58,7 +58,7 @@ def rank_main(config: dict[str, Any]) -> None:
 
     try:
         _warn_about_versions(config["versions"])
-        data.receive(config.get("data") or {})  # before the spec, whose function and args refer to them
+        fetched.receive(config.get("data") or {})  # before the spec, whose function and args refer to them
         run_function(context, config["spec"], setup=setup, join_group=_join_ray_group)
         # Ray Train's workers outlive the rank: take its group down, so that a peer left in a collective this rank
         # never joins (one all_reduce too many) fails now (gloo) instead of waiting for the group's timeout
@@ -165,7 +165,7 @@ class _Link:
                 return None
             if cell is not None:
                 command, refs = cell
-                data.receive(refs)  # before the command, whose big tensors and arrays refer to them, is unpickled
+                fetched.receive(refs)  # before the command, whose big tensors and arrays refer to them, is unpickled
                 return command
 
     def _put(self, data: bytes) -> None:
