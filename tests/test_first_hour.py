@@ -13,7 +13,7 @@ import pytest
 
 from ddpnb._magic import DDPMagics, SessionMagics, did_you_mean, state_dict_summary
 from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord, format_duration
-from ddpnb.views.dashboard import header_html, ranks_html
+from ddpnb.views.html import header_html, ranks_html
 from tests.conftest import Kernel, wait_gone
 
 LONG_CELL = '''%%ddp -n 2 --background {out}
@@ -195,7 +195,7 @@ def test_cpu_fallback_note_is_in_the_run_header_not_on_stderr(kernel):
     header = run.stdout.splitlines()[0]
     assert header.startswith("[ddpnb] where on 2 ranks, backend gloo, devices cpu; 0 GPU(s) here")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo (DDPNB_CPU_FALLBACK is set)" in header
-    dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
+    dashboard = _value(kernel, "__import__('ddpnb.views.html').views.html.header_html(ddpnb.last_run())")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo" in dashboard
 
 

@@ -112,7 +112,7 @@ def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
         assert header.endswith(f"; logs in {_value(kernel, 'str(ddpnb.last_run().run_dir)')}"), header
         assert "shared memory" not in run.stderr, run.stderr
         assert "wrote 128.0 MiB" in _value(kernel, "ddpnb.last_run().launch_note")
-        dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
+        dashboard = _value(kernel, "__import__('ddpnb.views.html').views.html.header_html(ddpnb.last_run())")
         assert "wrote 128.0 MiB of notebook data into shared memory" in dashboard, dashboard
     finally:
         kernel.execute("del big")

@@ -12,7 +12,7 @@ import ddpnb
 from ddpnb.core import messages as msg
 from ddpnb.core.record import RankRecord, RankState, flag_stragglers
 from ddpnb.rank import radar
-from ddpnb.views import dashboard
+from ddpnb.views import html as render
 
 
 def ddp_loop_with_a_slow_rank(rank: int, steps: int, slow: int) -> dict[str, float]:
@@ -51,7 +51,7 @@ def test_rank_with_twice_the_compute_is_the_only_straggler():
     deadline = time.monotonic() + 100
     while not run.done and time.monotonic() < deadline and not live:
         if record.ranks[3].straggler and record.ranks[3].state is RankState.RUNNING:
-            live = dashboard.ranks_html(record)  # the dashboard's row while the run goes on
+            live = render.ranks_html(record)  # the dashboard's row while the run goes on
         time.sleep(0.05)
     run.result()
     computes = {r.rank: r.compute_per_step for r in record.ranks}
@@ -62,7 +62,7 @@ def test_rank_with_twice_the_compute_is_the_only_straggler():
     assert flagged[3].endswith("% slower compute")
     table = record.summary_table()
     assert "compute/step" in table and "slower compute" in table.splitlines()[4], table
-    rows = dashboard.ranks_html(record)
+    rows = render.ranks_html(record)
     assert rows.count("data-straggler=") == 1 and 'data-rank="3" data-state="finished" data-straggler=' in rows
 
 
@@ -122,7 +122,7 @@ def test_cpu_and_resident_memory_per_rank_are_recorded_and_shown():
     table = record.summary_table()
     header, _, row1 = table.splitlines()[:3]
     assert "cpu" in header and "rss" in header and "MiB" in row1, table
-    rows = dashboard.ranks_html(record)
+    rows = render.ranks_html(record)
     assert ">CPU</th>" in rows and ">memory</th>" in rows and "MiB" in rows
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, Stall, format_duration
+from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall, format_duration
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.views.fold import FoldedLine, Folder
@@ -122,3 +122,9 @@ def stall_lines(stall: Stall) -> str:
     lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
     lines.append("[ddpnb]   the run goes on; run.stacks() gives every rank's stack now")
     return "\n".join(lines) + "\n"
+
+
+def summary_text(record: RunRecord) -> str:
+    """A finished run in a few plain lines: the text the dashboard's static summary carries beside its HTML."""
+    text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{record.summary_table()}"
+    return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
