@@ -14,7 +14,8 @@ from typing import Any
 
 from ddpnb import engines
 from ddpnb.core import checkpoints, flight, pickling, rundir, shared
-from ddpnb.core.record import RunRecord, cell_names_of
+from ddpnb.core.cellnames import cell_names_of
+from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, live_runs
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,

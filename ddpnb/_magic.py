@@ -28,9 +28,10 @@ from IPython.utils.process import arg_split
 
 from ddpnb import _api, _session
 from ddpnb.core.pickling import NotPicklableError
-from ddpnb.core.record import Outcome, format_duration, size_text
+from ddpnb.core.record import Outcome
 from ddpnb.core.run import Run
 from ddpnb.core.spec import EngineKind, ViewKind
+from ddpnb.core.words import format_duration, size_text
 
 RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
     argument("--gpus", metavar="N|all",

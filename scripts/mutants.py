@@ -70,12 +70,12 @@ MUTANTS = [
         (FAULTS + "test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank",),
     ),
     Mutant(
-        "first-failure-by-time-only", "ddpnb/core/record.py",
+        "first-failure-by-time-only", "ddpnb/core/failures.py",
         (("min(failures, key=lambda f: (f.knock_on, f.time))", "min(failures, key=lambda f: f.time)"),),
         (FAULTS + "test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first",),
     ),
     Mutant(
-        "is-knock-on-always-false", "ddpnb/core/record.py",
+        "is-knock-on-always-false", "ddpnb/core/failures.py",
         (("    if exc_type in _KNOCK_ON_TYPES:\n        return True\n", "    return False\n"),),
         (FAULTS + "test_collective_errors_of_gloo_and_nccl_are_knock_on_failures",
          FAULTS + "test_what_gloo_raises_when_a_peer_is_killed_is_a_knock_on_failure"),
@@ -98,8 +98,8 @@ MUTANTS = [
         (STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds",),
     ),
     Mutant(
-        "a-stops-consequence-heads-the-report", "ddpnb/core/record.py",
-        (("    return None if first is not None and first.knock_on and outcome in _ENDED_BY_DDPNB else first\n",
+        "a-stops-consequence-heads-the-report", "ddpnb/core/failures.py",
+        (("    return None if first is not None and first.knock_on and ended_by_ddpnb else first\n",
           "    return first\n"),),
         (FAULTS + "test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first",),
     ),

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from ddpnb._magic import DDPMagics, SessionMagics, did_you_mean, state_dict_summary
-from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord, format_duration
+from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord
+from ddpnb.core.report import summary_table
+from ddpnb.core.words import format_duration
 from ddpnb.views.html import header_html, ranks_html
 from tests.conftest import Kernel, wait_gone
 
@@ -256,7 +258,7 @@ def test_durations_read_the_same_in_the_dashboard_and_the_text():
     record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", function="f", started=100.0,
                        ended=100.1, ranks=[RankRecord(rank=0, started=100.0, ended=100.1, state=RankState.FINISHED)])
     assert "0.1 s" in header_html(record) and "0.1 s" in ranks_html(record)
-    assert "0.1 s" in record.summary_table() and "0.1s" not in record.summary_table()
+    assert "0.1 s" in summary_table(record) and "0.1s" not in summary_table(record)
 
 
 def test_metrics_points_have_named_fields():

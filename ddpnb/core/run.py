@@ -25,31 +25,18 @@ from typing import Any
 
 from ddpnb.core import checkpoints, flight, pickling, rundir
 from ddpnb.core import messages as msg
+from ddpnb.core.cellnames import cell_names
 from ddpnb.core.engine import Engine
+from ddpnb.core.failures import Failure, is_knock_on
 from ddpnb.core.output import LineBuffer, LineDecoder, last_text
-from ddpnb.core.record import (
-    Attempt,
-    Diagnosis,
-    Failure,
-    Outcome,
-    OutputLine,
-    Point,
-    RankRecord,
-    RankState,
-    RunInterrupted,
-    RunRecord,
-    Stall,
-    WorkerError,
-    cell_names,
-    describe_exit,
-    flag_stragglers,
-    format_duration,
-    is_knock_on,
-)
+from ddpnb.core.record import Attempt, Diagnosis, Outcome, OutputLine, Point, RankRecord, RankState, RunRecord, Stall
+from ddpnb.core.report import RunInterrupted, WorkerError
 from ddpnb.core.shared import Shipment
 from ddpnb.core.spec import EngineKind, Stream, WorkerSpec
 from ddpnb.core.stacks import CrashDump
 from ddpnb.core.stall import StallWatch, diagnose
+from ddpnb.core.stragglers import flag_stragglers
+from ddpnb.core.words import describe_exit, format_duration
 
 STACK_WAIT = 1.0  # seconds a stalled rank gets to dump its Python stacks before it is stopped
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack

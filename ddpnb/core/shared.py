@@ -24,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpnb.core.record import DataSent, size_text
+from ddpnb.core.record import DataSent
 from ddpnb.core.spec import LaunchError
+from ddpnb.core.words import size_text
 
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own

@@ -16,20 +16,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import (
-    FailureRole,
-    Outcome,
-    OutputLine,
-    RankRecord,
-    RankState,
-    RunRecord,
-    cell_names,
-    describe_exit,
-    format_duration,
-    hardware_text,
-    size_text,
-)
+from ddpnb.core.cellnames import cell_names
+from ddpnb.core.failures import FailureRole
+from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
+from ddpnb.core.report import hardware_text
 from ddpnb.core.spec import Stream
+from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
 
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
