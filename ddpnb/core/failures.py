@@ -8,8 +8,9 @@ a consequence.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
+
+from ddpnb.core.words import Named
 
 
 @dataclass
@@ -50,7 +51,7 @@ def root_cause(failures: list[Failure], ended_by_ddpnb: bool) -> Failure | None:
     return None if first is not None and first.knock_on and ended_by_ddpnb else first
 
 
-class FailureRole(enum.Enum):
+class FailureRole(Named):
     """How a failed rank's failure relates to the run's: what the views call it."""
 
     ROOT_CAUSE = "failed first"

@@ -6,7 +6,6 @@ exceptions a run raises) is `core.report`'s.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any, NamedTuple
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import EngineKind, Stream
-from ddpnb.core.words import format_duration
+from ddpnb.core.words import Named, format_duration
 
 KEEP_CLOSED_BARS = 4
 RECENT_REPORTS = 20  # StepTimes reports per rank the radar compares (about the last ten seconds)
@@ -42,14 +41,7 @@ class Point(NamedTuple):
     value: float
 
 
-class _Worded(enum.Enum):
-    """States and outcomes print as their words: `str(Outcome.TIMED_OUT)` is 'timed out'."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class RankState(_Worded):
+class RankState(Named):
     STARTING = "starting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -57,7 +49,7 @@ class RankState(_Worded):
     STOPPED = "stopped"  # ended by ddpnb because of another rank, a timeout, an interrupt or stop()
 
 
-class Outcome(_Worded):
+class Outcome(Named):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -1,11 +1,21 @@
-"""How values read to users, one way in every view and report: durations, byte sizes, exit codes, sparklines.
+"""How values read to users, one way in every view and report: enums as their words, durations, byte sizes, exit
+codes, sparklines.
 
-Pure functions of numbers; it imports nothing of ddpnb, so code in any process may word a value with it.
+It imports nothing of ddpnb, so code in any process may word a value with it.
 """
 
 from __future__ import annotations
 
+import enum
 import signal
+
+
+class Named(str, enum.Enum):
+    """An enum whose members are their words: each prints as its value (`str(Outcome.TIMED_OUT)` is 'timed out')
+    and equals it, so users may also write the string (`engine="ray"`)."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def format_duration(seconds: float) -> str:
