@@ -18,7 +18,8 @@ from typing import Any
 from ddpnb._api import LaunchError, LaunchOptions, attempt, device, last_run, launch, log, run, runs, spawn
 from ddpnb._session import PerRank, Session, SessionBroken, SessionError, current_session, session
 from ddpnb.core.pickling import NotPicklableError
-from ddpnb.core.record import Outcome, RankState, RunInterrupted, RunRecord, WorkerError
+from ddpnb.core.record import Outcome, RankState, RunRecord
+from ddpnb.core.report import RunInterrupted, WorkerError
 from ddpnb.engines.local.forkserver import PreloadError
 from ddpnb.engines.local.preload import preload
 from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint

@@ -12,8 +12,9 @@ from typing import Any
 
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
 from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
+from ddpnb.core.cellnames import cell_names_of
 from ddpnb.core.policy import RestartPolicy
-from ddpnb.core.record import RunRecord, cell_names_of
+from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,

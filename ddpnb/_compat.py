@@ -1,20 +1,17 @@
 """Every use of another library's private API, in one place, so an upgrade that breaks one breaks here, loudly.
 
 `tests/test_compat.py` calls each of these against the installed versions; a failure there names the helper and
-the library to look at. Nothing else in ddpnb reaches into multiprocessing's, cloudpickle's, c10d's, torch.cuda's
-or Ray's internals.
+the library to look at. Nothing else in ddpnb reaches into multiprocessing's, argparse's, cloudpickle's, torch's
+(tensors, c10d, torch.cuda) or Ray's internals.
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing.forkserver
 import multiprocessing.spawn
 from collections.abc import Callable
 from typing import Any
-
-
-class IncompatibleVersion(RuntimeError):
-    """An installed library no longer has the private API ddpnb relies on."""
 
 
 # --- multiprocessing: the forkserver every local rank is forked from ----------------------------------------------
@@ -42,6 +39,12 @@ def wrap_preparation_data(wrapper: Callable[[Preparation], Preparation]) -> None
     multiprocessing.spawn.get_preparation_data = wrapped
 
 
+# --- argparse ------------------------------------------------------------------------------------------------------
+def parser_options(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string `parser` takes (`-n`, `--nprocs`, `--timeout`, ...), in the order they were added."""
+    return [option for action in parser._actions for option in action.option_strings]
+
+
 # --- cloudpickle -------------------------------------------------------------------------------------------------
 def code_reduce(code: Any) -> tuple[Any, tuple[Any, ...]]:
     """cloudpickle's reduction of a code object (rebuild function, its arguments), to keep the real filename."""
@@ -56,6 +59,17 @@ def default_store() -> Any:
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._get_default_store()
+
+
+def tensor_version(tensor: Any) -> int:
+    """torch's count of in-place writes to `tensor`, shared with its views: while it stays the same, the data that
+    was written from the tensor's storage before is still its data."""
+    return tensor._version
+
+
+def has_backward_hooks(tensor: Any) -> bool:
+    """Whether hooks were registered on `tensor` (`Tensor.register_hook`): such a tensor is more than its storage."""
+    return bool(tensor._backward_hooks)
 
 
 def in_bad_fork() -> bool:

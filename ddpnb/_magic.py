@@ -26,12 +26,13 @@ from IPython.core.magic_arguments import (
 )
 from IPython.utils.process import arg_split
 
-from ddpnb import _api, _session, engines
+from ddpnb import _api, _compat, _session, engines
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions
 from ddpnb.core.pickling import NotPicklableError
-from ddpnb.core.record import Outcome, format_duration, size_text
+from ddpnb.core.record import Outcome
 from ddpnb.core.run import Run
 from ddpnb.core.spec import DEFAULT_CPU_RANKS, ViewKind
+from ddpnb.core.words import format_duration, size_text
 
 RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
     argument("--gpus", metavar="N|all",
@@ -80,7 +81,7 @@ def _parse(magic: Any, line: str, see: str) -> argparse.Namespace:
 
 def did_you_mean(parser: argparse.ArgumentParser, line: str) -> str:
     """' (did you mean --timeout?)' for the first flag of `line` the parser does not know, when one is close."""
-    known = [option for action in parser._actions for option in action.option_strings]
+    known = _compat.parser_options(parser)
     for token in arg_split(line):
         flag = token.partition("=")[0]
         # argparse takes any unambiguous prefix of a flag (--time for --timeout): only the others are unknown

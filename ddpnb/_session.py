@@ -19,8 +19,10 @@ from typing import Any
 from ddpnb import _api
 from ddpnb._options import Launch, LaunchOptions
 from ddpnb.core import messages as msg
+from ddpnb.core.cellnames import cell_name, cell_names
 from ddpnb.core.pickling import dumps
-from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState, WorkerError, cell_name, cell_names
+from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState
+from ddpnb.core.report import WorkerError
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where

@@ -70,6 +70,39 @@ def test_c10d_default_store_is_reachable_in_a_rank():
     assert ddpnb.run(_store_kind, nprocs=1, view="none").endswith("Store")
 
 
+def test_argparse_parser_options_are_every_flag_in_order():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-n", "--nprocs")
+    parser.add_argument("--timeout")
+    assert call(_compat.parser_options, "python", parser) == ["-h", "--help", "-n", "--nprocs", "--timeout"]
+
+
+def test_tensor_version_counts_in_place_writes_through_views_too():
+    import torch
+
+    tensor = torch.zeros(8)
+    before = call(_compat.tensor_version, "torch", tensor)
+    assert isinstance(before, int)
+    tensor.add_(1)
+    written = _compat.tensor_version(tensor)
+    assert written > before, "an in-place write no longer moves the tensor's version"
+    tensor[2:].mul_(2)  # a view's write changes the base's data: the reuse of its written bytes must see it
+    assert _compat.tensor_version(tensor) > written, "a view's in-place write no longer moves its base's version"
+    torch.ones(8) + tensor  # reading changes nothing
+    assert _compat.tensor_version(tensor) == written + 1
+
+
+def test_backward_hooks_are_seen_on_a_tensor():
+    import torch
+
+    tensor = torch.zeros(2, requires_grad=True)
+    assert call(_compat.has_backward_hooks, "torch", tensor) is False
+    tensor.register_hook(lambda grad: grad)
+    assert call(_compat.has_backward_hooks, "torch", tensor) is True
+
+
 def test_torch_bad_fork_flag_is_readable():
     assert call(_compat.in_bad_fork, "torch") is False  # the test process never initialised CUDA
 

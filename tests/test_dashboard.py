@@ -22,7 +22,8 @@ from nbclient import NotebookClient
 
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
 from ddpnb.core.spec import Stream
-from ddpnb.views import dashboard as _dashboard
+from ddpnb.views import html as _html
+from ddpnb.views.text import summary_text
 from tests.conftest import Kernel, dashboards, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -314,16 +315,16 @@ def test_plots_thin_long_series_but_report_every_point():
     for rank in record.ranks:
         rank.state = RankState.RUNNING
         rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1)) for step in range(300_000)]
-    svg = _dashboard.plots_html(record)  # its cost is measured in bench/, not asserted here
+    svg = _html.plots_html(record)  # its cost is measured in bench/, not asserted here
     drawn = re.search(r'data-rank="1" data-points="300000" [^>]* points="([^"]+)"', svg).group(1)
-    assert len(drawn.split()) <= _dashboard.MAX_POINTS + 1
+    assert len(drawn.split()) <= _html.MAX_POINTS + 1
 
 
 def test_many_ranks_plot_rank_zero_and_the_spread():
     record = _record(world_size=16)
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, float(step + rank.rank)) for step in range(5)]
-    svg = _dashboard.plots_html(record)
+    svg = _html.plots_html(record)
     assert svg.count("<polyline data-rank=") == 1 and "<polygon" in svg and "min–max of all ranks" in svg
 
 
@@ -331,7 +332,7 @@ def test_static_summary_escapes_what_the_ranks_print():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
     record.ranks[0].last_line = record.ranks[0].last_text = "<script>alert(1)</script>"
-    html = _dashboard.summary_html(record, [OutputLine(1, 0, Stream.STDOUT, "<b>not bold</b>")])
+    html = _html.summary_html(record, [OutputLine(1, 0, Stream.STDOUT, "<b>not bold</b>")])
     assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
 
 
@@ -339,20 +340,20 @@ def test_static_summary_keeps_the_runs_hint():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
     record.hint = "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
-    assert "ddpnb.preload(&#x27;torchvision&#x27;)" in _dashboard.summary_html(record, [])
-    assert record.hint in _dashboard.summary_text(record)
+    assert "ddpnb.preload(&#x27;torchvision&#x27;)" in _html.summary_html(record, [])
+    assert record.hint in summary_text(record)
 
 
 def test_gpu_runs_show_each_ranks_gpu_memory():
     record = _record()
-    assert "GPU memory" not in _dashboard.ranks_html(record)  # CPU ranks: no such column
+    assert "GPU memory" not in _html.ranks_html(record)  # CPU ranks: no such column
     record.ranks[0].device, record.ranks[1].device = "cuda:0", "cuda:1"
     record.ranks[1].gpu_memory = (3 * 2**30, 5 * 2**30)
-    rows = _dashboard.ranks_html(record)
+    rows = _html.ranks_html(record)
     assert ">GPU memory</th>" in rows and "3.0 GiB" in rows and "peak 5.0 GiB" in rows
 
 
 def test_nice_ticks_are_round_and_cover_the_range():
-    assert _dashboard.nice_ticks(0.0, 1.0, 4) == [0.0, 0.5, 1.0]
-    ticks = _dashboard.nice_ticks(3.7, 1234.5, 5)
+    assert _html.nice_ticks(0.0, 1.0, 4) == [0.0, 0.5, 1.0]
+    ticks = _html.nice_ticks(3.7, 1234.5, 5)
     assert ticks == [0.0, 500.0, 1000.0, 1500.0]

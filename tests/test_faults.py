@@ -35,6 +35,7 @@ import pytest
 
 import ddpnb
 from ddpnb.core import rundir
+from ddpnb.core.report import summary_table
 from ddpnb.core.run import Run
 from tests.conftest import PACKAGE_DIR, Execution, Kernel, private_runs_dir, wait_gone
 
@@ -259,7 +260,8 @@ def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
     """Ranks that raise before ddpnb can stop them (the same bug on every rank) each failed on their own; only
     collective aborts and ranks ddpnb stopped are knock-on failures. Which happens in a real run is a race, so
     the report is built from the record such a run leaves."""
-    from ddpnb.core.record import Failure, RankRecord, RunRecord
+    from ddpnb.core.failures import Failure
+    from ddpnb.core.record import RankRecord, RunRecord
 
     record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
     record.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
@@ -297,7 +299,8 @@ def test_rank_killed_by_signal_is_named_first_and_knock_on_failures_are_folded(h
 def test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first(tmp_path):
     """A peer's collective often fails before the kernel even sees the rank that died: the root cause is the
     first failure that is not a knock-on, whatever the times say."""
-    from ddpnb.core.record import Failure, RankRecord, RunRecord
+    from ddpnb.core.failures import Failure
+    from ddpnb.core.record import RankRecord, RunRecord
 
     record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
     record.failures = [Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
@@ -314,7 +317,8 @@ def test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first
     """Stopping at a timeout, ddpnb may stop rank 0 first, and a peer's collective then fails ("Connection closed
     by peer"); that failure is the stop's consequence, so the report heads with the timeout (a race in a real
     run: tutorial 04 met it under load), as it does for an interrupt or stop()."""
-    from ddpnb.core.record import Failure, Outcome, RankRecord, RunRecord
+    from ddpnb.core.failures import Failure
+    from ddpnb.core.record import Outcome, RankRecord, RunRecord
 
     record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", ranks=[RankRecord(r) for r in range(2)],
                        outcome=Outcome.TIMED_OUT, note="stopped after the 5 s timeout (--timeout)")
@@ -358,14 +362,14 @@ OWN_ERRORS = [
     "gloo-closed", "gloo-reset", "gloo-recv-timeout", "nccl-aborted", "nccl-remote-error", "nccl-watchdog",
     "store-recv"])
 def test_collective_errors_of_gloo_and_nccl_are_knock_on_failures(exc_type, message):
-    from ddpnb.core.record import is_knock_on
+    from ddpnb.core.failures import is_knock_on
 
     assert is_knock_on(exc_type, message)
 
 
 @pytest.mark.parametrize("exc_type, message", OWN_ERRORS, ids=["value-error", "key-error", "oom", "shapes"])
 def test_a_ranks_own_errors_are_not_knock_on_failures(exc_type, message):
-    from ddpnb.core.record import is_knock_on
+    from ddpnb.core.failures import is_knock_on
 
     assert not is_knock_on(exc_type, message)
 
@@ -388,7 +392,7 @@ def catches_what_all_reduce_raises_when_its_peer_dies(rank, out):
 
 
 def test_what_gloo_raises_when_a_peer_is_killed_is_a_knock_on_failure(tmp_path):
-    from ddpnb.core.record import is_knock_on
+    from ddpnb.core.failures import is_knock_on
 
     out = tmp_path / "error"
     error = run_failing(catches_what_all_reduce_raises_when_its_peer_dies, args=(str(out),))
@@ -498,7 +502,7 @@ def test_hang_is_stopped_after_timeout_with_every_ranks_stack():
         assert "in hangs_on_rank_1" in stack  # the stack names the user's function
     assert "in all_reduce" in stacks["0"] and "in all_reduce" not in stacks["1"]  # who waits, who is elsewhere
     assert "_watch_kernel" not in report and PACKAGE_DIR not in report  # ddpnb's own threads and frames: on disk
-    assert "stopped" in record.summary_table()
+    assert "stopped" in summary_table(record)
     assert "a rank that never reaches a collective hangs the others" in report  # ... and what that means
     for rank in (0, 1):
         assert f"rank {rank} at step 1" in read_log(record, rank)

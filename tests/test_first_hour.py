@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from ddpnb._magic import DDPMagics, SessionMagics, did_you_mean, state_dict_summary
-from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord, format_duration
-from ddpnb.views.dashboard import header_html, ranks_html
+from ddpnb.core.record import Outcome, Point, RankRecord, RankState, RunRecord
+from ddpnb.core.report import summary_table
+from ddpnb.core.words import format_duration
+from ddpnb.views.html import header_html, ranks_html
 from tests.conftest import Kernel, wait_gone
 
 LONG_CELL = '''%%ddp -n 2 --background {out}
@@ -195,7 +197,7 @@ def test_cpu_fallback_note_is_in_the_run_header_not_on_stderr(kernel):
     header = run.stdout.splitlines()[0]
     assert header.startswith("[ddpnb] where on 2 ranks, backend gloo, devices cpu; 0 GPU(s) here")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo (DDPNB_CPU_FALLBACK is set)" in header
-    dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
+    dashboard = _value(kernel, "__import__('ddpnb.views.html').views.html.header_html(ddpnb.last_run())")
     assert "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo" in dashboard
 
 
@@ -256,7 +258,7 @@ def test_durations_read_the_same_in_the_dashboard_and_the_text():
     record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", function="f", started=100.0,
                        ended=100.1, ranks=[RankRecord(rank=0, started=100.0, ended=100.1, state=RankState.FINISHED)])
     assert "0.1 s" in header_html(record) and "0.1 s" in ranks_html(record)
-    assert "0.1 s" in record.summary_table() and "0.1s" not in record.summary_table()
+    assert "0.1 s" in summary_table(record) and "0.1s" not in summary_table(record)
 
 
 def test_metrics_points_have_named_fields():

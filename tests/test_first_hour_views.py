@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from ddpnb.views import dashboard
+from ddpnb.views import html as render
 from tests.conftest import Kernel, dashboards
 
 KNOCK_ON_CELL = '''%%ddp -n 3
@@ -168,11 +168,11 @@ def _hue(colour: str) -> tuple[float, float]:
 
 
 def test_no_rank_colour_is_a_state_colour_nor_near_the_failure_red_or_the_warning_orange():
-    states = {colour.lower() for colour in dashboard.STATE_COLOURS}
-    assert not states & {colour.lower() for colour in dashboard.RANK_COLOURS}
-    for alarm in (dashboard._RED, dashboard._ORANGE):
+    states = {colour.lower() for colour in render.STATE_COLOURS}
+    assert not states & {colour.lower() for colour in render.RANK_COLOURS}
+    for alarm in (render._RED, render._ORANGE):
         alarm_hue, _ = _hue(alarm)
-        for colour in dashboard.RANK_COLOURS:
+        for colour in render.RANK_COLOURS:
             hue, saturation = _hue(colour)
             distance = min(abs(hue - alarm_hue), 360 - abs(hue - alarm_hue))
             assert distance > 30 or saturation < 0.2, f"{colour} reads like {alarm}"
@@ -188,12 +188,12 @@ def test_static_summary_has_no_style_block_no_svg_and_only_sanitiser_safe_inline
                        outcome=Outcome.SUCCEEDED)
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1)) for step in range(10)]
-    html = dashboard.summary_html(record, [])
+    html = render.summary_html(record, [])
     assert "<style" not in html and "<svg" not in html and "var(" not in html
     images = re.findall(r'<img class="ddpnb-plot-image" src="data:image/svg\+xml;base64,([^"]+)" width="400" '
                         r'height="160"', html)
     assert len(images) == 1 and base64.b64decode(images[0]).decode().count("<polyline") == 2
-    header = re.sub(r"<[^>]+>", "", dashboard.header_html(record))  # the header's text, markup gone
+    header = re.sub(r"<[^>]+>", "", render.header_html(record))  # the header's text, markup gone
     assert header.startswith("ddpnb finished train · local")
 
 

@@ -19,7 +19,7 @@ import pytest
 import ddpnb
 from ddpnb.core.record import OutputLine, RankRecord, RankState, RunRecord
 from ddpnb.core.spec import Stream
-from ddpnb.views import dashboard
+from ddpnb.views import html as render
 from ddpnb.views.fold import FOLD_WINDOW, Folder, rank_ranges
 from tests.conftest import Kernel
 
@@ -104,9 +104,9 @@ def _record(world_size: int) -> RunRecord:
 
 
 def test_a_folded_line_in_the_log_panel_names_every_rank():
-    html = dashboard.line_html(0, Stream.STDOUT, "epoch 1 done", ranks=[0, 1, 2, 5])
+    html = render.line_html(0, Stream.STDOUT, "epoch 1 done", ranks=[0, 1, 2, 5])
     assert "[ranks 0-2,5]" in html and "epoch 1 done" in html
-    assert "[rank 3]" in dashboard.line_html(3, Stream.STDOUT, "mine")
+    assert "[rank 3]" in render.line_html(3, Stream.STDOUT, "mine")
 
 
 def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
@@ -116,7 +116,7 @@ def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
     folder = Folder(4)
     lines = folder.add([_line(rank + 1, rank, "epoch 1 done") for rank in range(4)], now=0.0)
     lines += folder.add([_line(5, 2, "rank 2 only")], now=0.0) + folder.flush()
-    html = dashboard.summary_html(record, lines)
+    html = render.summary_html(record, lines)
     assert "[ranks 0-3]</span><span class=\"ddpnb-text\">epoch 1 done" in html
     assert "[rank 2]</span><span class=\"ddpnb-text\">rank 2 only" in html
     assert "last 5 of 8 lines" in html  # the folded line stands for four printed lines
@@ -127,7 +127,7 @@ def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_si
     record = _record(world_size)
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1) + rank.rank) for step in range(10)]
-    svg = dashboard.plots_html(record)
+    svg = render.plots_html(record)
     rank_lines = re.findall(r'<polyline data-rank="(\d+)"', svg)
     if band:
         assert rank_lines == ["0"]
@@ -138,10 +138,10 @@ def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_si
 
 def test_the_rank_table_is_compact_from_eight_ranks():
     record = _record(32)
-    table = dashboard.ranks_html(record)
+    table = render.ranks_html(record)
     assert 'class="ddpnb-ranks ddpnb-compact"' in table and 'class="ddpnb-ranks-scroll"' in table
     assert len(re.findall(r'<tr data-rank="\d+"', table)) == 32
-    assert "ddpnb-compact" not in dashboard.ranks_html(_record(7))
+    assert "ddpnb-compact" not in render.ranks_html(_record(7))
 
 
 def test_metrics_frame_without_pandas_says_how_to_install_it():
@@ -217,7 +217,7 @@ def test_latest_output_column_shows_the_last_line_that_is_not_the_progress_bar()
     for rank in record.ranks:
         assert "50/50" in rank.last_line  # the bar's final state is still a line (logs, text view)
         assert rank.last_text == "before the bar"
-    row = re.search(r'<tr data-rank="0".*?</tr>', dashboard.ranks_html(record)).group(0)
+    row = re.search(r'<tr data-rank="0".*?</tr>', render.ranks_html(record)).group(0)
     latest = re.search(r'<td class="ddpnb-last"[^>]*>(.*?)</td>', row).group(1)
     assert "before the bar" in latest and "50/50" not in latest and "50/50" in row  # the bar: progress column
 

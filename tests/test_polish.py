@@ -79,7 +79,7 @@ def test_stacks_and_the_stall_summary_name_the_line_jupyterlab_shows(kernel):
         assert summary == f"ranks 0, 1 are in time.sleep ({cell})", summary
         stacks = _value(kernel, "sleeper.stacks(wait=30)")
         for rank in (0, 1):
-            shown = _value(kernel, f"ddpnb.core.record.cell_names({stacks[rank]!r})")
+            shown = _value(kernel, f"ddpnb.core.cellnames.cell_names({stacks[rank]!r})")
             assert f"{cell} in sleeper" in shown, shown
     finally:
         kernel.execute("sleeper.stop()")
@@ -112,7 +112,7 @@ def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
         assert header.endswith(f"; logs in {_value(kernel, 'str(ddpnb.last_run().run_dir)')}"), header
         assert "shared memory" not in run.stderr, run.stderr
         assert "wrote 128.0 MiB" in _value(kernel, "ddpnb.last_run().launch_note")
-        dashboard = _value(kernel, "__import__('ddpnb.views.dashboard').views.dashboard.header_html(ddpnb.last_run())")
+        dashboard = _value(kernel, "__import__('ddpnb.views.html').views.html.header_html(ddpnb.last_run())")
         assert "wrote 128.0 MiB of notebook data into shared memory" in dashboard, dashboard
     finally:
         kernel.execute("del big")
@@ -174,7 +174,8 @@ def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_me
 
     from ddpnb._magic import state_dict_summary
     from ddpnb.core import data as shared
-    from ddpnb.core.record import DataSent, size_text
+    from ddpnb.core.record import DataSent
+    from ddpnb.core.words import size_text
 
     assert state_dict_summary({"w": torch.zeros(2**18)}) == "state dict: 1 tensor, 262.1 k parameters (float32), 1.0 MiB"
     note = shared.note(DataSent(written=3 * 2**30, reused=512 * 2**20, blocks=2, seconds=0.5))

@@ -10,9 +10,11 @@ import pytest
 
 import ddpnb
 from ddpnb.core import messages as msg
-from ddpnb.core.record import RankRecord, RankState, flag_stragglers
+from ddpnb.core.record import RankRecord, RankState
+from ddpnb.core.report import summary_table
+from ddpnb.core.stragglers import flag_stragglers
 from ddpnb.rank import radar
-from ddpnb.views import dashboard
+from ddpnb.views import html as render
 
 
 def ddp_loop_with_a_slow_rank(rank: int, steps: int, slow: int) -> dict[str, float]:
@@ -51,7 +53,7 @@ def test_rank_with_twice_the_compute_is_the_only_straggler():
     deadline = time.monotonic() + 100
     while not run.done and time.monotonic() < deadline and not live:
         if record.ranks[3].straggler and record.ranks[3].state is RankState.RUNNING:
-            live = dashboard.ranks_html(record)  # the dashboard's row while the run goes on
+            live = render.ranks_html(record)  # the dashboard's row while the run goes on
         time.sleep(0.05)
     run.result()
     computes = {r.rank: r.compute_per_step for r in record.ranks}
@@ -60,9 +62,9 @@ def test_rank_with_twice_the_compute_is_the_only_straggler():
     flagged = {r.rank: r.straggler for r in record.ranks if r.straggler}
     assert list(flagged) == [3], f"expected only rank 3 flagged; flagged {flagged}, compute per step {computes}"
     assert flagged[3].endswith("% slower compute")
-    table = record.summary_table()
+    table = summary_table(record)
     assert "compute/step" in table and "slower compute" in table.splitlines()[4], table
-    rows = dashboard.ranks_html(record)
+    rows = render.ranks_html(record)
     assert rows.count("data-straggler=") == 1 and 'data-rank="3" data-state="finished" data-straggler=' in rows
 
 
@@ -119,10 +121,10 @@ def test_cpu_and_resident_memory_per_rank_are_recorded_and_shown():
         f"rank 1's 200 MB not seen: {max(s.rss for s in holding)} vs {max(s.rss for s in quiet)} bytes")
     assert all(0 < s.cpu < 400 for s in holding[1:]), [s.cpu for s in holding]
     assert all(s.gpu_util is None for s in holding), "a CPU rank reported GPU use"
-    table = record.summary_table()
+    table = summary_table(record)
     header, _, row1 = table.splitlines()[:3]
     assert "cpu" in header and "rss" in header and "MiB" in row1, table
-    rows = dashboard.ranks_html(record)
+    rows = render.ranks_html(record)
     assert ">CPU</th>" in rows and ">memory</th>" in rows and "MiB" in rows
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ddpnb
-from ddpnb.views.dashboard import error_html, header_html, plots_html, summary_html
+from ddpnb.views.html import error_html, header_html, plots_html, summary_html
 from tests.conftest import private_runs_dir
 from tests.test_faults import assert_nothing_left, orphans_come_to_this_process, wait_for
 

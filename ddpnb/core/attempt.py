@@ -19,24 +19,16 @@ from ddpnb.core.announce import Announcer
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
+from ddpnb.core.failures import Failure, is_knock_on
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import AttemptSnapshot
 from ddpnb.core.ranklogs import RankLogs
-from ddpnb.core.record import (
-    Diagnosis,
-    Failure,
-    Outcome,
-    Point,
-    RankState,
-    RunRecord,
-    Stall,
-    describe_exit,
-    is_knock_on,
-)
+from ddpnb.core.record import Diagnosis, Outcome, Point, RankState, RunRecord, Stall
 from ddpnb.core.result import ResultSlot
 from ddpnb.core.spec import Stream, WorkerSpec
 from ddpnb.core.stall import diagnose
 from ddpnb.core.watchdog import Alarm, Watchdog
+from ddpnb.core.words import describe_exit
 
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
 StopAsk = tuple[Outcome, str]

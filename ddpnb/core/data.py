@@ -12,7 +12,9 @@ import threading
 import weakref
 from typing import Any, Generic, Protocol, TypeVar
 
-from ddpnb.core.record import DataSent, size_text
+from ddpnb import _compat
+from ddpnb.core.record import DataSent
+from ddpnb.core.words import size_text
 
 MIN_BYTES = 1 << 20  # smaller storages and arrays travel in the pickle: a mapping per megabyte is not worth it
 KEEP_LAUNCHES = 4  # what the latest launches used is kept for reuse; older data is let go
@@ -91,5 +93,5 @@ def plain_tensor(tensor: Any, torch: Any) -> bool:
     """A dense CPU tensor that pickling would send as storage + offset + size + stride and nothing else."""
     return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout is torch.strided
             and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
-            and tensor.grad_fn is None and not tensor.__dict__ and not tensor._backward_hooks
+            and tensor.grad_fn is None and not tensor.__dict__ and not _compat.has_backward_hooks(tensor)
             and not any(getattr(tensor, "names", None) or ()))

@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ddpnb.core import rundir
+from ddpnb.core.cellnames import cell_names
+from ddpnb.core.failures import Failure
 from ddpnb.core.output import LineBuffer, LineDecoder, last_text
-from ddpnb.core.record import Failure, RankRecord, RankState, cell_names, describe_exit
+from ddpnb.core.record import RankRecord, RankState
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import CrashDump
+from ddpnb.core.words import describe_exit
 
 
 def log_paths(run_dir: Path, world_size: int, attempt: int, restarts: bool) -> list[Path]:

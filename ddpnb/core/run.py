@@ -25,20 +25,12 @@ from ddpnb.core.engine import Capabilities, Engine
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import Decision, RestartPolicy
 from ddpnb.core.ranklogs import log_paths
-from ddpnb.core.record import (
-    Attempt as AttemptRecord,
-)
-from ddpnb.core.record import (
-    Outcome,
-    OutputLine,
-    RankRecord,
-    RunInterrupted,
-    RunRecord,
-    WorkerError,
-    format_duration,
-)
+from ddpnb.core.record import Attempt as AttemptRecord
+from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
+from ddpnb.core.report import RunInterrupted, WorkerError
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.watchdog import Watchdog
+from ddpnb.core.words import format_duration
 
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)

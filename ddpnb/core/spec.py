@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class Named(str, enum.Enum):
-    """An enum users may also write as its string value (`engine="ray"`); it prints as that value."""
-
-    def __str__(self) -> str:
-        return self.value
+from ddpnb.core.words import Named
 
 
 class ViewKind(Named):

@@ -11,7 +11,8 @@ import ast
 import linecache
 import time
 
-from ddpnb.core.record import Diagnosis, RankRecord, RankState, RankWhere, cell_names
+from ddpnb.core.cellnames import cell_names
+from ddpnb.core.record import Diagnosis, RankRecord, RankState, RankWhere
 from ddpnb.core.stacks import COLLECTIVES, STORE_WAITS, frames_of, is_library
 
 FLOOR = 60.0  # seconds without progress before an adaptive threshold can call a run stalled

@@ -10,8 +10,9 @@ import enum
 import time
 from collections.abc import Callable
 
-from ddpnb.core.record import RankRecord, RankState, Stall, flag_stragglers
+from ddpnb.core.record import RankRecord, RankState, Stall
 from ddpnb.core.stall import StallWatch
+from ddpnb.core.stragglers import flag_stragglers
 
 RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
 _RUNNING = (RankState.STARTING, RankState.RUNNING)

@@ -3,73 +3,43 @@ at most five times a second, ten on Ray; a rank's turn at once) and once a secon
 
 The supervisor thread keeps the record; this view only reads it. Its own thread redraws (so background
 runs, where nobody calls `wait()`, stay live) and sends a widget update only for a part that changed. Each part
-is an HTML string built by a pure function of the record, so the same functions draw the static summary that
-replaces the widget when the run ends: a saved notebook then reads well without a kernel.
-
-Plots are SVG written here (no plotting library): a few kilobytes per redraw, no rasterising in the kernel while
-ranks train on the same CPUs, crisp at any zoom, themed by JupyterLab's CSS variables, and the same markup works
-in the static summary. The log panel holds the last `LOG_LINES` lines per view; every line is in the rank's log.
-Its all-ranks view folds the same line from several ranks into one (`views.fold`); each rank's view is as printed.
+is drawn by `views.html`, whose static summary replaces the widget when the run ends. The log panel holds the
+last `LOG_LINES` lines per view; every line is in the rank's log. Its all-ranks view folds the same line from
+several ranks into one (`views.fold`); each rank's view is as printed.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import math
-import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ddpnb.core import checkpoints
-from ddpnb.core.record import (
-    FailureRole,
-    Outcome,
-    OutputLine,
-    RankRecord,
-    RankState,
-    RunRecord,
-    cell_names,
-    describe_exit,
-    format_duration,
-    hardware_text,
-    size_text,
-)
 from ddpnb.core.run import TICK, Run
-from ddpnb.core.spec import Stream
-from ddpnb.views.fold import FoldedLine, Folder, rank_ranges
+from ddpnb.views.fold import FoldedLine, Folder
+from ddpnb.views.html import (
+    MANY_RANKS,
+    MAX_LINE_CHARS,
+    any_line_html,
+    error_html,
+    header_html,
+    line_html,
+    log_html,
+    log_location,
+    metrics_signature,
+    plots_html,
+    printed_count,
+    ranks_html,
+    section_html,
+    stacks_html,
+    stall_html,
+    summary_html,
+)
+from ddpnb.views.text import summary_text
 
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
-MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
-MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
-PLOT_SIZE = (400, 160)  # one metric's plot, in pixels
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
-MANY_RANKS = 8  # from this many ranks up, plots show rank 0, the median and the min-max band; rows are compact
-SUMMARY_LOG_LINES = 30
-MEDIAN_COLOUR = "#7f7f7f"  # the many-ranks plots' median line: grey, no rank's colour
-
-# the ranks' colours (lines, swatches, log tags): none is a colour the states use (the failure red, the warning
-# orange, the success green, the running blue, the starting grey), so a rank never reads as a state
-RANK_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#e377c2", "#bcbd22", "#393b79", "#637939", "#7b4173")
-
-# Colours and styles are inline, as literal values: JupyterLab's sanitiser (an untrusted notebook: opened from
-# GitHub, nbviewer or a colleague) drops <style> blocks, <svg> and any inline value it cannot check (`var(...)`).
-# Text colours are inherited and tints are translucent, so the same markup reads on light and dark themes.
-_GREY, _BLUE, _GREEN, _RED, _ORANGE = "#757575", "#1976d2", "#388e3c", "#d32f2f", "#f57c00"
-STATE_COLOURS = (_GREY, _BLUE, _GREEN, _RED, _ORANGE)
-_RANK_COLOURS = {RankState.STARTING: _GREY, RankState.RUNNING: _BLUE, RankState.FINISHED: _GREEN,
-                 RankState.FAILED: _RED, RankState.STOPPED: _ORANGE}
-_ROLE_COLOURS = {FailureRole.ROOT_CAUSE: _RED, FailureRole.OWN: _RED, FailureRole.KNOCK_ON: _ORANGE}
-_RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILED: _RED,
-                Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
-_MONO = "font-family:monospace;font-size:12px"
-_MUTED = "opacity:0.7;font-size:12px"
-_CELL = "text-align:left;padding:3px 8px;white-space:nowrap;vertical-align:middle"
-_RULE = "rgba(128,128,128,0.3)"  # table rules and borders: grey on either theme
-_HEAD = f"{_CELL};font-weight:600;font-size:12px;border-bottom:1px solid {_RULE}"
 
 # the live widget's extras, which need the page's CSS (theme variables, the log scrolled to its end); the static
 # summary does without them
@@ -90,497 +60,6 @@ STYLE = """<style>
 .ddpnb .widget-toggle-buttons .widget-toggle-button{font-size:var(--jp-ui-font-size0,12px)}
 </style>"""
 
-
-# --- pure renderers: record -> HTML ------------------------------------------------------------------------------
-
-def overall_state(record: RunRecord) -> str:
-    """The run's state in the words the rank rows use: 'running', 'stalled', 'finished', 'failed', ..."""
-    if record.stalled:
-        return "stalled"
-    return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
-
-
-def rank_state(rank: RankRecord, role: FailureRole | None = None) -> str:
-    """'running', 'finished', 'failed first · exit 1', 'stopped: peer failed · exit 1', 'failed · SIGSEGV',
-    'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
-    state = role.value if rank.state is RankState.FAILED and role is not None else rank.state.value
-    code = rank.exitcode
-    if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
-        if code < 0:
-            state += " · " + describe_exit(code).removeprefix("killed by ")
-        else:
-            state += f" · exit {code}"
-    return state
-
-
-def _pill(state: str, colour: str) -> str:
-    return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="display:inline-block;'
-            f'padding:0 9px;border-radius:10px;font-weight:600;font-size:12px;border:1px solid {colour};'
-            f'color:{colour};margin-right:10px"><span style="display:inline-block;width:7px;height:7px;'
-            f'border-radius:50%;background-color:{colour};margin-right:5px;vertical-align:middle"></span>'
-            f'{html.escape(state)}</span>')
-
-
-def _devices(record: RunRecord) -> str:
-    devices = [r.device for r in record.ranks]
-    kinds = sorted({d.split(":")[0] for d in devices})
-    if kinds == ["cpu"]:
-        return "cpu"
-    if len(devices) <= 4:
-        return ", ".join(devices)
-    return f"{len(devices)} × {'/'.join(kinds)}"
-
-
-def header_html(record: RunRecord) -> str:
-    attempt = [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"] \
-        if record.max_restarts else []
-    note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
-    meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
-                       _devices(record), *note, *attempt, format_duration(record.duration)])
-    colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
-    # spaces between the parts, not only margins: copied, or shown without styles, the words stay apart
-    return (f'<div class="ddpnb-head" style="padding:2px 0">'
-            f'<span class="ddpnb-title" style="font-weight:600;font-size:14px;margin-right:10px">ddpnb</span> '
-            f'{_pill(overall_state(record), colour)} '
-            f'<span class="ddpnb-meta" style="opacity:0.75">{html.escape(meta)}</span></div>')
-
-
-def _progress_html(rank: RankRecord, compact: bool = False) -> str:
-    bars = rank.active_progress[-1:] if compact else rank.active_progress[-2:]  # compact: the innermost bar
-    if not bars:
-        return f'<span class="ddpnb-muted" style="{_MUTED}">–</span>'
-    parts = []
-    for bar in bars:
-        label = html.escape(f"{bar.desc} " if bar.desc else "") + html.escape(bar.text)
-        data = f'data-bar="{bar.bar}" data-n="{bar.n:g}" data-total="{"" if bar.total is None else f"{bar.total:g}"}"'
-        if bar.total:
-            share = max(0.0, min(1.0, bar.n / bar.total))
-            kind, fill = ((" ddpnb-failed", _RED) if rank.state is RankState.FAILED else
-                          (" ddpnb-done", _GREEN) if share >= 1 else ("", _BLUE))
-            parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}"><span class="ddpnb-bar{kind}" '
-                         f'style="display:inline-block;width:110px;height:8px;border-radius:4px;overflow:hidden;'
-                         f'vertical-align:middle;margin-right:6px;background-color:rgba(128,128,128,0.25)">'
-                         f'<span style="display:block;height:100%;width:{share * 100:.1f}%;background-color:{fill}">'
-                         f'</span></span>{label}</div>')
-        else:
-            parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}">{label}</div>')
-    return "".join(parts)
-
-
-def _gpu_memory_html(rank: RankRecord) -> str:
-    if rank.gpu_memory is None:
-        return _td("–", _MUTED, ' class="ddpnb-muted"')
-    reserved, peak = rank.gpu_memory
-    return _td(size_text(reserved), attrs=f' title="held by PyTorch now; peak {size_text(peak)}"')
-
-
-LAST_CELL = ' class="ddpnb-last"'
-
-
-def _td(content: str, style: str = "", attrs: str = "") -> str:
-    return (f'<td{attrs} style="{_CELL};border-bottom:1px solid rgba(128,128,128,0.15)'
-            f'{";" + style if style else ""}">{content}</td>')
-
-
-def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
-    """The straggler radar's and the hardware sampler's columns: header cells, then each rank's cells; a column
-    only where some rank has data for it."""
-    hardware = [hardware_text(r) for r in record.ranks]
-    computes = [r.compute_per_step for r in record.ranks]
-    columns: list[tuple[str, list[str]]] = []
-    if any(c is not None for c in computes):
-        head = (f'<th style="{_HEAD}" title="the rank\'s own busy time per step, its waits in collectives left '
-                'out">compute/step</th>')
-        columns.append((head, [_compute_html(r) for r in record.ranks]))
-    for index, name in enumerate(("CPU", "memory", "GPU")):
-        if any(h[index] for h in hardware):
-            columns.append((f'<th style="{_HEAD}">{name}</th>',
-                            [_td(html.escape(h[index]) or "–", _MONO) for h in hardware]))
-    return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
-                                                  for i in range(len(record.ranks))]
-
-
-def _compute_html(rank: RankRecord) -> str:
-    compute = rank.compute_per_step
-    if compute is None:
-        return _td("–", _MUTED)
-    flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{rank.straggler}</span>'
-            if rank.straggler else "")
-    return _td(f"{compute * 1000:.1f} ms{flag}", _MONO)
-
-
-def ranks_html(record: RunRecord) -> str:
-    """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls."""
-    gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
-    compact = record.world_size >= MANY_RANKS  # compact rows (one progress bar each) in a box that scrolls
-    pad = "padding:0 6px;line-height:1.3" if compact else ""
-    head = f'style="{_HEAD}"'
-    radar_head, radar_cells = _radar_html(record)
-    names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
-    table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
-             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px">' if compact
-             else '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px">')
-    rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
-            + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
-            + "</tr></thead><tbody>"]
-    for rank, radar in zip(record.ranks, radar_cells):
-        role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
-        colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
-        weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
-        role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
-        straggler = f' data-straggler="{rank.straggler}"' if rank.straggler else ""
-        last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
-        swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
-                  f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
-        latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
-                  f'overflow:hidden;text-overflow:ellipsis;max-width:300px;opacity:0.75">{html.escape(last[:160])}</div>')
-        rows.append(
-            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{role_attr}{straggler}>{_td(swatch, pad)}'
-            f'{_td(html.escape(rank_state(rank, role)), f"color:{colour};font-weight:{weight};{pad}")}'
-            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{pad}")}'
-            f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
-            f'{_td(format_duration(rank.duration), pad)}{_td(latest, pad, attrs=LAST_CELL)}</tr>')
-    rows.append("</tbody></table></div>" if compact else "</tbody></table>")
-    return "".join(rows)
-
-
-def _rank_colour(rank: int) -> str:
-    return RANK_COLOURS[rank % len(RANK_COLOURS)]
-
-
-def metric_names(record: RunRecord) -> list[str]:
-    names: dict[str, None] = {}
-    for rank in record.ranks:
-        for name in list(rank.metrics):
-            names.setdefault(name, None)
-    return list(names)
-
-
-def metrics_signature(record: RunRecord) -> tuple[int, ...]:
-    """Changes whenever a point is logged: redraw plots only then."""
-    return (len(record.attempts), *(len(series) for rank in record.ranks for series in list(rank.metrics.values())))
-
-
-def plots_html(record: RunRecord, images: bool = False) -> str:
-    """One plot per metric: inline SVG (the live widget, themed by the page's CSS), or with `images` each SVG as
-    an <img> of itself (the static summary: JupyterLab's sanitiser drops <svg> from an untrusted notebook's HTML,
-    and does not show an untrusted `image/svg+xml` output at all, but keeps an image's data URI)."""
-    names = metric_names(record)
-    if not names:
-        return (f'<div class="ddpnb-muted" style="{_MUTED}">No metrics yet: send them from the ranks with '
-                '<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>')
-    many = record.world_size >= MANY_RANKS
-    shown = [0] if many else [r.rank for r in record.ranks]
-    legend = "".join(f'<span style="margin-right:12px">{_swatch(_rank_colour(r))}rank {r}</span> ' for r in shown)
-    if many:
-        legend += (f'<span style="margin-right:12px">{_swatch(_rank_colour(0), "opacity:0.25")}min–max of all ranks'
-                   f'</span><span style="margin-right:12px">{_swatch(MEDIAN_COLOUR)}median</span>')
-    plots = [_plot(record, name, shown, many, images) for name in names]
-    return (f'<div class="ddpnb-legend" style="{_MUTED};margin:2px 0">{legend}</div>'
-            f'<div class="ddpnb-plots" style="margin:2px 0 4px">{"".join(plots)}</div>')
-
-
-def _swatch(colour: str, style: str = "") -> str:
-    return (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
-            f'margin-right:6px;background-color:{colour}{";" + style if style else ""}"></span>')
-
-
-def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image: bool = False) -> str:
-    width, height = PLOT_SIZE
-    # the record's own lists, which the supervisor appends to: measured and sampled, never copied whole, so a
-    # redraw costs the same after a million points as after a hundred
-    logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
-    counts = {rank: len(points) for rank, points in logged.items()}
-    series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
-    by_step = all(step is not None for points in series.values() for step, _, _ in points)
-
-    def xy(points: list[tuple[int | None, float, float]]) -> list[tuple[float, float]]:
-        return [(float(step) if by_step else t - record.started, value) for step, t, value in points
-                if math.isfinite(value)]
-
-    lines = {rank: xy(series[rank]) for rank in shown}
-    # earlier attempts: their lines, fainter, and a marker where each later attempt's first point is
-    earlier = [{rank: xy(thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS)) for rank in shown}
-               for a in record.attempts]
-    restarts = []
-    for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][:len(record.attempts)]:
-        first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
-        restarts.extend(x for x, _ in first[:1])
-    band_points: list[tuple[float, float, float]] = []
-    median: list[tuple[float, float]] = []
-    if band and by_step:
-        spread: dict[float, list[float]] = {}
-        for points in series.values():
-            for x, y in xy(points):
-                spread.setdefault(x, []).append(y)
-        band_points = [(x, min(ys), max(ys)) for x, ys in sorted(spread.items())]
-        median = [(x, statistics.median(ys)) for x, ys in sorted(spread.items())]
-    drawn_lines = [*lines.values(), *(points for attempt in earlier for points in attempt.values())]
-    all_x = [x for points in drawn_lines for x, _ in points] + [x for x, _, _ in band_points]
-    all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
-    latest = series[shown[0]]
-    value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
-    title = (f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
-             f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>')
-    box = f'<div class="ddpnb-plot" data-metric="{html.escape(name)}" style="display:inline-block;' \
-          f'vertical-align:top;margin:0 14px 4px 0">{title}'
-    if not all_x:
-        return f"{box}</div>"
-    left, right, top, bottom = 44, 10, 6, 22
-    x_lo, x_hi = min(all_x), max(all_x)
-    y_lo, y_hi = min(all_y), max(all_y)
-    if x_hi == x_lo:
-        x_hi = x_lo + 1
-    if y_hi == y_lo:
-        pad = abs(y_lo) * 0.1 or 1.0
-        y_lo, y_hi = y_lo - pad, y_hi + pad
-    x_ticks, y_ticks = nice_ticks(x_lo, x_hi, 5), nice_ticks(y_lo, y_hi, 4)
-    y_lo, y_hi = min(y_lo, y_ticks[0]), max(y_hi, y_ticks[-1])
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * plot_w
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
-
-    svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-size="10" font-family="sans-serif">')]
-    for y in y_ticks:
-        svg.append(f'<line class="ddpnb-grid" x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                   f'stroke="#808080" stroke-opacity="0.2"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#808080">'
-                   f'{_tick_label(y)}</text>')
-    for x in x_ticks:
-        if x_lo <= x <= x_hi and sx(x) < width - right - 30:  # the right end carries the axis' unit
-            svg.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#808080">'
-                       f'{_tick_label(x)}</text>')
-    svg.append(f'<line class="ddpnb-axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" '
-               f'stroke="#808080" stroke-opacity="0.6"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
-               f'stroke="#808080" stroke-opacity="0.6"/>')
-    svg.append(f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#808080">'
-               f'{"step" if by_step else "s"}</text>')
-    if band_points:
-        thinned = thin(band_points, MAX_POINTS)
-        outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
-        svg.append(f'<polygon class="ddpnb-band" fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
-                   f'points="{_points(outline)}"><title>min–max of all ranks</title></polygon>')
-        svg.append(f'<polyline class="ddpnb-median" fill="none" stroke="{MEDIAN_COLOUR}" stroke-width="1.2" '
-                   f'stroke-dasharray="4,2" points="{_points((sx(x), sy(y)) for x, y in thin(median, MAX_POINTS))}">'
-                   '<title>median of all ranks</title></polyline>')
-    for number, attempt in enumerate(earlier):
-        for rank, points in attempt.items():
-            if len(points) > 1:
-                svg.append(f'<polyline data-rank="{rank}" data-attempt="{number}" fill="none" '
-                           f'stroke="{_rank_colour(rank)}" stroke-opacity="0.35" stroke-width="1.2" '
-                           f'points="{_points((sx(x), sy(y)) for x, y in thin(points, MAX_POINTS))}"/>')
-    for number, x in enumerate(restarts, 1):
-        svg.append(f'<line class="ddpnb-restart" data-attempt="{number}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
-                   f'y1="{top}" y2="{top + plot_h}" stroke="{_ORANGE}" stroke-dasharray="3,3">'
-                   f'<title>attempt {number} starts here</title></line>'
-                   f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="{_ORANGE}">restart {number}</text>')
-    for rank, points in lines.items():
-        if not points:
-            continue
-        colour = _rank_colour(rank)
-        drawn = thin(points, MAX_POINTS)
-        attrs = f'data-rank="{rank}" data-points="{counts[rank]}"'
-        if len(drawn) == 1:
-            (x, y), = drawn
-            svg.append(f'<circle {attrs} cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>')
-        else:
-            svg.append(f'<polyline {attrs} fill="none" stroke="{colour}" stroke-width="1.6" '
-                       f'stroke-linejoin="round" points="{_points((sx(x), sy(y)) for x, y in drawn)}"/>')
-    svg.append("</svg>")
-    drawn_svg = "".join(svg)
-    if image:
-        data = base64.b64encode(drawn_svg.encode()).decode()
-        drawn_svg = (f'<img class="ddpnb-plot-image" src="data:image/svg+xml;base64,{data}" width="{width}" '
-                     f'height="{height}" alt="{html.escape(name)}: {html.escape(value)}">')
-    return f"{box}{drawn_svg}</div>"
-
-
-def _points(points: Iterable[tuple[float, float]]) -> str:
-    return " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-
-
-def thin(points: Sequence[Any], limit: int) -> Sequence[Any]:
-    """At most about `limit` evenly spaced points, always keeping the last one."""
-    if len(points) <= limit:
-        return list(points)
-    stride = math.ceil(len(points) / limit)
-    kept = list(points[::stride])
-    if kept[-1] is not points[-1]:
-        kept.append(points[-1])
-    return kept
-
-
-def nice_ticks(lo: float, hi: float, count: int) -> list[float]:
-    """About `count` round tick values (1, 2 or 5 times a power of ten apart) covering [lo, hi]."""
-    raw = (hi - lo) / max(1, count)
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.floor(lo / step) * step
-    ticks = []
-    tick = first
-    while tick <= hi + step * 0.5 and len(ticks) < 50:
-        ticks.append(round(tick, 12))
-        tick += step
-    if ticks[-1] < hi:
-        ticks.append(round(tick, 12))
-    return ticks
-
-
-def _tick_label(value: float) -> str:
-    if value == 0:
-        return "0"
-    if abs(value) >= 1e5 or abs(value) < 1e-3:
-        return f"{value:.0e}"
-    return f"{value:.4g}"
-
-
-def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -> str:
-    """One log line; `ranks`: every rank that printed it, when folded (`[ranks 0-3]`, in a neutral colour)."""
-    if len(ranks) > 1:
-        tag, colour = f"[ranks {rank_ranges(ranks)}]", _GREY
-    else:
-        tag, colour = f"[rank {rank}]", _rank_colour(rank)
-    tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
-    return (f'<div class="ddpnb-line ddpnb-{stream}" style="white-space:pre-wrap;word-break:break-all;'
-            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;'
-            f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
-
-
-def _printed(lines: Iterable[OutputLine | FoldedLine]) -> int:
-    """How many printed lines these are: a folded line is one per rank that printed it."""
-    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
-
-
-def _any_line_html(line: OutputLine | FoldedLine) -> str:
-    ranks = line.ranks if isinstance(line, FoldedLine) else ()
-    return line_html(line.rank, line.stream, line.text, ranks)
-
-
-def log_html(lines: Iterable[str], note: str) -> str:
-    """The log panel from lines drawn by `line_html` (the live dashboard draws each line once, not each redraw)."""
-    inner = "".join(lines) or f'<div class="ddpnb-muted" style="{_MUTED}">no output yet</div>'
-    return (f'<div class="ddpnb-muted" style="{_MUTED}">{note}</div>'
-            f'<div class="ddpnb-log ddpnb-mono" style="{_MONO};border:1px solid {_RULE};border-radius:3px;'
-            f'padding:4px 8px;margin:2px 0;background-color:rgba(128,128,128,0.06)"><div>{inner}</div></div>')
-
-
-def error_html(record: RunRecord, full_traceback: bool = True) -> str:
-    """The first failure: the failing rank's traceback (cells named as IPython names them, `Cell In[3], line 7`),
-    then what the other ranks did. With `full_traceback=False` (a foreground run: the cell's own error right below
-    shows the traceback) only where it was raised, so the traceback is not shown twice."""
-    first = record.first_failure
-    muted = f'class="ddpnb-muted" style="{_MUTED}"'
-    earlier = "".join(f'<div {muted} data-attempt="{a.number}">attempt {a.number} (restarted): '
-                      f'{html.escape(a.describe())}</div>' for a in record.attempts)
-    box = (f'<div class="ddpnb-error" style="border-left:3px solid {_RED};background-color:rgba(211,47,47,0.08);'
-           f'padding:4px 10px;margin:4px 0">')
-    if first is None:
-        return f"{box}{earlier}</div>" if earlier else ""
-    parts = [(f'{box}<div class="ddpnb-error-title" style="font-weight:600;color:{_RED}">rank {first.rank} failed '
-              f'first: {html.escape(first.summary)}</div>')]
-    traceback = cell_names(first.traceback).rstrip()
-    if traceback and full_traceback:
-        parts.append(f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto">'
-                     f'{html.escape(traceback)}</pre>')
-    elif traceback:
-        frames = [line.strip() for line in traceback.splitlines() if line.startswith(("  File ", "  Cell In["))]
-        # a crash report lists the innermost frame first, and the summary already names it
-        at = f"at {frames[-1]}; " if frames and "most recent call first" not in traceback else ""
-        parts.append(f'<div {muted} data-traceback="below">{html.escape(at)}the full traceback is in the cell\'s '
-                     f'error below</div>')
-    others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
-    own = [f for f in others if not f.knock_on]  # as the text report splits them
-    if own:
-        parts.append(f'<div {muted}>also failed: ' + "; ".join(
-            html.escape(f"rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary))
-            for f in own) + "</div>")
-    if len(own) < len(others):
-        parts.append(f'<div {muted}>then, as a consequence: '
-                     + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others if f.knock_on) + "</div>")
-    parts.append(f"{earlier}</div>")
-    return "".join(parts)
-
-
-def stall_html(record: RunRecord) -> str:
-    """The stall banner: where each rank is while no rank makes progress; one line once progress resumed."""
-    stall = record.stall
-    if stall is None:
-        return ""
-    if not stall.ongoing:
-        assert stall.resumed is not None
-        return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
-                f'({html.escape(stall.diagnosis.summary())}), then progress resumed</div>')
-    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*stall.diagnosis.rank_lines(),
-                                                                    *stall.diagnosis.flight])
-    tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
-            else f"still stalled when the run ended ({record.outcome.value})")
-    return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
-            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0">'
-            f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
-            f'{html.escape(stall.headline())}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
-            f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
-
-
-def stacks_html(stacks: dict[int, str]) -> str:
-    """Every rank's stack, as `Run.stacks()` gave them."""
-    if not stacks:
-        return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
-    return f'<div class="ddpnb-stacks">{section_html("stacks")}' + "".join(
-        f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
-        f'white-space:pre;max-height:320px;overflow:auto">'
-        f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
-
-
-def _log_location(record: RunRecord) -> str:
-    attempt = f".attempt{record.attempt}" if record.max_restarts else ""
-    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempt}.log</code>"
-
-
-def resume_html(record: RunRecord) -> str:
-    """A stopped or failed run with a complete checkpoint: how to continue from it."""
-    if record.outcome in (Outcome.SUCCEEDED, Outcome.RUNNING) or record.checkpoint_dir is None:
-        return ""
-    found = checkpoints.latest(record.checkpoint_dir)
-    if found is None:
-        return ""
-    return (f'<div class="ddpnb-muted" style="{_MUTED}" data-resume="{found[0]}">continue from its checkpoint of '
-            f'step {found[0]}: <code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or '
-            f'<code>--resume last</code>)</div>')
-
-
-def section_html(title: str) -> str:
-    return (f'<span class="ddpnb-section" style="font-weight:600;font-size:12px;opacity:0.7;'
-            f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>')
-
-
-def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine], full_traceback: bool = True) -> str:
-    """The static record of a finished run: what the cell keeps once the live dashboard is gone; `lines`: the
-    latest lines, folded or not. Styled inline only, with the plots as images: it reads the same in an untrusted
-    notebook, whose HTML JupyterLab sanitises."""
-    tail = lines[-SUMMARY_LOG_LINES:]
-    total = sum(r.lines for r in record.ranks)
-    note = (f"last {_printed(tail)} of {total:,} lines · every line is in {_log_location(record)}" if total
-            else f"no output · logs in {_log_location(record)}")
-    logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
-            f'{section_html("output")}</summary>'
-            f'{log_html((_any_line_html(line) for line in tail), note)}</details>')
-    hint = f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(record.hint)}</div>' if record.hint else ""
-    return (f'<div class="ddpnb" data-ddpnb-summary="1" style="font-size:13px;line-height:1.4;max-width:1100px">'
-            f'{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record, images=True) if metric_names(record) else ""}{stall_html(record)}'
-            f'{error_html(record, full_traceback)}{resume_html(record)}{logs}{hint}</div>')
-
-
-def summary_text(record: RunRecord) -> str:
-    text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{record.summary_table()}"
-    return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
-
-
-# --- the live widget ---------------------------------------------------------------------------------------------
 
 class Dashboard:
     """Shows `run` as a live widget in the current cell; replaces it by a static summary when the run ends.
@@ -710,7 +189,7 @@ class Dashboard:
             self._per_rank[line.rank].append((line, line_html(line.rank, line.stream, line.text)))
         folded = self._folder.add(new, time.monotonic()) + (self._folder.flush() if done else [])
         for line in folded:
-            self._all.append((line, _any_line_html(line)))
+            self._all.append((line, any_line_html(line)))
         if new or folded:
             self._lines_changed = True
 
@@ -720,12 +199,12 @@ class Dashboard:
         if rank == -1:
             lines = self._all
             total = sum(r.lines for ranks in [*(a.ranks for a in record.attempts), record.ranks] for r in ranks)
-            where = _log_location(record)
+            where = log_location(record)
         else:
             lines = self._per_rank[rank]
             total = sum(ranks[rank].lines for ranks in [*(a.ranks for a in record.attempts), record.ranks])
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
-        shown = _printed(line for line, _ in lines)
+        shown = printed_count(line for line, _ in lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
                 else f"{total:,} lines · also in {where}")
         return log_html((html_line for _, html_line in lines), note)

@@ -12,9 +12,11 @@ import sys
 import time
 
 from ddpnb.core import checkpoints
-from ddpnb.core.record import Attempt, Outcome, Stall, format_duration
+from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
+from ddpnb.core.report import summary_table
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
+from ddpnb.core.words import format_duration
 from ddpnb.views.fold import FoldedLine, Folder
 
 
@@ -106,7 +108,7 @@ class TextView:
         again = f" after {record.attempt} restart{'s' if record.attempt > 1 else ''}" if record.attempt else ""
         self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {format_duration(record.duration)}\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
-            self.out.write(record.summary_table() + "\n")
+            self.out.write(summary_table(record) + "\n")
         if record.hint:
             self.out.write(f"[ddpnb] {record.hint}\n")
         found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
@@ -123,3 +125,9 @@ def stall_lines(stall: Stall, going: str = "the run", handle: str = "run") -> st
     lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
     lines.append(f"[ddpnb]   {going} goes on; {handle}.stacks() gives every rank's stack now")
     return "\n".join(lines) + "\n"
+
+
+def summary_text(record: RunRecord) -> str:
+    """A finished run in a few plain lines: the text the dashboard's static summary carries beside its HTML."""
+    text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{summary_table(record)}"
+    return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")

@@ -20,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core.data import CHUNK, KEEP_LAUNCHES, MIN_BYTES, BySource, cpu_copy, flat, plain_tensor
-from ddpnb.core.record import DataSent, size_text
+from ddpnb.core.record import DataSent
 from ddpnb.core.spec import LaunchError
+from ddpnb.core.words import size_text
 from ddpnb.engines.local.mapped import STRIPE, pieces, rebuild_array, rebuild_tensor
 from ddpnb.rank.data import from_cuda
 
@@ -193,7 +195,7 @@ class Shipment:
         nbytes = storage.nbytes()
         if nbytes < MIN_BYTES:
             return None
-        block = self._block(storage, tensor._version, nbytes, lambda: _storage_bytes(storage, nbytes))
+        block = self._block(storage, _compat.tensor_version(tensor), nbytes, lambda: _storage_bytes(storage, nbytes))
         return rebuild_tensor, (block.segment.id, block.offset, nbytes, tensor.dtype, tensor.storage_offset(),
                                  tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad,
                                  type(tensor) is torch.nn.Parameter)

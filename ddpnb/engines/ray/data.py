@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core import data as notebook_data
 from ddpnb.core.data import CHUNK, KEEP_LAUNCHES, MIN_BYTES
 from ddpnb.core.record import DataSent
@@ -114,7 +115,8 @@ class ObjectStoreShipment:
         storage = tensor.untyped_storage()
         if storage.nbytes() < MIN_BYTES:
             return None
-        key = self._key(storage, tensor._version, lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+        key = self._key(storage, _compat.tensor_version(tensor),
+                        lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
         return rebuild_tensor, (key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()),
                                  tuple(tensor.stride()), tensor.requires_grad, type(tensor) is torch.nn.Parameter)
 

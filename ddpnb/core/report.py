@@ -1,0 +1,165 @@
+"""A run's record as text for the user: the summary table (with the radar's and hardware sampler's columns), a
+stopped run's line, and the exceptions a run raises, `WorkerError` and `RunInterrupted`, whose report is that text.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ddpnb.core.cellnames import cell_names
+from ddpnb.core.record import Outcome, RankRecord, RunRecord
+from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
+
+
+def summary_table(record: RunRecord) -> str:
+    """One row per rank: its state, how it exited, its time, the radar's and hardware's columns, its last line."""
+    radar = radar_columns(record.ranks)
+    rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  {radar[0]}last line"]
+    for r, extra in zip(record.ranks, radar[1:]):
+        rows.append(
+            f"{r.rank:>4}  {r.state.value:<9} {describe_exit(r.exitcode):<22} "
+            f"{format_duration(r.duration):>10}  {extra}{r.last_line[:60]}"
+        )
+    return "\n".join(rows)
+
+
+def radar_columns(ranks: list[RankRecord]) -> list[str]:
+    """The summary table's compute and hardware columns, header first, each padded; none where no rank has data."""
+    hardware = [hardware_text(r) for r in ranks]
+    cells = [[_compute_text(r) for r in ranks], *([h[i] for h in hardware] for i in range(3))]
+    names = ["compute/step", "cpu", "rss", "gpu"]
+    shown = [(name, column) for name, column in zip(names, cells) if any(column)]
+    widths = [max(len(name), *(len(cell) for cell in column)) for name, column in shown]
+    header = "".join(f"{name:<{width}}  " for (name, _), width in zip(shown, widths))
+    return [header, *("".join(f"{column[i]:<{width}}  " for (_, column), width in zip(shown, widths))
+                      for i in range(len(ranks)))]
+
+
+def _compute_text(rank: RankRecord) -> str:
+    compute = rank.compute_per_step
+    if compute is None:
+        return ""
+    return f"{compute * 1000:.1f} ms" + (f" ({rank.straggler})" if rank.straggler else "")
+
+
+def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
+    """The rank's latest CPU, memory and GPU use as text, each with a sparkline of its last `points` samples
+    (CPU on 100% of one core; the others on their own largest); '' where there is no sample."""
+    samples = list(rank.hardware)[-points:]
+    if not samples:
+        return "", "", ""
+    last = samples[-1]
+    cpu = f"{last.cpu:.0f}% {sparkline([s.cpu for s in samples], max(100.0, *(s.cpu for s in samples)))}"
+    rss = f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples])}"
+    gpu = ""
+    if last.gpu_util is not None:
+        gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
+               f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W")
+    return cpu, rss, gpu
+
+
+def stopped_line(record: RunRecord) -> str:
+    """A stopped run, said as what happened rather than as an error: 'run stopped by the user at 12:01:05, 12 s
+    after it started; it has no value (the ranks were stopped before every one had returned)'."""
+    note = record.note or "stopped"
+    said = note if note.startswith("stopped") else f"stopped ({note})"
+    at = time.strftime("%H:%M:%S", time.localtime(record.ended or time.time()))
+    return (f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (the "
+            "ranks were stopped before every one had returned)")
+
+
+class WorkerError(RuntimeError):
+    """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack."""
+
+    def __init__(self, record: RunRecord, hint: str = "") -> None:
+        self.record = record
+        self.hint = hint
+        first = record.first_failure
+        self.rank = first.rank if first else None
+        headline = (
+            f"rank {first.rank} failed first: {first.summary}"
+            if first
+            else stopped_line(record) if record.outcome is Outcome.STOPPED
+            else f"run {record.outcome.value}: {record.note}"
+        )
+        if record.attempts:  # every attempt's first failure, the last one's first
+            headline = f"attempt {record.attempt}: {headline}; " + "; ".join(
+                f"attempt {a.number}: {a.describe()}" for a in reversed(record.attempts))
+        super().__init__(headline)
+
+    def report(self) -> str:
+        record = self.record
+        first = record.first_failure
+        parts = []
+        if first is not None:
+            again = f" (attempt {record.attempt})" if record.attempts else ""
+            parts.append(f"ddpnb: rank {first.rank} of {record.world_size} failed first{again}: {first.summary}")
+            if first.traceback:
+                shown = cell_names(first.traceback).rstrip()
+                parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
+            others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
+            own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort
+            if own:
+                parts.append("\nalso failed:")
+                parts.extend(f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary
+                                                     else f.summary) for f in own)
+            if len(own) < len(others):
+                parts.append("\nthen, as a consequence:")
+                parts.extend(f"  rank {f.rank}: {f.summary}" for f in others if f.knock_on)
+        elif record.outcome is Outcome.STOPPED:
+            parts.append(f"ddpnb: {stopped_line(record)}.")
+        else:
+            parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
+            if record.at_timeout is not None:  # where each rank was, one line each, before the stacks
+                parts.append(f"where each rank was: {record.at_timeout.summary()}")
+                parts.extend(f"  {line}" for line in record.at_timeout.rank_lines())
+                parts.extend(f"  {line}" for line in record.at_timeout.flight)
+        if first is None and record.failures:  # ranks that failed because ddpnb stopped the others
+            parts.append("\nthen, as a consequence:")
+            parts.extend(f"  rank {f.rank}: {f.summary}" for f in sorted(record.failures, key=lambda f: f.time))
+        if record.attempts:
+            parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
+                         "the earlier ones, each ended by stopping every rank and starting them all again:")
+            parts.extend(f"  attempt {a.number}: {a.describe()}" for a in record.attempts)
+        stacks = [r for r in record.ranks if r.stack]
+        if stacks:
+            parts.append("\nwhere each rank was when the run was stopped:")
+            for r in stacks:
+                state = (r.stalled_state or r.state).value
+                parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n{r.stack.rstrip()}")
+        parts.append("\n" + summary_table(record))
+        parts.append(f"\nfull per-rank logs: {record.run_dir}")
+        if self.hint:
+            parts.append(self.hint)
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.report()
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of the kernel-side stack, which is ddpnb's, not the user's.
+        return self.report().splitlines()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or Jupyter's interrupt stopped a run. Still a KeyboardInterrupt (loops and scripts stop as they
+    would); in IPython it shows what happened instead of ddpnb's waiting stack."""
+
+    def __init__(self, record: RunRecord, starting: bool = False) -> None:
+        self.record = record
+        self.starting = starting  # before every rank had started: nothing ran, nothing is kept
+        super().__init__("ddpnb: interrupted while the ranks were starting; none is running" if starting else
+                         f"ddpnb: run interrupted after {format_duration(record.duration)}; every rank was stopped")
+
+    def report(self) -> str:
+        if self.starting:
+            return (f"KeyboardInterrupt: {self.args[0]}.\nRun the cell again when ready (a kernel's first run waits "
+                    "while ddpnb's worker process imports torch); the kernel and its variables are unchanged.")
+        return "\n".join([
+            f"KeyboardInterrupt: {self.args[0]}.", "", summary_table(self.record), "",
+            f"full per-rank logs: {self.record.run_dir}",
+            "Run the cell again when ready; the kernel and its variables are unchanged.",
+        ])
+
+    def _render_traceback_(self) -> list[str]:
+        return self.report().splitlines()
