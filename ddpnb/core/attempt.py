@@ -247,7 +247,6 @@ class Attempt:
         return not eager and not self._returned and self._stop is None and self._request.asked is None
 
     def tick(self) -> None:
-        now = time.monotonic()
         if self.channel is not None:
             self.channel.release()
         while self._stack_requests:  # asked for by another thread: collected in the reader's thread
@@ -257,7 +256,7 @@ class Attempt:
         asked = self._request.asked
         if asked and self._stop is None:
             self._begin_stop(*asked)
-        alarm = self.watchdog.check(now, self.record.ranks, self.record.stall, self._returned, armed=self._stop is None)
+        alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned, armed=self._stop is None)
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")

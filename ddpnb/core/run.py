@@ -236,6 +236,7 @@ class Run:
         """Keep the attempt that ended in the record and begin the next, on a fresh engine (or on `engine`, which
         restarted the ranks itself). False where it could not start: the run ends, failed, saying why."""
         ended = self.attempt
+        ended.result.close()  # what its rank 0 sent is not the run's result now
         outcome, note = ended.outcome()
         record = self.record
         record.attempts.append(AttemptRecord(number=ended.number, ranks=record.ranks, failures=record.failures,
