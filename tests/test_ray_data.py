@@ -11,8 +11,8 @@ import re
 import time
 
 import pytest
-from ddpnb.core.shared import KEEP_LAUNCHES
 
+from ddpnb.core.data import KEEP_LAUNCHES
 from tests.test_ray import CELL_TIMEOUT, RAY_TEST_TIMEOUT, needs_ray, ray_kernel, run_actors_left
 
 __all__ = ["ray_kernel"]  # the module's one kernel and Ray instance (a fixture)

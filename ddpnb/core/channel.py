@@ -20,6 +20,8 @@ EAGER = 1.0  # seconds after a command during which the engine reads without pau
 
 
 class CommandChannel:
+    """Commands out to a session's ranks and their answers back, released after the read pass that brought them."""
+
     def __init__(self) -> None:
         self.engine: Engine | None = None  # the running attempt's (set as it starts)
         self.replies: queue.SimpleQueue[msg.Reply] = queue.SimpleQueue()

@@ -38,6 +38,8 @@ class Shipment(Protocol):
 
 
 class _FromSource(Protocol):
+    """An entry kept for a notebook object: a weak reference to it."""
+
     source: weakref.ref
 
 

@@ -15,6 +15,8 @@ from ddpnb.core.words import Named
 
 @dataclass
 class Failure:
+    """One rank's failure: when, its summary line, its traceback, and whether it is a knock-on of another's."""
+
     rank: int
     time: float
     summary: str  # one line: "ValueError: bad batch" or "killed by SIGSEGV"

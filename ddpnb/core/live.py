@@ -7,7 +7,9 @@ from typing import Any, Protocol
 from ddpnb.core.record import Outcome, RunRecord
 
 
-class Run(Protocol):  # `core.run.Run`, which registers itself here
+class Run(Protocol):
+    """What the registry needs of a run (`core.run.Run`, which registers itself here)."""
+
     record: RunRecord
 
     def stop(self, outcome: Outcome = ..., note: str = ...) -> None: ...

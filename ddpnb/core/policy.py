@@ -13,6 +13,8 @@ from ddpnb.core.record import Outcome
 
 
 class Decision(enum.Enum):
+    """What the policy decided after an attempt ended."""
+
     RESTART = "restart"  # keep the attempt in the record and start every rank again, fresh
     END = "end"  # the run ends with this attempt's outcome
 

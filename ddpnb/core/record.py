@@ -65,6 +65,8 @@ class Outcome(Named):
 
 @dataclass
 class RankRecord:
+    """One rank in one attempt, as plain data: its process, state, output, metrics, progress and samples."""
+
     rank: int
     device: str = "cpu"
     pid: int | None = None
@@ -213,7 +215,7 @@ def named(ranks: list[int]) -> str:
 
 @dataclass(frozen=True)
 class DataSent:
-    """What a launch sent the ranks through shared memory (`core.shared`) or Ray's object store rather than in a
+    """What a launch sent the ranks through shared memory (`engines.local.shared`) or Ray's object store rather than in a
     pickle."""
 
     written: int  # bytes written into memory files at this launch

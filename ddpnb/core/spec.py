@@ -82,6 +82,8 @@ DEFAULT_CPU_RANKS = 2
 
 @dataclass(frozen=True)
 class Plan:
+    """How a launch's flags were read: the world size, whether ranks use GPUs, the backend."""
+
     world_size: int
     use_gpus: bool
     backend: str

@@ -19,6 +19,8 @@ _RUNNING = (RankState.STARTING, RankState.RUNNING)
 
 
 class Alarm(enum.Enum):
+    """What the watchdog found at a check."""
+
     TIMEOUT = "timeout"  # the attempt ran past --timeout
     STALL = "stall"  # no rank made progress for the stall threshold (`quiet` seconds)
     RESUMED = "resumed"  # a rank made progress again after a stall

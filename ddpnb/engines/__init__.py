@@ -64,8 +64,8 @@ def options(name: str, given: dict[str, Any]) -> Any:
             continue
         owner = next((other for other in names() if other != name and key in _safe_option_names(other)), None)
         if owner is None:
-            raise LaunchError(f"there is no option {key!r}: see help(ddpnb.launch) for the options every engine "
-                              "takes, and the README's Engines section for each engine's own.")
+            raise LaunchError(f"there is no option {key!r}: see help(ddpnb.LaunchOptions), and the engine's own "
+                              f"options in help(ddpnb.engines.find({name!r}).Options).")
         theirs = " and ".join(_safe_option_names(owner))
         raise LaunchError(f"{theirs} {'are' if ' and ' in theirs else 'is'} for the {owner} engine: add "
                           f"engine={owner!r} (--engine {owner}).")
