@@ -21,6 +21,7 @@ DEFAULT = "local"
 _BUILT_IN = {  # the same as pyproject.toml's entry points, for a checkout used without installing it
     "local": "ddpnb.engines.local.engine:LocalType",
     "ray": "ddpnb.engines.ray.engine:RayType",
+    "slurm": "ddpnb.engines.slurm.engine:SlurmType",
 }
 
 

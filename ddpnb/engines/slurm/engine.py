@@ -1,0 +1,521 @@
+"""The slurm engine, kernel side: one `srun` job step per attempt inside the kernel's allocation, one task per rank.
+
+The kernel listens on the address the allocation's nodes reach it at (port 0), and only for this attempt; the
+step's stdin gives every task that address and a fresh secret, and each rank connects proving it (HMAC, through
+`multiprocessing.connection`). Messages travel on those connections; output is srun's own (`--label`), read from
+its pipes; each rank's end is what srun reports of its task (`task 3: Killed`) or, for a rank that returned, its
+connection closing. The reader thread (`serve`) multiplexes srun's pipes, the connections and the new arrivals
+with one selector. Stopping: SIGTERM to the step (`scancel --signal=TERM`), SIGKILL after STOP_GRACE; every rank
+also ends its own process group when its connection closes, so nothing it started outlives the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import re
+import secrets
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ddpnb.core import messages as msg
+from ddpnb.core import pickling, rundir
+from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
+from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
+from ddpnb.core.words import describe_exit
+from ddpnb.engines.slurm import allocation
+from ddpnb.engines.slurm.wire import Control, Hello, Setup, invitation
+
+STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to the step
+STACK_WAIT = 2.0  # seconds ranks get to send their stacks
+DRAIN_WAIT = 2.0  # seconds a rank's last messages may trail srun's report of its exit; srun may outlive its ranks
+SRUN_WAIT = 5.0  # seconds srun gets to exit once its step was cancelled, before it is killed
+COALESCE = 0.2  # seconds between two wake-ups of the reader while every rank is busy (see `serve`)
+CHANNEL_LOG = "channel.log"  # in the run directory: connections refused for want of the secret
+# srun's account of a task's end (src/srun: `_task_finish`): "srun: error: n2: task 3: Killed",
+# "srun: error: n1: tasks 0-1: Exited with exit code 5"
+TASK_END = re.compile(rb"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+?)\s*$")
+EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
+LABEL = re.compile(rb"^ *(\d+): ")  # --label: every line a task wrote, "3: ..." (padded to the widest rank)
+# what srun and slurmstepd say when ddpnb cancels a step: not news once the run is being stopped
+STOP_NOISE = (b"forcing job termination", b"Job step aborted", b"Force Terminated", b"CANCELLED AT",
+              b"Terminating StepId", b"Waiting up to")
+_SIGNAL_WORDS = {signal.strsignal(sig): -sig for sig in signal.Signals if signal.strsignal(sig)}
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """`nodes`: how many of the allocation's nodes the ranks spread over (default: as many as it holds, at most
+    one per rank); `srun_args`: more srun options for the step, as one string (`"--cpus-per-task=4"`)."""
+
+    nodes: int | None = None
+    srun_args: str = ""
+
+    def __post_init__(self) -> None:
+        if self.nodes is not None:
+            try:
+                nodes = int(self.nodes)
+            except (TypeError, ValueError):
+                nodes = 0
+            if nodes < 1 or isinstance(self.nodes, bool):
+                raise LaunchError(f"nodes takes a positive whole number of the allocation's nodes, not {self.nodes!r}.")
+            object.__setattr__(self, "nodes", nodes)
+        try:
+            shlex.split(self.srun_args or "")
+        except ValueError as exc:
+            raise LaunchError(f"srun_args must be srun options as a shell would split them ({exc}): "
+                              f"{self.srun_args!r}.") from None
+
+
+class SlurmType:
+    """The slurm engine before a run: srun on PATH, and the kernel inside a running allocation."""
+
+    name: ClassVar[str] = "slurm"
+    # ranks on other nodes: notebook data and results travel pickled on the channel; no run directory in common
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        announce_every=COALESCE, stop_wait=STOP_GRACE + STACK_WAIT + SRUN_WAIT + 5)
+    Options: ClassVar[type] = SlurmOptions
+    flags: ClassVar[list[Flag]] = [
+        Flag("--nodes", metavar="N",
+             help="with --engine slurm: spread the ranks over N of the allocation's nodes (default: all it holds, "
+                  "at most one per rank)."),
+        Flag("--srun-args", metavar="'ARGS'",
+             help="with --engine slurm: more srun options for the ranks' job step, quoted as one argument "
+                  "(e.g. --srun-args '--cpus-per-task=4 --mem=8G')."),
+    ]
+
+    def check(self, options: SlurmOptions) -> None:
+        allocation.srun_path()
+        allocation.current()
+
+    def shipment(self) -> None:
+        return None
+
+    def gpus_available(self) -> int | None:
+        return None
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        return dict(env)  # srun gives the tasks the kernel's environment (--export=ALL); the spec adds `env`
+
+    def torch_threads(self, plan: Plan, environ: dict[str, str]) -> int | None:
+        return None  # each rank takes its step's CPUs per task (SLURM_CPUS_PER_TASK), as torchrun's one thread
+
+    def create(self, spec: WorkerSpec, options: SlurmOptions) -> SlurmEngine:
+        return SlurmEngine(spec, options)
+
+
+class SlurmEngine:
+    """One attempt's ranks as the tasks of one srun step."""
+
+    def __init__(self, spec: WorkerSpec, options: SlurmOptions) -> None:
+        self.spec = spec
+        self.options = options
+        self.world_size = spec.world_size
+        self._events: RunEvents | None = None
+        self._srun: subprocess.Popen[bytes] | None = None
+        self._listener: Listener | None = None
+        self._closing = False
+        self._arrivals: queue.SimpleQueue[tuple[Connection, Hello]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()
+        self._conns: dict[int, tuple[int, Connection, msg.Frames]] = {}  # fd -> rank, connection, frames
+        self._hellos: dict[int, Hello] = {}
+        self._setup: Setup | None = None
+        self._spec_payload = b""
+        self._pending_lines: dict[int, bytes] = {}  # srun's stdout/stderr fd -> its unfinished line
+        self._streams: dict[int, Stream] = {}
+        self._srun_said: list[str] = []  # srun's own lines (not a task's), for a step that never started
+        self._reports: dict[int, tuple[int, float]] = {}  # rank -> exit code srun reported, when
+        self._said: dict[int, type] = {}  # rank -> Returned or Failed
+        self._closed: dict[int, float] = {}  # rank -> when its connection closed
+        self._ended: set[int] = set()
+        self._stacks: dict[int, str] = {}
+        self._signalled = False
+        self._srun_done_at: float | None = None
+
+    # --- start -------------------------------------------------------------------------------------------------
+    def start(self, events: RunEvents, start: AttemptStart) -> None:
+        self._events = events
+        spec = self.spec
+        srun = allocation.srun_path()
+        job = allocation.current()
+        nodes = self._nodes(job)
+        self._spec_payload = pickling.dump_spec(spec, None)  # before anything starts: args that cannot be sent
+        secret = secrets.token_bytes(32)
+        host = allocation.reachable_address(job.nodes[0])
+        self._listener = Listener((host, 0), family="AF_INET", authkey=secret)
+        threading.Thread(target=self._accept, name="ddpnb-slurm-accept", daemon=True).start()
+        command = [srun, f"--jobid={job.job}", f"--nodes={nodes}", f"--ntasks={spec.world_size}", "--overlap",
+                   "--kill-on-bad-exit=0", "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
+                   *(["--gpus-per-task=1", "--gpu-bind=none"] if spec.use_gpus else []),
+                   *shlex.split(self.options.srun_args or ""),
+                   sys.executable, "-m", "ddpnb.engines.slurm.rank"]
+        try:
+            # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
+            # which would cancel the step at once; ddpnb stops it in its own order
+            self._srun = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, start_new_session=True)
+            assert self._srun.stdin is not None
+            try:
+                self._srun.stdin.write(invitation(*self._listener.address, secret))  # srun gives it to every task
+                self._srun.stdin.close()
+            except BrokenPipeError:  # srun failed at once: `serve` reads why
+                pass
+        except BaseException:
+            self.close()
+            raise
+        for pipe, stream in ((self._srun.stdout, Stream.STDOUT), (self._srun.stderr, Stream.STDERR)):
+            assert pipe is not None
+            self._streams[pipe.fileno()] = stream
+            self._pending_lines[pipe.fileno()] = b""
+            self._selector.register(pipe.fileno(), selectors.EVENT_READ, self._read_srun)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._welcome)
+
+    def _nodes(self, job: allocation.Allocation) -> int:
+        """How many nodes the step spans; LaunchError where the allocation cannot hold the run, quoting Slurm."""
+        spec, asked = self.spec, self.options.nodes
+        held = f"Slurm job {job.job} holds {job.quote('NumNodes', 'NumCPUs', 'NodeList')}"
+        if asked is not None and asked > len(job.nodes):
+            raise LaunchError(f"--nodes {asked} asks for more nodes than this allocation has: {held}. Use "
+                              f"--nodes {len(job.nodes)} or fewer, or allocate more (salloc -N {asked} ...).")
+        nodes = asked or min(len(job.nodes), spec.world_size)
+        if nodes > spec.world_size:
+            raise LaunchError(f"--nodes {nodes} needs at least one rank per node, and this run has "
+                              f"{spec.world_size}: use -n {nodes} or more, or fewer nodes.")
+        overcommit = any(arg in ("-O", "--overcommit") for arg in shlex.split(self.options.srun_args or ""))
+        if spec.world_size > job.cpus and not overcommit:
+            raise LaunchError(f"{spec.world_size} ranks need {spec.world_size} CPUs, one per task, and {held}: "
+                              f"use -n {job.cpus} or fewer, or an allocation with more tasks (salloc -n "
+                              f"{spec.world_size} ...), or --srun-args --overcommit to share CPUs.")
+        return nodes
+
+    # --- the channel's door -------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        """Admit the ranks: each connection must prove the secret (the listener's HMAC challenge), then say who it
+        is. Anything else is dropped and logged, and the door stays open for the ranks."""
+        listener = self._listener
+        assert listener is not None
+        while not self._closing:
+            try:
+                conn = listener.accept()
+            except (AuthenticationError, EOFError, OSError, ValueError) as exc:
+                if self._closing:
+                    return
+                self._refused(listener.last_accepted, exc)
+                continue
+            try:
+                hello = pickle.loads(conn.recv_bytes())
+                if not isinstance(hello, Hello):
+                    raise TypeError(f"not a rank's hello: {type(hello).__name__}")
+            except (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError) as exc:
+                conn.close()
+                self._refused(listener.last_accepted, exc)
+                continue
+            self._arrivals.put((conn, hello))
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):  # wake-ups pending already, or the run is over
+                pass
+
+    def _refused(self, peer: Any, exc: BaseException) -> None:
+        line = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} refused a connection from {_peer(peer)}: "
+                f"{type(exc).__name__}: {exc or 'it closed before proving the secret'}\n")
+        log.warning("ddpnb slurm channel: %s", line.strip())
+        try:
+            with open(Path(self.spec.run_dir) / CHANNEL_LOG, "a", opener=rundir.private) as file:
+                file.write(line)
+        except OSError:  # the run directory went away: the warning above still says it
+            return
+
+    def _welcome(self, fd: int) -> None:
+        os.read(fd, 4096)
+        while True:
+            try:
+                conn, hello = self._arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self._arrived(conn, hello)
+
+    def _arrived(self, conn: Connection, hello: Hello) -> None:
+        assert self._events is not None
+        if not 0 <= hello.rank < self.world_size or hello.rank in self._hellos:
+            conn.close()  # a task of another step with this secret cannot exist: a bug, not a guest
+            return
+        self._hellos[hello.rank] = hello
+        self._conns[conn.fileno()] = (hello.rank, conn, msg.Frames())
+        self._selector.register(conn.fileno(), selectors.EVENT_READ, self._read_channel)
+        self._events.placed(hello.rank, hello.pid, hello.node)
+        if hello.rank == 0:
+            self._setup = Setup(self._spec_payload, hello.host, hello.store_port)
+            for _, other, _ in list(self._conns.values()):
+                self._send(other, Control.SETUP, self._setup)
+        elif self._setup is not None:
+            self._send(conn, Control.SETUP, self._setup)
+
+    def _send(self, conn: Connection, kind: Control, value: Any = None) -> None:
+        try:
+            conn.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the rank is gone: srun says how
+            return
+
+    # --- the reader --------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Read srun's pipes, the ranks' connections and new arrivals until every rank has ended and srun with
+        them. While every rank is busy, wake-ups are COALESCE apart (the views redraw no more often); srun's
+        account of a task's end (its stderr) ends a pause at once."""
+        events = self._events
+        assert events is not None and self._srun is not None
+        last_wake = 0.0
+        try:
+            while True:
+                woken = time.monotonic()
+                if woken - last_wake < COALESCE and events.quiet() and self._srun.poll() is None:
+                    stderr = self._srun.stderr
+                    assert stderr is not None
+                    selectors_wait([stderr.fileno(), self._wake_r], COALESCE - (woken - last_wake))
+                last_wake = time.monotonic()
+                self._read_ready(0.1)
+                self._settle()
+                events.tick()
+                if len(self._ended) == self.world_size and self._srun_done_at is not None:
+                    break
+        finally:
+            self._selector.close()
+
+    def _read_ready(self, timeout: float) -> None:
+        for key, _ in self._selector.select(timeout):
+            if key.fd in self._selector.get_map():  # not closed by an earlier event of this batch
+                key.data(key.fd)
+
+    def _read_channel(self, fd: int) -> None:
+        assert self._events is not None
+        rank, conn, frames = self._conns[fd]
+        data = os.read(fd, 1 << 20)
+        if not data:
+            self._selector.unregister(fd)
+            del self._conns[fd]
+            conn.close()
+            self._closed[rank] = time.monotonic()
+            return
+        for frame in frames.feed(data):
+            message = msg.decode(frame)
+            if isinstance(message, msg.Stacks):  # the answer `collect_stacks` waits for, not the run's news
+                self._stacks[message.rank] = message.text
+                continue
+            if isinstance(message, (msg.Returned, msg.Failed)):
+                self._said[rank] = type(message)
+            self._events.message(rank, message)
+
+    def _read_srun(self, fd: int) -> None:
+        data = os.read(fd, 1 << 16)
+        if not data:
+            self._selector.unregister(fd)
+            rest = self._pending_lines.pop(fd)
+            if rest:
+                self._srun_line(fd, rest)
+            return
+        lines = (self._pending_lines[fd] + data).split(b"\n")
+        self._pending_lines[fd] = lines.pop()
+        for line in lines:
+            self._srun_line(fd, line + b"\n")
+
+    def _srun_line(self, fd: int, line: bytes) -> None:
+        """A line from srun: a task's (labelled with its rank), or srun's own (a task's end, an error)."""
+        assert self._events is not None
+        stream = self._streams[fd]
+        labelled = LABEL.match(line)
+        if labelled and int(labelled.group(1)) < self.world_size:
+            text = line[labelled.end():]
+            if not (self._signalled and any(noise in text for noise in STOP_NOISE)):
+                self._events.output(int(labelled.group(1)), stream, text)
+            return
+        ended = TASK_END.match(line)
+        if ended:
+            how = ended.group("how").decode(errors="replace")
+            code = int(EXIT_CODE.match(how).group(1)) if EXIT_CODE.match(how) else \
+                _SIGNAL_WORDS.get(how.replace(" (core dumped)", ""), 1)
+            for rank in _task_ids(ended.group("tasks").decode()):
+                self._reports.setdefault(rank, (code, time.monotonic()))
+            return
+        if self._signalled and any(noise in line for noise in STOP_NOISE):
+            return
+        self._srun_said.append(line.decode(errors="replace").rstrip())
+        self._events.output(0, Stream.STDERR, line)  # srun's own news: shown with rank 0's output
+
+    def _settle(self) -> None:
+        """Report each rank's end once it is known: srun's account of its task, else its connection closing after
+        it returned or failed, else srun's own end (a task srun did not report exited with 0)."""
+        assert self._events is not None and self._srun is not None
+        now = time.monotonic()
+        if self._srun_done_at is None and self._srun.poll() is not None and not self._pending_lines:
+            self._srun_done_at = now
+        srun_done = self._srun_done_at is not None
+        for rank in range(self.world_size):
+            if rank in self._ended:
+                continue
+            report = self._reports.get(rank)
+            connected = rank in self._hellos and rank not in self._closed
+            if report is not None and (not connected or now - report[1] > DRAIN_WAIT or srun_done):
+                self._end(rank, report[0])
+            elif rank in self._closed and rank in self._said:
+                self._end(rank, report[0] if report else 0 if self._said[rank] is msg.Returned else 1)
+            elif srun_done:
+                self._end(rank, report[0] if report else self._srun.returncode if rank not in self._hellos else 0)
+        if len(self._ended) == self.world_size and not srun_done and now - max(
+                [*self._closed.values(), *(when for _, when in self._reports.values()), 0.0]) > DRAIN_WAIT:
+            self._cancel_step()  # every rank ended, but srun waits for something they left holding the step
+
+    def _end(self, rank: int, code: int) -> None:
+        assert self._events is not None
+        self._ended.add(rank)
+        hello = self._hellos.get(rank)
+        cause = ""
+        if hello is None and code:
+            said = "; ".join(self._srun_said[-3:]) or f"srun exited with code {code}"
+            cause = f"did not start: {said}"
+        elif code < 0 and hello is not None:
+            cause = f"{describe_exit(code)} (on Slurm node {hello.node})"
+        self._events.exited(rank, code, stopped=self._signalled and code != 0, cause=cause)
+
+    # --- stopping ------------------------------------------------------------------------------------------------
+    def stop(self, ranks: list[int], failed: bool) -> float | None:
+        self._signalled = True
+        self._signal_step("TERM")
+        return STOP_GRACE
+
+    def escalate(self) -> float | None:
+        self._signal_step("KILL")
+        for _, conn, _ in self._conns.values():  # each rank's lifeline: it kills its own process group
+            _shut(conn)
+        return None
+
+    def _signal_step(self, name: str) -> None:
+        step = self._step()
+        if step:
+            _scancel(f"--signal={name}", step)
+        elif self._srun is not None and self._srun.poll() is None:  # no task has said its step yet: srun ends it
+            self._srun.send_signal(signal.SIGTERM)
+
+    def _step(self) -> str:
+        hello = next(iter(self._hellos.values()), None)
+        return hello.step if hello is not None and not hello.step.endswith(".") else ""
+
+    def _cancel_step(self) -> None:
+        self._signalled = True
+        step = self._step()
+        if step:
+            _scancel(step)
+        if self._srun is not None and self._srun.poll() is None:
+            self._srun.send_signal(signal.SIGTERM)
+
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's training thread's stack, sent by the rank's own channel thread when asked."""
+        asked = []
+        for rank in ranks:
+            self._stacks.pop(rank, None)  # an earlier request's late answer: wait for the new one
+            conn = self._conn_of(rank)
+            if conn is not None:
+                self._send(conn, Control.STACKS)
+                asked.append(rank)
+        deadline = time.monotonic() + STACK_WAIT
+        while time.monotonic() < deadline and not set(asked) <= self._stacks.keys():
+            self._read_ready(0.05)
+        return {rank: self._stacks.pop(rank) for rank in ranks if rank in self._stacks}
+
+    def _conn_of(self, rank: int) -> Connection | None:
+        return next((conn for owner, conn, _ in self._conns.values() if owner == rank), None)
+
+    def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
+        raise NotImplementedError("the slurm engine has no command channel yet (Capabilities.commands is False)")
+
+    def interrupt(self, ranks: list[int]) -> None:
+        raise NotImplementedError("the slurm engine has no command channel yet (Capabilities.commands is False)")
+
+    def close(self) -> None:
+        """The step ended or cancelled, srun gone, the door shut, every connection closed (each rank's lifeline)."""
+        self._closing = True
+        srun = self._srun
+        if srun is not None and srun.poll() is None:
+            self._cancel_step()
+            try:
+                srun.wait(SRUN_WAIT)
+            except subprocess.TimeoutExpired:
+                srun.kill()
+                srun.wait()
+        if srun is not None:
+            for pipe in (srun.stdin, srun.stdout, srun.stderr):
+                if pipe is not None:
+                    pipe.close()
+        if self._listener is not None:
+            _knock(self._listener.address)  # wakes the acceptor's accept(), which then sees `_closing`
+            self._listener.close()
+            self._listener = None
+        for _, conn, _ in self._conns.values():
+            conn.close()
+        self._conns = {}
+        while not self._arrivals.empty():
+            self._arrivals.get_nowait()[0].close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        self._selector.close()
+        self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+
+def selectors_wait(fds: list[int], timeout: float) -> None:
+    """Until one of `fds` is readable or `timeout` passes."""
+    with selectors.DefaultSelector() as waiter:
+        for fd in fds:
+            waiter.register(fd, selectors.EVENT_READ)
+        waiter.select(max(0.0, timeout))
+
+
+def _task_ids(text: str) -> list[int]:
+    """srun's task list: '3', '0-1', '0,2-3'."""
+    ids: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        ids += range(int(first), int(last or first) + 1)
+    return ids
+
+
+def _scancel(*args: str) -> None:
+    try:
+        subprocess.run(["scancel", "--quiet", *args], capture_output=True, timeout=allocation.SCONTROL_WAIT,
+                       check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # the lifelines and srun's end still stop the ranks
+        log.warning("ddpnb: scancel %s failed: %s", " ".join(args), exc)
+
+
+def _shut(conn: Connection) -> None:
+    try:
+        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return
+
+
+def _knock(address: tuple[str, int]) -> None:
+    try:
+        socket.create_connection(address, timeout=1).close()
+    except OSError:
+        return
+
+
+def _peer(peer: Any) -> str:
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) == 2 else str(peer)
