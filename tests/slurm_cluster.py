@@ -63,6 +63,7 @@ def _free_port() -> int:
 class Cluster:
     directory: Path
     pids: dict[str, int] = field(default_factory=dict)
+    job: str = ""  # the allocation `allocate` made last
 
     @property
     def conf(self) -> Path:
@@ -80,12 +81,15 @@ class Cluster:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
 
-    def allocate(self, nodes: int = 2, name: str = "ddpnb-tests") -> str:
-        """A job holding `nodes` nodes with no shell (`salloc --no-shell`): what a kernel inside `salloc` has."""
-        out = subprocess.run(["salloc", "--no-shell", f"--nodes={nodes}", f"--job-name={name}", "--immediate=20"],
+    def allocate(self, nodes: int = 2, tasks: int = 4, name: str = "ddpnb-tests") -> str:
+        """A job holding `nodes` nodes for `tasks` tasks, with no shell (`salloc --no-shell -N 2 -n 4`): the
+        allocation a kernel started inside `salloc` runs in."""
+        out = subprocess.run(["salloc", "--no-shell", f"--nodes={nodes}", f"--ntasks={tasks}", f"--job-name={name}",
+                              "--immediate=20"],
                              capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60, check=False)
         for word in (out.stdout + out.stderr).split():
             if word.isdigit():
+                self.job = word
                 return word  # "salloc: Granted job allocation 3"
         raise RuntimeError(f"salloc gave no job: {out.stdout}{out.stderr}")
 

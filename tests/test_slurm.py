@@ -1,0 +1,228 @@
+"""The slurm engine (issue 27) inside an allocation, against a real two-node Slurm on this machine.
+
+The module starts Debian's slurm-wlm (munged, slurmctld, slurmd n1 and n2: `tests/slurm_cluster.py`), takes one
+allocation with `salloc --no-shell -N 2 -n 4`, and gives a real Jupyter kernel what a kernel started inside
+`salloc` has: SLURM_JOB_ID (and SLURM_CONF, this cluster's). The kernel's `%%ddp --engine slurm` cells then run
+their ranks as srun steps over both nodes. The tests skip, saying why, only where the packages cannot be installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import slurm_cluster
+from tests.conftest import PACKAGE_DIR, Kernel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+RANK_MODULE = "ddpnb.engines.slurm.rank"
+CELL_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = slurm_cluster.install()
+    if why:
+        pytest.skip(f"no local Slurm for the slurm engine's tests: {why}")
+    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-"))
+    started = slurm_cluster.start(directory)
+    try:
+        started.allocate(nodes=2, tasks=4)
+        yield started
+    finally:
+        if started.job:
+            started.run("scancel", started.job, check=False)
+        started.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slurm_kernel(cluster):
+    kernel = Kernel(env={"DDPNB_VIEW": "text", **cluster.env, "SLURM_JOB_ID": cluster.job})
+    kernel.execute("%load_ext ddpnb\nimport ddpnb, os, time")
+    yield kernel
+    kernel.shutdown()
+
+
+def ranks_left(within: float = 10.0) -> list[str]:
+    """The slurm ranks still alive on this machine (both nodes are this host) after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for process in psutil.process_iter(["cmdline", "status"]):
+            cmdline = " ".join(process.info["cmdline"] or [])
+            if RANK_MODULE in cmdline and process.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {cmdline}")
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def steps_left(cluster, within: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + within
+    while (steps := cluster.steps(cluster.job)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return steps
+
+
+def test_a_function_runs_on_both_nodes_with_tagged_output_and_rank_0s_value(slurm_kernel, cluster):
+    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2 -o where
+def where(rank):
+    import ctypes, sys
+    print(f"rank {rank} on {os.environ['SLURMD_NODENAME']}")
+    print(f"stderr of rank {rank}", file=sys.stderr)
+    ctypes.CDLL(None).puts(f"C-level line of rank {rank}".encode())  # C's stdio, not Python's
+    ctypes.CDLL(None).fflush(None)
+    return rank, os.environ["SLURMD_NODENAME"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]
+''', timeout=CELL_TIMEOUT)
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    nodes = slurm_kernel.execute("print(*[r.node for r in ddpnb.last_run().ranks]); print(where)").stdout.split("\n")
+    placed = nodes[0].split()
+    assert sorted(set(placed)) == ["n1", "n2"]  # ranks on both nodes
+    for rank, node in enumerate(placed):
+        assert f"[rank {rank}] rank {rank} on {node}" in run.stdout  # the rank's line, tagged with its rank
+        assert f"[rank {rank}] C-level line of rank {rank}" in run.stdout
+        assert f"[rank {rank}] stderr of rank {rank}" in run.stderr
+    assert nodes[1] == f"(0, '{placed[0]}', '0', '4')"  # rank 0's value, torchrun's environment
+    assert "run succeeded" in run.stdout
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+TRAIN = '''%%ddp --engine {engine} -n 4 -o trained_{engine}
+def train(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")  # torchrun-style code: the group is ready, the call is kept
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(10):
+        x = torch.randn(32, 8, generator=data)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad(); loss.backward(); opt.step()
+        ddpnb.log(step=step, loss=loss.item())
+    return model.module.state_dict()
+'''
+
+
+def test_ddp_training_on_slurm_ends_with_the_local_engines_weights(slurm_kernel):
+    for engine in ("slurm", "local"):
+        run = slurm_kernel.execute(TRAIN.format(engine=engine), timeout=CELL_TIMEOUT)
+        assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    check = slurm_kernel.execute(
+        "import torch\n"
+        "print(all(torch.equal(trained_slurm[k], trained_local[k]) for k in trained_local), "
+        "sorted(trained_slurm), trained_slurm['weight'].device)\n"
+        "print(ddpnb.last_run().engine, [len(ddpnb.last_run().metrics('loss', r)) for r in range(4)])")
+    assert check.error is None, check.error
+    assert check.stdout.splitlines()[0] == "True ['bias', 'weight'] cpu"
+
+
+def test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone(slurm_kernel, cluster):
+    began = time.monotonic()
+    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2
+def dies(rank):
+    import signal, torch.distributed as dist
+    dist.barrier()
+    if rank == 3:
+        print("rank 3 goes", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)  # the others would wait; ddpnb stops them
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
+    shown = "\n".join(run.error["traceback"])
+    node = slurm_kernel.execute("print(ddpnb.last_run().ranks[3].node)").stdout.strip()
+    assert node == "n2"
+    assert "rank 3 of 4 failed first: killed by SIGKILL (on Slurm node n2)" in shown
+    assert PACKAGE_DIR not in shown
+    assert time.monotonic() - began < 60
+    assert ranks_left() == [] and steps_left(cluster) == []
+    states = slurm_kernel.execute("print(*[r.state.value for r in ddpnb.last_run().ranks])").stdout.split()
+    assert states == ["stopped", "stopped", "stopped", "failed"]
+
+
+def test_stop_ends_every_rank_within_seconds_and_leaves_no_step(slurm_kernel, cluster):
+    out = slurm_kernel.execute('''
+def sleeps(rank):
+    print("up", flush=True)
+    time.sleep(300)
+
+run = ddpnb.launch(sleeps, engine="slurm", nprocs=4, nodes=2, view="none")
+deadline = time.monotonic() + 120
+while len([line for line in run.lines_since(0)[0] if "up" in line.text]) < 4 and time.monotonic() < deadline:
+    time.sleep(0.1)
+began = time.monotonic()
+run.stop()
+print(run.outcome.value, run.done, round(time.monotonic() - began, 1) < 10)
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.error
+    assert out.stdout.split() == ["stopped", "True", "True"], out.stdout + out.stderr
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on(slurm_kernel, cluster):
+    out = slurm_kernel.execute('''
+import psutil, socket
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+def listening():
+    return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+before = listening()
+def waits(rank):
+    time.sleep(3)
+    return "done"
+
+run = ddpnb.launch(waits, engine="slurm", nprocs=2, nodes=2, view="none")
+doors = listening() - before
+guesses = []
+for door in doors:
+    try:
+        Client(tuple(door), authkey=b"not the secret")
+        guesses.append("let in")
+    except (AuthenticationError, EOFError, ConnectionError) as exc:
+        guesses.append("refused")
+    with socket.create_connection(tuple(door)) as stranger:  # says nothing sensible, then hangs up
+        stranger.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+print(len(doors), guesses, run.result(), run.outcome.value)
+print(open(os.path.join(run.record.run_dir, "channel.log")).read().count("refused a connection from"))
+print(len(listening() - before))
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.error
+    lines = out.stdout.splitlines()
+    assert lines[0] == "1 ['refused'] done succeeded", out.stdout + out.stderr
+    assert lines[1] == "2"  # both logged
+    assert lines[2] == "0"  # the listener closed with the run
+
+
+def test_more_ranks_than_the_allocation_holds_is_refused_quoting_slurm(slurm_kernel):
+    before = ranks_left(within=0)
+    run = slurm_kernel.execute("%%ddp --engine slurm -n 6\ndef f():\n    return 1\n", timeout=CELL_TIMEOUT)
+    assert "UsageError: 6 ranks need 6 CPUs" in run.stderr and "NumCPUs=4" in run.stderr, run.stdout + run.stderr
+    run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --nodes 3\ndef f():\n    return 1\n")
+    assert "--nodes 3 asks for more nodes than this allocation has" in run.stderr, run.stdout + run.stderr
+    assert "NumNodes=2" in run.stderr and before == []
+
+
+def test_outside_an_allocation_or_without_srun_the_engine_says_what_to_do(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
+    code = ("import ddpnb\n"
+            "try:\n    ddpnb.run(print, engine='slurm', nprocs=2, view='none')\n"
+            "except ddpnb.LaunchError as exc:\n    print(exc)\n")
+    for path, expected in ((env.get("PATH", ""), "not inside a Slurm allocation (SLURM_JOB_ID is not set)"),
+                           (str(tmp_path), "needs Slurm's `srun` on this kernel's PATH")):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**env, "PATH": path}, check=False)
+        assert expected in done.stdout, done.stdout + done.stderr
