@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs the test extras (and Debian's Chromium for the browser
-# test), checks the architecture's import contracts (pyproject.toml), then runs pytest.
+# test; Debian's slurm-wlm and munge for the slurm engine's tests, which start a two-node Slurm on this machine),
+# checks the architecture's import contracts (pyproject.toml), then runs pytest.
 # Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,10 @@ python -m pip install -q -e ".[test,ray]"
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "scripts/test.sh: could not install chromium; the browser test will say so" >&2
+fi
+if ! command -v slurmctld >/dev/null 2>&1 && ! [ -x /usr/sbin/slurmctld ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+        || echo "scripts/test.sh: could not install slurm-wlm and munge; the slurm tests will say so" >&2
 fi
 lint-imports --no-cache
 exec python -m pytest -q -ra "$@"
