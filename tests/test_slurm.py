@@ -152,22 +152,24 @@ def dies(rank):
     assert states == ["stopped", "stopped", "stopped", "failed"]
 
 
-def test_stop_ends_every_rank_within_seconds_and_leaves_no_step(slurm_kernel, cluster):
+def test_stacks_name_each_ranks_line_and_stop_ends_every_rank_leaving_no_step(slurm_kernel, cluster):
     out = slurm_kernel.execute('''
 def sleeps(rank):
     print("up", flush=True)
-    time.sleep(300)
+    time.sleep(300)  # where every rank is
 
 run = ddpnb.launch(sleeps, engine="slurm", nprocs=4, nodes=2, view="none")
 deadline = time.monotonic() + 120
 while len([line for line in run.lines_since(0)[0] if "up" in line.text]) < 4 and time.monotonic() < deadline:
     time.sleep(0.1)
+stacks = run.stacks()
+print(sorted(stacks), all("where every rank is" in stacks[rank] for rank in stacks))
 began = time.monotonic()
 run.stop()
 print(run.outcome.value, run.done, round(time.monotonic() - began, 1) < 10)
 ''', timeout=CELL_TIMEOUT)
     assert out.error is None, out.error
-    assert out.stdout.split() == ["stopped", "True", "True"], out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["[0, 1, 2, 3] True", "stopped True True"], out.stdout + out.stderr
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
@@ -226,3 +228,18 @@ def test_outside_an_allocation_or_without_srun_the_engine_says_what_to_do(tmp_pa
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env={**env, "PATH": path}, check=False)
         assert expected in done.stdout, done.stdout + done.stderr
+
+
+def test_a_rank_that_raises_on_node_2_shows_its_own_traceback_and_the_cell_ends(slurm_kernel, cluster):
+    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2
+def fails(rank):
+    import torch.distributed as dist
+    if rank == 2:
+        raise ValueError(f"bad batch on {os.environ['SLURMD_NODENAME']}")
+    dist.barrier()
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
+    shown = "\n".join(run.error["traceback"])
+    assert "rank 2 of 4 failed first: ValueError: bad batch on n2" in shown
+    assert 'raise ValueError(f"bad batch on' in shown and PACKAGE_DIR not in shown  # the cell's own line
+    assert ranks_left() == [] and steps_left(cluster) == []
