@@ -9,6 +9,7 @@ their ranks as srun steps over both nodes. The tests skip, saying why, only wher
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 
 from tests import slurm_cluster
 from tests.conftest import PACKAGE_DIR, Kernel
+from tests.test_faults import Cell
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RANK_MODULE = "ddpnb.engines.slurm.rank"
@@ -242,4 +244,56 @@ def fails(rank):
     shown = "\n".join(run.error["traceback"])
     assert "rank 2 of 4 failed first: ValueError: bad batch on n2" in shown
     assert 'raise ValueError(f"bad batch on' in shown and PACKAGE_DIR not in shown  # the cell's own line
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_session_on_slurm_keeps_state_across_cells_and_a_failing_cell_keeps_it(slurm_kernel, cluster):
+    started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2", timeout=CELL_TIMEOUT)
+    assert started.error is None and "session of 2 ranks (slurm, gloo" in started.stdout, started.text
+    try:
+        pids = slurm_kernel.execute("print(*ddpnb._session.current_session().pids)").stdout.split()
+        defined = slurm_kernel.execute(
+            "%%ranks\nimport os, torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
+            "print('defined on', rank, os.environ['SLURMD_NODENAME'])\nrank", timeout=CELL_TIMEOUT)
+        assert defined.error is None and defined.results == ["[rank 0] 0\n[rank 1] 1"], defined.text
+        # each rank's line, printed before its answer and shown before the cell's value, on its own node
+        assert "[rank 0] defined on 0 n1" in defined.stdout and "[rank 1] defined on 1 n2" in defined.stdout
+        reduced = slurm_kernel.execute("%%ranks\ndist.all_reduce(t)\nt.item()", timeout=CELL_TIMEOUT)
+        assert reduced.results == ["[rank 0] 3.0\n[rank 1] 3.0"], reduced.text
+        failed = slurm_kernel.execute("%%ranks\nt += 1\nif rank == 1:\n    raise ValueError('bad on purpose')\n"
+                                      "'fine'", timeout=CELL_TIMEOUT)
+        assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
+        shown = "\n".join(failed.error["traceback"])
+        assert "failed on rank 1 of 2: ValueError: bad on purpose" in shown, shown
+        assert re.search(r"Cell In\[\d+\], line 4", shown) and PACKAGE_DIR not in shown
+        kept = slurm_kernel.execute("%ranks t.item()", timeout=CELL_TIMEOUT)
+        assert kept.results == ["[rank 0] 4.0\n[rank 1] 4.0"], kept.text  # as the failed cell left them
+        pushed = slurm_kernel.execute("s = ddpnb._session.current_session()\ns.push(v=5)\n"
+                                      "print(s.pull('v'), s.pull('t'), *s.pids)", timeout=CELL_TIMEOUT)
+        assert pushed.stdout.split() == ["[5,", "5]", "[tensor([4.]),", "tensor([4.])]", *pids], pushed.text
+    finally:
+        stopped = slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
+    assert stopped.error is None, stopped.text
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_interrupting_a_session_cell_on_slurm_raises_keyboard_interrupt_in_the_ranks_and_keeps_them(slurm_kernel,
+                                                                                                     cluster):
+    started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2", timeout=CELL_TIMEOUT)
+    assert started.error is None, started.text
+    try:
+        slurm_kernel.execute("%%ranks\nstate = [rank]", timeout=CELL_TIMEOUT)
+        cell = Cell(slurm_kernel, "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
+        cell.read_until(lambda seen: "[ranks 0,1] sleeping" in seen.stdout or seen.stdout.count("sleeping") == 2,
+                        timeout=CELL_TIMEOUT)
+        slurm_kernel.manager.interrupt_kernel()
+        result = cell.finish(timeout=60)
+        assert result.error is not None and result.error["ename"] == "SessionError", result.text
+        shown = "\n".join(result.error["traceback"])
+        assert "interrupted on ranks 0, 1 of 2" in shown and "KeyboardInterrupt" in shown, shown
+        kept = slurm_kernel.execute("%ranks state", timeout=CELL_TIMEOUT)
+        assert kept.results == ["[rank 0] [0]\n[rank 1] [1]"], kept.text
+    finally:
+        stopped = slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
+    assert stopped.error is None, stopped.text
     assert ranks_left() == [] and steps_left(cluster) == []

@@ -37,12 +37,13 @@ from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
 from ddpnb.engines.slurm import allocation
-from ddpnb.engines.slurm.wire import Control, Hello, Setup, invitation
+from ddpnb.engines.slurm.wire import FLUSHED, Control, Hello, Setup, invitation
 
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to the step
 STACK_WAIT = 2.0  # seconds ranks get to send their stacks
 DRAIN_WAIT = 2.0  # seconds a rank's last messages may trail srun's report of its exit; srun may outlive its ranks
 SRUN_WAIT = 5.0  # seconds srun gets to exit once its step was cancelled, before it is killed
+FLUSH_WAIT = 2.0  # seconds a session's answer waits for the output its rank wrote before it (srun's path is slower)
 COALESCE = 0.2  # seconds between two wake-ups of the reader while every rank is busy (see `serve`)
 CHANNEL_LOG = "channel.log"  # in the run directory: connections refused for want of the secret
 # srun's account of a task's end (src/srun: `_task_finish`): "srun: error: n2: task 3: Killed",
@@ -87,7 +88,7 @@ class SlurmType:
     name: ClassVar[str] = "slurm"
     # ranks on other nodes: notebook data and results travel pickled on the channel; no run directory in common
     capabilities: ClassVar[Capabilities] = Capabilities(
-        announce_every=COALESCE, stop_wait=STOP_GRACE + STACK_WAIT + SRUN_WAIT + 5)
+        commands=True, announce_every=COALESCE, stop_wait=STOP_GRACE + STACK_WAIT + SRUN_WAIT + 5)
     Options: ClassVar[type] = SlurmOptions
     flags: ClassVar[list[Flag]] = [
         Flag("--nodes", metavar="N",
@@ -147,6 +148,13 @@ class SlurmEngine:
         self._stacks: dict[int, str] = {}
         self._signalled = False
         self._srun_done_at: float | None = None
+        # the command channel: `send` and `interrupt` come from the session's thread, the rest from the reader
+        self._send_lock = threading.Lock()  # one frame at a time on a connection; `_ready` and `_queued` too
+        self._ready: dict[int, Connection] = {}  # rank -> its connection, once it has its setup
+        self._queued: dict[int, list[tuple[Control, Any]]] = {}  # what was sent to a rank before its setup
+        self._flushes: dict[tuple[int, Stream], int] = {}  # FLUSHED marks read per rank and stream
+        self._replies: dict[int, int] = {}  # session answers read per rank
+        self._held: dict[int, list[tuple[int, float, msg.Reply]]] = {}  # answers whose output is still on its way
 
     # --- start -------------------------------------------------------------------------------------------------
     def start(self, events: RunEvents, start: AttemptStart) -> None:
@@ -262,16 +270,23 @@ class SlurmEngine:
         self._events.placed(hello.rank, hello.pid, hello.node)
         if hello.rank == 0:
             self._setup = Setup(self._spec_payload, hello.host, hello.store_port)
-            for _, other, _ in list(self._conns.values()):
-                self._send(other, Control.SETUP, self._setup)
+            for rank, other, _ in list(self._conns.values()):
+                self._set_up(rank, other)
         elif self._setup is not None:
-            self._send(conn, Control.SETUP, self._setup)
+            self._set_up(hello.rank, conn)
+
+    def _set_up(self, rank: int, conn: Connection) -> None:
+        """The rank's setup, then what a session sent it meanwhile, in order; from now on `send` writes directly."""
+        assert self._setup is not None
+        with self._send_lock:
+            _write(conn, Control.SETUP, self._setup)
+            for kind, value in self._queued.pop(rank, []):
+                _write(conn, kind, value)
+            self._ready[rank] = conn
 
     def _send(self, conn: Connection, kind: Control, value: Any = None) -> None:
-        try:
-            conn.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
-        except OSError:  # the rank is gone: srun says how
-            return
+        with self._send_lock:
+            _write(conn, kind, value)
 
     # --- the reader --------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -309,6 +324,8 @@ class SlurmEngine:
         if not data:
             self._selector.unregister(fd)
             del self._conns[fd]
+            with self._send_lock:
+                self._ready.pop(rank, None)
             conn.close()
             self._closed[rank] = time.monotonic()
             return
@@ -316,6 +333,11 @@ class SlurmEngine:
             message = msg.decode(frame)
             if isinstance(message, msg.Stacks):  # the answer `collect_stacks` waits for, not the run's news
                 self._stacks[message.rank] = message.text
+                continue
+            if isinstance(message, msg.Reply):
+                self._replies[rank] = number = self._replies.get(rank, 0) + 1
+                self._held.setdefault(rank, []).append((number, time.monotonic(), message))
+                self._release(rank)
                 continue
             if isinstance(message, (msg.Returned, msg.Failed)):
                 self._said[rank] = type(message)
@@ -340,9 +362,16 @@ class SlurmEngine:
         stream = self._streams[fd]
         labelled = LABEL.match(line)
         if labelled and int(labelled.group(1)) < self.world_size:
-            text = line[labelled.end():]
+            rank, text = int(labelled.group(1)), line[labelled.end():]
+            if FLUSHED in text:  # what the rank wrote before its session answer is all here now
+                text = text.replace(FLUSHED + b"\n", b"").replace(FLUSHED, b"")
+                self._flushes[rank, stream] = self._flushes.get((rank, stream), 0) + 1
+                if text:
+                    self._events.output(rank, stream, text)
+                self._release(rank)
+                return
             if not (self._signalled and any(noise in text for noise in STOP_NOISE)):
-                self._events.output(int(labelled.group(1)), stream, text)
+                self._events.output(rank, stream, text)
             return
         ended = TASK_END.match(line)
         if ended:
@@ -357,11 +386,25 @@ class SlurmEngine:
         self._srun_said.append(line.decode(errors="replace").rstrip())
         self._events.output(0, Stream.STDERR, line)  # srun's own news: shown with rank 0's output
 
+    def _release(self, rank: int, everything: bool = False) -> None:
+        """A session's answers travel on the channel, ahead of the output its rank printed before it, which takes
+        srun's longer way: each answer is delivered once the rank's FLUSHED mark (written just before it, on
+        stdout and stderr) came through both, so the cell shows its output before its value. After FLUSH_WAIT,
+        or once the rank ended, it is delivered anyway."""
+        assert self._events is not None
+        flushed = min(self._flushes.get((rank, stream), 0) for stream in (Stream.STDOUT, Stream.STDERR))
+        held = self._held.get(rank, [])
+        now = time.monotonic()
+        while held and (everything or held[0][0] <= flushed or now - held[0][1] > FLUSH_WAIT):
+            self._events.message(rank, held.pop(0)[2])
+
     def _settle(self) -> None:
         """Report each rank's end once it is known: srun's account of its task, else its connection closing after
         it returned or failed, else srun's own end (a task srun did not report exited with 0)."""
         assert self._events is not None and self._srun is not None
         now = time.monotonic()
+        for rank in list(self._held):
+            self._release(rank)
         if self._srun_done_at is None and self._srun.poll() is not None and not self._pending_lines:
             self._srun_done_at = now
         srun_done = self._srun_done_at is not None
@@ -382,6 +425,7 @@ class SlurmEngine:
 
     def _end(self, rank: int, code: int) -> None:
         assert self._events is not None
+        self._release(rank, everything=True)
         self._ended.add(rank)
         hello = self._hellos.get(rank)
         cause = ""
@@ -441,10 +485,28 @@ class SlurmEngine:
         return next((conn for owner, conn, _ in self._conns.values() if owner == rank), None)
 
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
-        raise NotImplementedError("the slurm engine has no command channel yet (Capabilities.commands is False)")
+        """A session's command to each of `ranks`, on its connection (no shipment: big data is in the pickle)."""
+        for rank in ranks:
+            self._deliver(rank, Control.COMMAND, command)
+        try:
+            if self._wake_w >= 0:  # the reader reads at once, not after its pause: the answer may be quick
+                os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # wake-ups pending already, or the run just ended
+            pass
 
     def interrupt(self, ranks: list[int]) -> None:
-        raise NotImplementedError("the slurm engine has no command channel yet (Capabilities.commands is False)")
+        """Each rank's channel thread raises SIGINT in its main thread: KeyboardInterrupt in the running command."""
+        for rank in ranks:
+            self._deliver(rank, Control.INTERRUPT)
+
+    def _deliver(self, rank: int, kind: Control, value: Any = None) -> None:
+        """On the rank's connection once it has its setup; until then queued behind it (`_set_up`)."""
+        with self._send_lock:
+            conn = self._ready.get(rank)
+            if conn is not None:
+                _write(conn, kind, value)
+            elif rank not in self._closed:
+                self._queued.setdefault(rank, []).append((kind, value))
 
     def close(self) -> None:
         """The step ended or cancelled, srun gone, the door shut, every connection closed (each rank's lifeline)."""
@@ -465,9 +527,10 @@ class SlurmEngine:
             _knock(self._listener.address)  # wakes the acceptor's accept(), which then sees `_closing`
             self._listener.close()
             self._listener = None
-        for _, conn, _ in self._conns.values():
-            conn.close()
-        self._conns = {}
+        with self._send_lock:
+            for _, conn, _ in self._conns.values():
+                conn.close()
+            self._conns, self._ready, self._queued = {}, {}, {}
         while not self._arrivals.empty():
             self._arrivals.get_nowait()[0].close()
         for fd in (self._wake_r, self._wake_w):
@@ -484,6 +547,14 @@ def selectors_wait(fds: list[int], timeout: float) -> None:
         for fd in fds:
             waiter.register(fd, selectors.EVENT_READ)
         waiter.select(max(0.0, timeout))
+
+
+def _write(conn: Connection, kind: Control, value: Any = None) -> None:
+    """One frame to a rank (under the engine's send lock)."""
+    try:
+        conn.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
+    except OSError:  # the rank is gone: srun says how
+        return
 
 
 def _task_ids(text: str) -> list[int]:

@@ -14,6 +14,7 @@ import datetime
 import faulthandler
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
@@ -24,7 +25,7 @@ from multiprocessing.connection import Client, Connection
 from ddpnb.core import messages as msg
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.stacks import thread_stack
-from ddpnb.engines.slurm.wire import Control, Hello, Setup, read_invitation
+from ddpnb.engines.slurm.wire import FLUSHED, Control, Hello, Setup, read_invitation
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -34,12 +35,14 @@ INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}  # see engines/local/rank.py: a 
 
 
 class SocketLink:
-    """The rank's channel to the kernel: frames on its authenticated connection, one writer at a time."""
+    """The rank's channel to the kernel: frames on its authenticated connection, one writer at a time. A
+    session's commands arrive on the same connection, read by the rank's channel thread (`_serve_kernel`)."""
 
     def __init__(self, rank: int, conn: Connection) -> None:
         self.rank = rank
         self.conn = conn
         self.lock = threading.Lock()
+        self.commands: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: the kernel sends no more
 
     def send(self, message: msg.Message) -> None:
         self._write(msg.encode(message))
@@ -48,11 +51,19 @@ class SocketLink:
         self._write(msg.encode_metric(self.rank, step, time.time(), values))
 
     def flush(self) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        """What was printed so far goes ahead of the next message: the kernel holds a session's answer until
+        the FLUSHED mark written after it on each stream came through srun (C-level output too: same fds)."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for fd in (1, 2):
+            try:
+                os.write(fd, FLUSHED + b"\n")
+            except OSError:  # the step's output is gone: the kernel delivers the answer after FLUSH_WAIT
+                continue
 
     def receive(self) -> bytes | None:
-        return None  # no sessions on this engine yet
+        """A session's next command, as the kernel sent it (big data is in its pickle on this engine)."""
+        return self.commands.get()
 
     def _write(self, data: bytes) -> None:
         with self.lock:
@@ -110,14 +121,20 @@ def main() -> None:
 
 
 def _serve_kernel(conn: Connection, link: SocketLink, training_thread: int) -> None:
-    """What the kernel asks (stacks); when the connection closes, the run is over for this rank: end its group."""
+    """What the kernel asks (stacks, a session's commands and interrupts); when the connection closes, the run
+    is over for this rank: end its group."""
     try:
         while True:
-            kind, _ = pickle.loads(conn.recv_bytes())
+            kind, value = pickle.loads(conn.recv_bytes())
             if kind is Control.STACKS:
                 link.send(msg.Stacks(rank=link.rank, text=thread_stack(training_thread)))
+            elif kind is Control.COMMAND:
+                link.commands.put(value)
+            elif kind is Control.INTERRUPT:  # as the local engine's SIGINT: KeyboardInterrupt in the command
+                signal.pthread_kill(training_thread, signal.SIGINT)
     except (EOFError, OSError):
         pass
+    link.commands.put(None)
     if not _finished.is_set():
         os.killpg(0, signal.SIGKILL)
 

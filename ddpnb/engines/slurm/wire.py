@@ -14,6 +14,10 @@ import enum
 import os
 from dataclasses import dataclass
 
+# what a rank writes on its stdout and stderr just before it sends a session answer (`Link.flush`): the kernel
+# delivers the answer once both marks came through srun, so the output printed before it is shown first
+FLUSHED = b"\x1b]ddpnb;flushed\x07"
+
 
 class Control(enum.Enum):
     SETUP = "setup"  # value: `Setup`; the first thing a rank receives
