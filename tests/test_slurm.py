@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests import slurm_cluster
-from tests.conftest import PACKAGE_DIR, Kernel
+from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
 from tests.test_faults import Cell
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -297,3 +297,84 @@ def test_interrupting_a_session_cell_on_slurm_raises_keyboard_interrupt_in_the_r
         stopped = slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
     assert stopped.error is None, stopped.text
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+RESTARTED = '''%%ddp --engine slurm -n 2 --nodes 2 --max-restarts 1 -o restarted
+def flaky(rank):
+    import signal, torch.distributed as dist
+    dist.barrier()
+    print(f"attempt {ddpnb.attempt()} in step {os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}", flush=True)
+    if rank == 1 and ddpnb.attempt() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # attempt 0: rank 0 waits here for a rank that is gone; ddpnb stops it
+    return ddpnb.attempt()
+'''
+
+
+def test_max_restarts_on_slurm_runs_a_new_step_for_attempt_1_with_its_own_logs(slurm_kernel, cluster):
+    run = slurm_kernel.execute(RESTARTED, timeout=CELL_TIMEOUT)
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
+    assert "(restart 1 of 1)" in run.text
+    check = slurm_kernel.execute(
+        "r = ddpnb.last_run()\n"
+        "print(restarted, r.attempt, [a.number for a in r.attempts], r.attempts[0].first_failure.summary)\n"
+        "print(*sorted(p.name for p in r.run_dir.glob('rank*.log')))\n"
+        "for a in range(2):\n"
+        "    print(*sorted({line.split(' in step ')[1].strip() for rank in range(2)\n"
+        "                   for line in (r.run_dir / f'rank{rank}.attempt{a}.log').read_text().splitlines()\n"
+        "                   if ' in step ' in line}))")
+    assert check.error is None, check.error
+    lines = check.stdout.splitlines()
+    assert lines[0] == "1 1 [0] killed by SIGKILL (on Slurm node n2)", check.stdout
+    assert lines[1].split() == [f"rank{r}.attempt{a}.log" for r in range(2) for a in range(2)]
+    first_step, second_step = lines[2], lines[3]  # each attempt's ranks share one step, and a new one is made
+    assert first_step.startswith(f"{cluster.job}.") and second_step.startswith(f"{cluster.job}.")
+    assert " " not in first_step and " " not in second_step and first_step != second_step
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_timeout_on_slurm_shows_each_ranks_stack_and_ends_every_rank(slurm_kernel, cluster):
+    # the timeout counts from the step's start, and a Slurm rank imports torch itself (no forkserver): seconds
+    # on a busy machine, so it leaves room for that before the hang it is meant to catch
+    run = slurm_kernel.execute('''%%ddp --engine slurm -n 2 --nodes 2 --timeout 30
+def hangs_on_rank_1(rank):
+    import torch, torch.distributed as dist
+    print(f"rank {rank} at step 1", flush=True)
+    if rank == 1:
+        time.sleep(600)  # never joins the collective
+    dist.all_reduce(torch.ones(1))
+''', timeout=CELL_TIMEOUT)
+    assert run.error is not None, run.stdout + run.stderr
+    shown = "\n".join(run.error["traceback"])
+    assert "run timed out: stopped after the 30 s timeout (--timeout)" in shown, shown
+    stacks = dict(re.findall(r"--- rank (\d) (\(.*?)(?=\n--- rank |\n\nrank  state)", shown, re.DOTALL))
+    assert set(stacks) == {"0", "1"}, shown
+    for rank, stack in stacks.items():
+        assert stack.startswith(f"(running, last line: 'rank {rank} at step 1') ---"), stack
+        assert "in hangs_on_rank_1" in stack
+    assert "in all_reduce" in stacks["0"] and "in all_reduce" not in stacks["1"]
+    assert "_serve_kernel" not in shown and PACKAGE_DIR not in shown
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_kernel_interrupt_during_a_slurm_run_ends_every_rank_and_its_children_and_the_step(slurm_kernel,
+                                                                                              cluster):
+    cell = Cell(slurm_kernel, '''%%ddp --engine slurm -n 2 --nodes 2
+import subprocess
+def spins(rank):
+    child = subprocess.Popen(["sleep", "600"])
+    print(f"CHILD {child.pid}", flush=True)
+    for step in range(100_000):
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+''')
+    seen = cell.read_until(lambda out: out.text.count("CHILD") == 2 and "step 3" in out.text, timeout=CELL_TIMEOUT)
+    children = [int(pid) for pid in re.findall(r"CHILD (\d+)", seen.text)]
+    slurm_kernel.manager.interrupt_kernel()
+    result = cell.finish(timeout=60)
+    assert result.error is not None, result.text
+    shown = "\n".join(result.error["traceback"])
+    assert shown.startswith("KeyboardInterrupt: ddpnb: run interrupted after") and "every rank was stopped" in shown
+    assert ranks_left() == [] and steps_left(cluster) == []
+    assert wait_gone(children, within=10) == []
+    assert slurm_kernel.execute("print(6 * 7)").stdout.strip() == "42"

@@ -2,5 +2,6 @@
 
 `engine.py` is the kernel's half (options, checks, the step, the channel's listener), `allocation.py` reads the
 job through `scontrol`, `wire.py` is what kernel and ranks say to each other, and `rank.py` is the rank's half,
-run by srun on each node as `python -m ddpnb.engines.slurm.rank`. Nothing here imports on `import ddpnb`.
+run by srun on each node (`python -c "from ddpnb.engines.slurm.rank import main; main()"`). Nothing here
+imports on `import ddpnb`.
 """

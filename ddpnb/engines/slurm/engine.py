@@ -45,6 +45,9 @@ DRAIN_WAIT = 2.0  # seconds a rank's last messages may trail srun's report of it
 SRUN_WAIT = 5.0  # seconds srun gets to exit once its step was cancelled, before it is killed
 FLUSH_WAIT = 2.0  # seconds a session's answer waits for the output its rank wrote before it (srun's path is slower)
 COALESCE = 0.2  # seconds between two wake-ups of the reader while every rank is busy (see `serve`)
+# what srun runs on each node: `-c` rather than `-m`, whose runpy frames would head every stack the rank sends (a
+# stack is shown from the first frame that is not ddpnb's or a library's; "<string>" starts local ranks too)
+RANK_MAIN = "from ddpnb.engines.slurm.rank import main; main()"
 CHANNEL_LOG = "channel.log"  # in the run directory: connections refused for want of the secret
 # srun's account of a task's end (src/srun: `_task_finish`): "srun: error: n2: task 3: Killed",
 # "srun: error: n1: tasks 0-1: Exited with exit code 5"
@@ -172,7 +175,7 @@ class SlurmEngine:
                    "--kill-on-bad-exit=0", "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
                    *(["--gpus-per-task=1", "--gpu-bind=none"] if spec.use_gpus else []),
                    *shlex.split(self.options.srun_args or ""),
-                   sys.executable, "-m", "ddpnb.engines.slurm.rank"]
+                   sys.executable, "-c", RANK_MAIN]
         try:
             # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
             # which would cancel the step at once; ddpnb stops it in its own order

@@ -1,4 +1,4 @@
-"""A Slurm rank: one task of the run's `srun` step (`python -m ddpnb.engines.slurm.rank`), on any node.
+"""A Slurm rank: one task of the run's `srun` step (`python -c "...rank import main; main()"`), on any node.
 
 It reads the kernel's address and the run's secret from its stdin (srun gives every task the line the kernel
 wrote), connects over TCP proving the secret, says who it is, receives the spec, and runs the function. Its
