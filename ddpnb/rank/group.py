@@ -1,4 +1,4 @@
-"""The rank's process group, ready when the function starts.
+"""The rank's process group, ready when the function starts, and the run's store, left in order once it returned.
 
 Code written for mp.spawn/torchrun that calls init_process_group itself keeps working: a call that matches the
 ready group is a no-op; one that asks for another backend replaces it, rendezvousing on this run's store (never
@@ -7,11 +7,14 @@ on a port the user code hard-codes).
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from typing import Any
 
 from ddpnb.rank import context as ctx
 
+LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 _real_init: Any = None
 
 
@@ -63,3 +66,33 @@ def destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_store(context: ctx.RankContext) -> None:
+    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
+    running needs the store. The others say they are done and exit, their process group with them (exiting
+    closes its sockets; `destroy_process_group` would cost each rank time on the launch path).
+
+    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
+    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
+    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned,
+    so nothing here is the user's failure. Every engine whose rank 0 hosts the store calls it after the function.
+    """
+    store, rank = context.store, context.rank
+    if store is None:
+        return
+    try:
+        if rank:
+            store.set(f"ddpnb/done/{rank}", b"")
+            return
+        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+        deadline = time.monotonic() + LEAVE_WAIT
+        # `check`, not `wait` with a timeout: a wait that times out prints c10d warnings into the rank's output
+        while not store.check(others):
+            if time.monotonic() > deadline:
+                destroy_process_group()
+                store.wait(others, datetime.timedelta(days=365))
+                return
+            time.sleep(0.005)
+    except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
+        return

@@ -5,7 +5,6 @@ Nothing here runs in the kernel except `FdForChild` and the names below; `entry`
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import gc
 import io
@@ -28,7 +27,6 @@ from ddpnb.rank import group
 from ddpnb.rank.main import run_function
 
 PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes: `ddpnb-rank0`, `ddpnb-preload-check`
-LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 # init_process_group returns once this rank's group is up, not every rank's: a rank whose function is quick can
 # take its group down (or exit) while a peer is still connecting gloo's full mesh, which then fails ("Gloo
 # connectFullMesh failed ... Connection closed by peer"). torch's own store barrier closes that gap.
@@ -124,7 +122,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     try:
         mapped.attach(data)
         run_function(context, spec_payload, _setup, _join_group, result_fd)
-        _leave_store(context)
+        group.leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
         code = _exit_code(exc)
     finally:
@@ -163,36 +161,6 @@ def _join_group(context: ctx.RankContext, spec: WorkerSpec) -> None:
     context.store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=context.rank == 0,
                                   master_listen_fd=_store_fd if context.rank == 0 else None)
     group.new_group(spec.backend)
-
-
-def _leave_store(context: ctx.RankContext) -> None:
-    """Rank 0 hosts the run's TCPStore, so it exits only once every rank's function has returned: a rank still
-    running needs the store. The others say they are done and exit, their process group with them (exiting
-    closes its sockets; `destroy_process_group` would cost each rank time on the launch path).
-
-    Ranks usually finish together; if one is still going after LEAVE_WAIT, rank 0 first takes down its process
-    group, so that a rank waiting in a collective rank 0 will never join fails now rather than after the
-    backend's timeout (gloo; an NCCL peer still waits for NCCL's). Best effort: the rank's function has returned,
-    so nothing here is the user's failure.
-    """
-    store, rank = context.store, context.rank
-    if store is None:
-        return
-    try:
-        if rank:
-            store.set(f"ddpnb/done/{rank}", b"")
-            return
-        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
-        deadline = time.monotonic() + LEAVE_WAIT
-        # `check`, not `wait` with a timeout: a wait that times out prints c10d warnings into the rank's output
-        while not store.check(others):
-            if time.monotonic() > deadline:
-                group.destroy_process_group()
-                store.wait(others, datetime.timedelta(days=365))
-                return
-            time.sleep(0.005)
-    except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
-        return
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -30,7 +30,6 @@ from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
 
-LEAVE_WAIT = 0.05  # seconds rank 0 waits for the others to finish before it takes down its process group
 INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}  # see engines/local/rank.py: a quick rank must not leave early
 
 
@@ -110,7 +109,7 @@ def main() -> None:
     try:
         run_function(context, setup.spec_payload, lambda r, spec: _setup(r, spec, setup),
                      lambda c, spec: _join_group(c, spec, setup, store_fd))
-        _leave_store(context)
+        group.leave_store(context)
     except SystemExit as exc:
         code = _exit_code(exc)
     finally:
@@ -175,29 +174,6 @@ def _join_group(context: ctx.RankContext, spec: WorkerSpec, setup: Setup, store_
                                   is_master=context.rank == 0, master_listen_fd=store_fd,
                                   timeout=datetime.timedelta(seconds=spec.timeout + 60 if spec.timeout else 1800))
     group.new_group(spec.backend)
-
-
-def _leave_store(context: ctx.RankContext) -> None:
-    """As engines/local/rank.py's: rank 0 hosts the store, so it leaves only once every rank's function returned,
-    taking down its process group first if one is still going after LEAVE_WAIT (a peer in a collective rank 0
-    never joins fails now rather than after the backend's timeout). Best effort."""
-    store, rank = context.store, context.rank
-    if store is None:
-        return
-    try:
-        if rank:
-            store.set(f"ddpnb/done/{rank}", b"")
-            return
-        others = [f"ddpnb/done/{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
-        deadline = time.monotonic() + LEAVE_WAIT
-        while not store.check(others):
-            if time.monotonic() > deadline:
-                group.destroy_process_group()
-                store.wait(others, datetime.timedelta(days=365))
-                return
-            time.sleep(0.005)
-    except Exception:  # noqa: BLE001 - a store gone with a failed rank: the kernel reports that rank
-        return
 
 
 def _tasks_on_this_node() -> int:
