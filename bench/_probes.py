@@ -729,6 +729,32 @@ def probe_checkpoint(args: argparse.Namespace) -> None:
                        args=(args.bytes, args.saves)))
 
 
+# --- the slurm engine (issue 27) ---------------------------------------------------------------------------------
+def probe_slurm(args: argparse.Namespace) -> None:
+    """A kernel inside a Slurm allocation (SLURM_JOB_ID set): `--engine slurm` launches of the trivial workload on
+    2 ranks over 2 nodes, first and later, interleaved with the local engine's launches in the same process."""
+    import torch  # noqa: F401 - the notebook imported torch
+
+    import ddpnb
+
+    by_value()
+
+    def launch(engine: str) -> float:
+        options: dict[str, Any] = {"engine": "slurm", "nodes": 2} if engine == "slurm" else {}
+        started = time.perf_counter()
+        value = ddpnb.run(_workloads.trivial, nprocs=2, view="none", **options)
+        elapsed = time.perf_counter() - started
+        assert value["sum"] == 2.0, value
+        return elapsed
+
+    first = {engine: launch(engine) for engine in ("slurm", "local")}
+    later: dict[str, list[float]] = {"slurm": [], "local": []}
+    for _ in range(args.warm):
+        for engine, times in later.items():
+            times.append(launch(engine))
+    emit({"first": first, "later": later})
+
+
 def _readlink(path: str) -> str:
     try:
         return os.readlink(path)
@@ -781,6 +807,8 @@ def main() -> None:
     p = sub.add_parser("checkpoint")
     p.add_argument("--bytes", type=int, required=True)
     p.add_argument("--saves", type=int, default=3)
+    p = sub.add_parser("slurm")
+    p.add_argument("--warm", type=int, default=5, help="later launches of each engine")
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()
@@ -789,7 +817,7 @@ def main() -> None:
         "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
         "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
-        "checkpoint": probe_checkpoint,
+        "checkpoint": probe_checkpoint, "slurm": probe_slurm,
     }[args.probe]
     probe(args)
 

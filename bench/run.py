@@ -15,6 +15,9 @@
    torch.multiprocessing.spawn with it in args; the kernel's memory and the ranks' PSS.
 7. checkpoints (issue 18): how long `ddpnb.save_checkpoint` keeps a training step waiting for a ~100 MB DDP model
    on 2 CPU ranks, synchronous against asynchronous (DCP's async_save).
+8. the slurm engine (issue 27): inside an allocation of the local two-node Slurm (tests/slurm_cluster.py), a later
+   `--engine slurm` launch of the trivial workload on 2 ranks against a bare `srun -n2 python -c "import torch"`,
+   `srun` of the same workload as a plain script, and the local engine's launch, in one run.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -66,6 +69,8 @@ class Settings:
     data_bytes: int = 1 << 30
     checkpoint_reps: int = 3
     checkpoint_bytes: int = 100_000_000
+    slurm_reps: int = 3  # rounds: the srun rows once each, then a fresh kernel's slurm and local launches
+    slurm_warm: int = 4  # later launches of each engine per round
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -74,7 +79,7 @@ FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, st
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
                  session_warmup=5, session_restarts=2, data_reps=1,
-                 data_bytes=256 << 20, checkpoint_reps=1)
+                 data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2)
 
 
 class ProbeFailed(RuntimeError):
@@ -791,9 +796,110 @@ def bench_checkpoint(settings: Settings, env: dict[str, str], goals: list[Goal])
               "temp directory's disk.")
 
 
+# --- 8. the slurm engine ------------------------------------------------------------------------------------------
+def _slurm_cluster() -> Any:
+    """tests/slurm_cluster.py of this checkout (the module the slurm tests start their Slurm with)."""
+    path = BENCH.parent / "tests" / "slurm_cluster.py"
+    spec = importlib.util.spec_from_file_location("ddpnb_bench_slurm_cluster", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_slurm(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    title = "### 8. The slurm engine — trivial all_reduce, 2 CPU ranks on 2 Slurm nodes, gloo, inside an allocation"
+    slurm_cluster = _slurm_cluster()
+    why = slurm_cluster.install()
+    if why:
+        goals.append(Goal("slurm (issue 27): later launch ≤ 1.5× bare srun", "—", None))
+        return f"{title}\n\nnot measured: {why}"
+    directory = Path(tempfile.mkdtemp(prefix="ddpnb-bench-slurm-"))
+    say("slurm: starting the local two-node Slurm")
+    cluster = slurm_cluster.start(directory)
+    true, floor, script, slurm_first, slurm_later, local_later = (Samples() for _ in range(6))
+    try:
+        job = cluster.allocate(nodes=2, tasks=2, name="ddpnb-bench")
+        inside = {**env, **cluster.env, "SLURM_JOB_ID": job}  # what a kernel started inside `salloc` has
+        srun = ["srun", f"--jobid={job}", "--nodes=2", "--ntasks=2"]
+        for rnd in range(settings.slurm_reps):
+            say(f"slurm: round {rnd + 1}/{settings.slurm_reps}")
+            timed = attempt(true, lambda: run_process([*srun, "true"], inside, 120))
+            if timed:
+                true.add(timed[0], rnd)
+            timed = attempt(floor, lambda: run_process([*srun, sys.executable, "-c", "import torch"], inside, 180))
+            if timed:
+                floor.add(timed[0], rnd)
+            timed = attempt(script, lambda: _srun_script(srun, inside))
+            if timed:
+                script.add(timed, rnd)
+            data = attempt(slurm_later, lambda: probe("slurm", f"--warm={settings.slurm_warm}", env=inside,
+                                                      timeout=600))
+            if data:
+                slurm_first.add(data["first"]["slurm"], rnd)
+                slurm_later.add(data["later"]["slurm"], rnd)
+                local_later.add(data["later"]["local"], rnd)
+    finally:
+        if cluster.job:
+            cluster.run("scancel", cluster.job, check=False)
+        cluster.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    entries = [
+        ("`srun -n2 true`", true, "srun's own cost: a step on both nodes, nothing in it"),
+        ("`srun -n2 python -c \"import torch\"`", floor, "the floor of the goal"),
+        ("`srun -n2 python script.py` (plain script, one all_reduce)", script,
+         "MASTER_ADDR/PORT set by hand, RANK from SLURM_PROCID: what a batch script does"),
+        ("ddpnb.run(engine='slurm'), the kernel's first launch", slurm_first, "a fresh kernel inside the allocation"),
+        ("ddpnb.run(engine='slurm'), later launches", slurm_later,
+         "a new step each: srun, every rank imports torch, connects back, joins the group"),
+        ("ddpnb.run (local engine), later launches", local_later,
+         "the same kernel; ranks forked from the warm forkserver"),
+    ]
+    rows = []
+    for label, samples, note in entries:
+        extra = f"{note}; {samples.note}" if samples.note else note
+        rows.append([label, fmt(samples.median, " s"), samples.spread(), fmt(samples.ratio_to(floor), "×"),
+                     fmt(samples.ratio_of_medians_to(script), "×"), str(len(samples.values)), extra])
+    ratio = slurm_later.ratio_to(floor)
+    goals.append(Goal("slurm (issue 27): a later --engine slurm launch ≤ 1.5× bare srun -n2 python -c 'import torch'",
+                      fmt(ratio, "×"), None if ratio is None else ratio <= 1.5))
+    return (f"{title}\n\n"
+            + table(["launch", "median", "min–max", "÷ srun import torch", "÷ srun script", "n", "note"], rows)
+            + "\n\nBoth Slurm nodes are this machine (two slurmd, proctrack/linuxproc, tests/slurm_cluster.py), "
+              "so the ranks share its cores and talk over loopback. ÷ srun import torch: the median over rounds of "
+              "(the row's median in a round ÷ the bare srun measured in that round); ÷ srun script: the same "
+              "against the plain script's. Goal (issue 27): a later slurm launch ≤ 1.5× the bare srun.")
+
+
+def _srun_script(srun: list[str], env: dict[str, str]) -> float:
+    """`srun` of the trivial workload as a plain script: rank 0's value checked, the wall time returned."""
+    fd, out = tempfile.mkstemp(prefix="ddpnb-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo",
+                      "OMP_NUM_THREADS": "1"}
+        elapsed, _ = run_process([*srun, sys.executable, str(TORCHRUN_ENTRY), "trivial", out],
+                                 {**env, **rendezvous}, 180)
+        if json.loads(Path(out).read_text())["sum"] != 2.0:
+            raise ProbeFailed("the plain script's all_reduce gave a wrong sum")
+        return elapsed
+    finally:
+        os.unlink(out)
+
+
+def _free_port() -> int:
+    # the script's rendezvous takes a port number, not a socket: the nearest thing is one nothing holds now
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # --- main -----------------------------------------------------------------------------------------------------
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
-            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint}
+            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm}
 
 
 def machine() -> str:
