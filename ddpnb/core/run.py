@@ -121,6 +121,16 @@ class Run:
         return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks}){stalled}"
 
     @property
+    def timeout(self) -> float | None:
+        """Seconds each attempt may run (--timeout); set it while the run goes to bound this attempt and the next."""
+        return self.attempt.watchdog.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.attempt.watchdog.timeout = seconds
+        self.attempt.spec = replace(self.attempt.spec, timeout=seconds)  # the next attempt's spec derives from it
+
+    @property
     def nodes(self) -> dict[int, str]:
         """Each rank's node, once placed, where the engine places ranks on a cluster's nodes."""
         return {r.rank: r.node for r in self.record.ranks if r.node}
