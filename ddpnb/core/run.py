@@ -121,6 +121,11 @@ class Run:
         return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks}){stalled}"
 
     @property
+    def spec(self) -> WorkerSpec:
+        """What the current attempt's ranks were given (its pickled function in `fn_payload`)."""
+        return self.attempt.spec
+
+    @property
     def timeout(self) -> float | None:
         """Seconds each attempt may run (--timeout); set it while the run goes to bound this attempt and the next."""
         return self.attempt.watchdog.timeout
