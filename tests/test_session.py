@@ -87,17 +87,16 @@ def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(sess
 
 def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives_fresh_ranks(session_kernel):
     before = pids_of(session_kernel)
-    began = time.monotonic()
     stuck = session_kernel.execute(textwrap.dedent("""\
         %%ranks
+        import torch, torch.distributed as dist
         if rank == 1:
             raise RuntimeError("rank 1 gives up")
         dist.all_reduce(torch.ones(1))
-    """), timeout=ENDS_WITHIN + 30)
-    assert time.monotonic() - began < ENDS_WITHIN
+    """), timeout=ENDS_WITHIN)  # the cell ends: execute raises TimeoutError if it has not by then
     assert stuck.error is not None and stuck.error["ename"] == "SessionBroken", stuck.text
     shown = "\n".join(stuck.error["traceback"])
-    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 4", shown), shown
+    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 5", shown), shown
     assert "RuntimeError: rank 1 gives up" in shown and "%ddp_restart" in shown
     assert wait_gone(before, within=15) == []
     refused = session_kernel.execute("%ranks 1 + 1")
