@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import textwrap
-import time
 
 import pytest
 import torch
