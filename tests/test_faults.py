@@ -36,7 +36,7 @@ import pytest
 import ddpnb
 from ddpnb.core import rundir
 from ddpnb.core.run import Run
-from tests.conftest import PACKAGE_DIR, Execution, Kernel, private_runs_dir, rank_0_has_returned, wait_gone
+from tests.conftest import PACKAGE_DIR, Execution, Kernel, private_runs_dir, wait_gone, written_result_files
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -1184,9 +1184,9 @@ def test_result_without_tensors_travels_in_the_message():
 
 
 def test_result_of_a_run_that_failed_later_is_dropped(tmp_path):
-    release = tmp_path / "release"
+    release, before = tmp_path / "release", written_result_files()
     handle = ddpnb.launch(returns_tensors, nprocs=2, args=(str(release),), view="none")
-    wait_for(rank_0_has_returned, "rank 0 to write its value")
+    wait_for(lambda: written_result_files() - before, "rank 0 to write its value")
     release.touch()
     with pytest.raises(ddpnb.WorkerError) as info:
         handle.result()

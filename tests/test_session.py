@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpnb
-from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, Kernel, left_in_groups, wait_gone
 from tests.test_faults import Cell
 
 # a cell that fails or hangs gets GRACE (5 s) for the other ranks, STACK_WAIT (3 s) for their stacks, then the
@@ -169,7 +169,7 @@ def test_push_pull_and_call_from_python():
         with pytest.raises(ddpnb.SessionError, match="name 'missing' is not defined"):
             session.pull("missing")
         pids = session.pids
-    assert wait_gone(pids, within=15) == []
+    assert left_in_groups(pids, within=15) == []
     assert session.run.record.outcome is ddpnb.Outcome.SUCCEEDED  # the ranks left when asked
 
 
@@ -180,7 +180,7 @@ def test_a_rank_that_dies_ends_the_session_and_names_how():
             session.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                             "import time\ntime.sleep(60)")
         assert "rank 1 of 2 failed first: killed by SIGKILL" in str(broken.value)
-        assert wait_gone([pid for pid in session.pids if pid], within=15) == []
+        assert left_in_groups([pid for pid in session.pids if pid], within=15) == []
     finally:
         session.stop()
 
