@@ -8,6 +8,7 @@ repository first on PYTHONPATH, restores the file (always, Ctrl-C included) and 
     python scripts/mutants.py --repeat 3        # three runs each: a kill must not depend on a race
     python scripts/mutants.py no-sigkill-escalation first-failure-by-time-only
     python scripts/mutants.py --list
+    python scripts/mutants.py --why             # under each mutant, each killing test's failure (the reason)
 
 It refuses to edit a product file with uncommitted changes. When the product code moves, re-target the snippets.
 """
@@ -275,33 +276,34 @@ def _mutated(mutant: Mutant, original: str) -> str:
     return text
 
 
-def _run_tests(mutant: Mutant) -> tuple[bool, list[str], str]:
-    """(killed, the tests that failed, pytest's last line)."""
+def _run_tests(mutant: Mutant) -> tuple[bool, dict[str, str], str]:
+    """(killed, the tests that failed with the reason pytest's summary gives, pytest's last line)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:randomly",
                            *mutant.tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    failed = re.findall(r"^FAILED (\S+?)(?: - |$)", done.stdout, re.MULTILINE)
+    failed = dict(re.findall(r"^FAILED (\S+?)(?: - (.*))?$", done.stdout, re.MULTILINE))
     last = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode not in (0, 1):  # interrupted, a usage error, no tests collected: not a kill
-        return False, [], f"pytest exited with {done.returncode}: {last}"
+        return False, {}, f"pytest exited with {done.returncode}: {last}"
     return done.returncode == 1, failed, last
 
 
-def check(mutant: Mutant, repeat: int) -> tuple[int, set[str], str]:
-    """Apply `mutant`, run its tests `repeat` times, restore the file; how many runs killed it, and by which tests."""
+def check(mutant: Mutant, repeat: int) -> tuple[int, dict[str, str], str]:
+    """Apply `mutant`, run its tests `repeat` times, restore the file; how many runs killed it, and by which tests
+    (each with why it failed: a kill is only worth its name for the reason the mutant names)."""
     path = ROOT / mutant.path
     if _dirty(mutant.path):
         raise SystemExit(f"{mutant.path} has uncommitted changes: commit or stash them before a mutation check")
     original = path.read_text()
     mutated = _mutated(mutant, original)
-    kills, killers, last = 0, set(), ""
+    kills, killers, last = 0, {}, ""
     try:
         path.write_text(mutated)
         for _ in range(repeat):
             killed, failed, last = _run_tests(mutant)
             kills += killed
-            killers.update(test.removeprefix("tests/") for test in failed)
+            killers.update({test.removeprefix("tests/"): why for test, why in failed.items()})
     finally:
         path.write_text(original)
     return kills, killers, last
@@ -312,6 +314,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="mutants to check (default: all)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each mutant's tests (default 1)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, and exit")
+    parser.add_argument("--why", action="store_true", help="under each mutant, why each killing test failed")
     options = parser.parse_args()
     chosen = [m for m in MUTANTS if not options.names or m.name in options.names]
     unknown = set(options.names) - {m.name for m in MUTANTS}
@@ -331,6 +334,9 @@ def main() -> None:
         if kills < options.repeat:
             survivors.append(mutant.name)
         print(f"{mutant.name:<48} {result:<16} {', '.join(sorted(killers)) or last}", flush=True)
+        if options.why:
+            for test, why in sorted(killers.items()):
+                print(f"    {test.partition('::')[2]}: {why[:160]}", flush=True)
     print(f"\nsurvivors: {', '.join(survivors) or 'none'}")
     sys.exit(1 if survivors else 0)
 
