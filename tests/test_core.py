@@ -134,8 +134,9 @@ def _rank_zero_returns_first(rank, world_size, release):
 
     if rank == 0:
         return {"done": "rank 0 done", "tensor": torch.zeros(1)}  # written into the kernel's result file
-    while not os.path.exists(release):  # the test saw rank 0's value: the store rank 0 hosts must still be there
-        time.sleep(0.01)
+    deadline = time.monotonic() + 120  # only keeps a broken test from hanging
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the test saw rank 0's value: the store rank 0 hosts must still be there
     group = dist.new_group([1], backend="gloo", use_local_synchronization=True)  # rank 1 alone
     dist.distributed_c10d._get_default_store().set(f"late/{rank}", "still here")
     return dist.get_world_size(group)

@@ -381,12 +381,14 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
         return loaded
 
     handle = ddpnb.launch(resumes, nprocs=1, resume=source, view="none")
-    wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
-    assert rundir.in_use(source)
-    for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
-        rundir.new_run_dir()
-    assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
-    release.touch()
+    try:
+        wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
+        assert rundir.in_use(source)
+        for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
+            rundir.new_run_dir()
+        assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
+    finally:  # a failed assert must not leave the rank waiting (the test process would wait for it at exit)
+        release.touch()
     assert handle.result() == STEPS
     assert not rundir.in_use(source)  # let go with the run: the next retention may delete it
     rundir.new_run_dir()
