@@ -2,7 +2,7 @@
 bounded, a session's pushes and arguments too, CUDA tensors' rank side.
 
 One kernel and one local Ray instance (started by ddpnb in that kernel) for the module, as in tests/test_ray.py;
-one Ray session shared by the session tests, since each Ray start costs seconds of process start-up.
+a Ray session of its own for each session test (a session holds the instance's CPUs, which a run needs).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def last_lines(kernel, code: str, count: int = 1) -> list[str]:
     return run.stdout.strip().splitlines()[-count:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_session(ray_kernel):
-    """A session of 2 Ray ranks, as `s` in the kernel."""
+    """A session of 2 Ray ranks, as `s` in the kernel: one per test, since it holds the CPUs of the module's Ray
+    instance that the other tests' runs need, whichever order they run in."""
     last_lines(ray_kernel, "import numpy as np, gc\nfrom ddpnb.engines.ray import data as ray_data\n"
                "s = ddpnb.session(engine='ray', nprocs=2)")
     yield ray_kernel
@@ -65,7 +66,6 @@ for row in sent:
     assert run_actors_left([ray_kernel.pid]) == []
 
 
-# before the session tests: their session holds the CPUs this run needs
 def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
     """Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
     lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
