@@ -278,7 +278,8 @@ def _mutated(mutant: Mutant, original: str) -> str:
 
 def _run_tests(mutant: Mutant) -> tuple[bool, dict[str, str], str]:
     """(killed, the tests that failed with the reason pytest's summary gives, pytest's last line)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "COLUMNS": "1000"}  # wide enough for pytest's summary to keep each failure's message after its node id
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:randomly",
                            *mutant.tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
