@@ -8,6 +8,7 @@ repository first on PYTHONPATH, restores the file (always, Ctrl-C included) and 
     python scripts/mutants.py --repeat 3        # three runs each: a kill must not depend on a race
     python scripts/mutants.py no-sigkill-escalation first-failure-by-time-only
     python scripts/mutants.py --list
+    python scripts/mutants.py --why             # under each mutant, each killing test's failure (the reason)
 
 It refuses to edit a product file with uncommitted changes. When the product code moves, re-target the snippets.
 """
@@ -27,6 +28,16 @@ FAULTS = "tests/test_faults.py::"
 MAGIC = "tests/test_magic.py::"
 CHILD_PATHS = "test_what_a_rank_started_is_gone_after_the_run_however_it_ended"
 STALL = "tests/test_stall.py::"
+RESTARTS = "tests/test_restarts.py::"
+DATA = "tests/test_data.py::"
+SESSION = "tests/test_session.py::"
+FOLD = "tests/test_fold.py::"
+RESTART_FROM_CHECKPOINT = RESTARTS + "test_a_failed_rank_restarts_the_group_from_the_last_checkpoint[raise]"
+TEARDOWN_STOP = (RESTARTS + "test_stop_during_a_failed_attempts_teardown_never_restarts",
+                 RESTARTS + "test_an_interrupt_during_a_failed_attempts_teardown_never_restarts")
+COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint"
+CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
+STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,142 @@ MUTANTS = [
         (("        result = run.result()\n", "        fn()\n        result = run.result()\n"),),
         (MAGIC + "test_the_cells_function_runs_once_on_each_rank_and_never_in_the_kernel",),
     ),
+    # --- restarts ----------------------------------------------------------------------------------------------------
+    Mutant(
+        "stop-during-a-failed-teardown-restarts", "ddpnb/core/run.py",
+        (("        if self._stop_requested is not None:\n            return 0\n        return max(0, self.max_restarts",
+          "        return max(0, self.max_restarts"),),
+        TEARDOWN_STOP,
+    ),
+    Mutant(
+        "restart-budget-one-short", "ddpnb/core/run.py",
+        (("return max(0, self.max_restarts - self.record.attempt)",
+          "return max(0, self.max_restarts - self.record.attempt - 1)"),),
+        (RESTART_FROM_CHECKPOINT,),
+    ),
+    Mutant(
+        "a-restart-loads-no-checkpoint", "ddpnb/rank/checkpoint.py",
+        (("        own = [found for found in (_engine_latest(), latest(spec.checkpoint_dir)) if found is not None]\n",
+          "        own = []\n"),),
+        (RESTART_FROM_CHECKPOINT,),
+    ),
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+    Mutant(
+        "partial-checkpoint-counts-as-complete", "ddpnb/core/checkpoints.py",
+        (("if (match := COMPLETE.fullmatch(name))", "if (match := COMPLETE.match(name))"),),
+        (COMPLETE_CHECKPOINT,),
+    ),
+    Mutant(
+        "checkpoint-without-metadata-counts-as-complete", "ddpnb/core/checkpoints.py",
+        (("\n             and Path(root, name, \".metadata\").is_file()]", "]"),),
+        (COMPLETE_CHECKPOINT,),
+    ),
+    Mutant(  # killed only by accident before: the mid-save kill matched `step-000000020.` alone
+        "checkpoint-written-in-place", "ddpnb/rank/checkpoint.py",
+        (('    partial = root / f"{step_dir(step)}.attempt{spec.attempt}{PARTIAL_SUFFIX}"\n',
+          "    partial = final\n"),
+         ("    if final.exists():  # the same step saved again", "    if final != partial and final.exists():  #")),
+        (RESTARTS + "test_a_rank_killed_inside_a_save_leaves_only_a_partial_directory_for_that_step",),
+    ),
+    Mutant(
+        "old-checkpoints-never-pruned", "ddpnb/rank/checkpoint.py",
+        (("    stale = [name for _, name in complete[:-keep]] if keep > 0 else []\n", "    stale = []\n"),),
+        (RESTART_FROM_CHECKPOINT, RESTARTS + "test_checkpoints_go_under_checkpoint_dir_one_directory_per_run"),
+    ),
+    # --- retention ---------------------------------------------------------------------------------------------------
+    Mutant(
+        "retention-deletes-a-live-run", "ddpnb/core/rundir.py",
+        (("if p.is_dir() and not p.is_symlink() and not in_use(p))", "if p.is_dir() and not p.is_symlink())"),),
+        (FAULTS + "test_retention_keeps_the_newest_runs_and_never_a_live_one",),
+    ),
+    Mutant(
+        "retention-keeps-one-run-too-many", "ddpnb/core/rundir.py",
+        (("ended[: max(0, len(ended) - KEEP_RUNS + 1)]", "ended[: max(0, len(ended) - KEEP_RUNS)]"),),
+        (FAULTS + "test_retention_keeps_the_newest_runs_and_never_a_live_one",),
+    ),
+    Mutant(
+        "resumed-run-directory-not-held", "ddpnb/core/checkpoints.py",
+        (('    if checkpoint_dir.name != "checkpoints":\n        return None\n', "    return None\n"),),
+        (RESTARTS + "test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run_lives",),
+    ),
+    # --- notebook data -----------------------------------------------------------------------------------------------
+    Mutant(
+        "notebook-cuda-tensors-all-on-cuda-0", "ddpnb/core/shared.py",
+        (("        tensor.data = tensor.data.to(_device)\n", "        tensor.data = tensor.data.to(\"cuda:0\")\n"),),
+        (CUDA_DEVICE + "[cuda:1]", CUDA_DEVICE + "[cuda:3]"),
+    ),
+    Mutant(
+        "cuda-tensors-unpickled-early-never-moved", "ddpnb/core/shared.py",
+        (("    while _pending:\n        _move(_pending.pop())\n", "    _pending.clear()\n"),),
+        (CUDA_DEVICE + "[cuda:1]",),
+    ),
+    Mutant(  # nearly equivalent before: the next launch's `keep` drops dead sources too; the test looks before one
+        "released-tensors-copy-kept-until-the-next-launch", "ddpnb/core/shared.py",
+        (("            ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))\n",
+          "            ref = weakref.ref(source)\n"),),
+        (DATA + "test_a_released_tensors_copy_goes_away_and_nothing_is_left_after_a_failed_pickle",),
+    ),
+    Mutant(
+        "unchanged-data-written-again", "ddpnb/core/shared.py",
+        (("        block = self.store.find(key, source)\n", "        block = None\n"),),
+        (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
+    ),
+    Mutant(
+        "tensor-changed-in-place-not-sent-again", "ddpnb/core/shared.py",
+        (("(block.version == version if version is not None", "(True if version is not None"),),
+        (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
+    ),
+    # --- sessions ----------------------------------------------------------------------------------------------------
+    Mutant(
+        "session-cells-run-in-a-fresh-namespace", "ddpnb/rank/session.py",
+        (("        reply = _answer(rank, command, namespace)\n", "        reply = _answer(rank, command, dict(namespace))\n"),),
+        (SESSION + "test_state_survives_across_cells_and_values_come_back_per_rank",),
+    ),
+    Mutant(
+        "session-error-drops-the-namespace", "ddpnb/rank/session.py",
+        (("        return msg.Reply(rank=rank, command=command.number, exc_type=",
+          "        namespace.clear()\n        return msg.Reply(rank=rank, command=command.number, exc_type="),),
+        (SESSION + "test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace",),
+    ),
+    Mutant(
+        "session-push-lands-nowhere", "ddpnb/rank/session.py",
+        (("        namespace.update(command.values)\n", "        dict(namespace).update(command.values)\n"),),
+        (SESSION + "test_push_pull_and_call_from_python",),
+    ),
+    # --- folding -----------------------------------------------------------------------------------------------------
+    Mutant(
+        "a-line-waits-for-every-rank", "ddpnb/views/fold.py",
+        (("            if len(folded.ranks) < self.world_size and now - folded.opened < self.window:",
+          "            if len(folded.ranks) < self.world_size:"),),
+        (FOLD + "test_a_line_some_ranks_print_waits_only_for_the_window",),
+    ),
+    Mutant(
+        "a-rank-repeating-a-line-folds-into-it", "ddpnb/views/fold.py",
+        (("            number = max(same.next_for.get(line.rank, 0), same.first)\n",
+          "            number = same.first\n"),),
+        (FOLD + "test_a_rank_repeating_a_line_is_two_lines_not_one",),
+    ),
+    Mutant(
+        "stdout-and-stderr-fold-together", "ddpnb/views/fold.py",
+        (("            key = (line.stream, line.text)\n", "            key = line.text\n"),),
+        (FOLD + "test_stdout_and_stderr_fold_apart",),
+    ),
+    # --- stall -------------------------------------------------------------------------------------------------------
+    Mutant(
+        "stall-zero-still-watches", "ddpnb/core/stall.py",
+        (("        return self.fixed != 0\n", "        return True\n"),),
+        (STALL + "test_stall_zero_never_marks_the_run_stalled", STALL + "test_timeout_report_starts_with_where_each_rank_is"),
+    ),
+    Mutant(
+        "stall-marked-before-its-threshold", "ddpnb/core/run.py",
+        (("        if quiet <= threshold or not any(", "        if quiet <= threshold / 2 or not any("),),
+        (STALL_MARKED,),
+    ),
+    Mutant(
+        "stall-never-resumes", "ddpnb/core/run.py",
+        (("                stall.resumed = time.time()\n", "                pass\n"),),
+        (STALL_MARKED,),
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,32 +276,35 @@ def _mutated(mutant: Mutant, original: str) -> str:
     return text
 
 
-def _run_tests(mutant: Mutant) -> tuple[bool, list[str], str]:
-    """(killed, the tests that failed, pytest's last line)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *mutant.tests],
+def _run_tests(mutant: Mutant) -> tuple[bool, dict[str, str], str]:
+    """(killed, the tests that failed with the reason pytest's summary gives, pytest's last line)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "COLUMNS": "1000"}  # wide enough for pytest's summary to keep each failure's message after its node id
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           *mutant.tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    failed = re.findall(r"^FAILED (\S+?)(?: - |$)", done.stdout, re.MULTILINE)
+    failed = dict(re.findall(r"^FAILED (\S+?)(?: - (.*))?$", done.stdout, re.MULTILINE))
     last = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode not in (0, 1):  # interrupted, a usage error, no tests collected: not a kill
-        return False, [], f"pytest exited with {done.returncode}: {last}"
+        return False, {}, f"pytest exited with {done.returncode}: {last}"
     return done.returncode == 1, failed, last
 
 
-def check(mutant: Mutant, repeat: int) -> tuple[int, set[str], str]:
-    """Apply `mutant`, run its tests `repeat` times, restore the file; how many runs killed it, and by which tests."""
+def check(mutant: Mutant, repeat: int) -> tuple[int, dict[str, str], str]:
+    """Apply `mutant`, run its tests `repeat` times, restore the file; how many runs killed it, and by which tests
+    (each with why it failed: a kill is only worth its name for the reason the mutant names)."""
     path = ROOT / mutant.path
     if _dirty(mutant.path):
         raise SystemExit(f"{mutant.path} has uncommitted changes: commit or stash them before a mutation check")
     original = path.read_text()
     mutated = _mutated(mutant, original)
-    kills, killers, last = 0, set(), ""
+    kills, killers, last = 0, {}, ""
     try:
         path.write_text(mutated)
         for _ in range(repeat):
             killed, failed, last = _run_tests(mutant)
             kills += killed
-            killers.update(test.removeprefix("tests/") for test in failed)
+            killers.update({test.removeprefix("tests/"): why for test, why in failed.items()})
     finally:
         path.write_text(original)
     return kills, killers, last
@@ -165,6 +315,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="mutants to check (default: all)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each mutant's tests (default 1)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, and exit")
+    parser.add_argument("--why", action="store_true", help="under each mutant, why each killing test failed")
     options = parser.parse_args()
     chosen = [m for m in MUTANTS if not options.names or m.name in options.names]
     unknown = set(options.names) - {m.name for m in MUTANTS}
@@ -184,6 +335,9 @@ def main() -> None:
         if kills < options.repeat:
             survivors.append(mutant.name)
         print(f"{mutant.name:<48} {result:<16} {', '.join(sorted(killers)) or last}", flush=True)
+        if options.why:
+            for test, why in sorted(killers.items()):
+                print(f"    {test.partition('::')[2]}: {why[:160]}", flush=True)
     print(f"\nsurvivors: {', '.join(survivors) or 'none'}")
     sys.exit(1 if survivors else 0)
 

@@ -3,6 +3,9 @@
 # test; Debian's slurm-wlm and munge for the slurm engine's tests, which start a two-node Slurm on this machine),
 # checks the architecture's import contracts (pyproject.toml), then runs pytest.
 # Usage: bash scripts/test.sh [pytest args]
+# The order is random (pytest-randomly, modules shuffled and the tests within each, a module's shared fixtures
+# still shared), its seed printed: DDPNB_TEST_SEED=N repeats an order, `-p no:randomly` runs the files' order.
+# Python's `random` is not reseeded for each test (--randomly-dont-reset-seed): only the order changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,ray]"
@@ -15,4 +18,10 @@ if ! command -v slurmctld >/dev/null 2>&1 && ! [ -x /usr/sbin/slurmctld ] && com
         || echo "scripts/test.sh: could not install slurm-wlm and munge; the slurm tests will say so" >&2
 fi
 lint-imports --no-cache
-exec python -m pytest -q -ra "$@"
+order=()
+if [[ " $* " != *" no:randomly "* ]]; then
+    seed="${DDPNB_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}"
+    echo "scripts/test.sh: tests in random order, seed $seed (again: DDPNB_TEST_SEED=$seed bash scripts/test.sh)"
+    order=(--randomly-seed="$seed" --randomly-dont-reset-seed)
+fi
+exec python -m pytest -q -ra "${order[@]}" "$@"

@@ -127,6 +127,38 @@ def wait_gone(pids: list[int], within: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
+def left_in_groups(groups: list[int], within: float = 5.0) -> list[str]:
+    """What still runs, `within` seconds on, in the process groups `groups`, found from outside by scanning every
+    process (a local rank leads its own group: whatever it started and did not move out is in it). A rank's own
+    PID proves nothing once its run returned: a run ends only once every rank has exited."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for process in psutil.process_iter():
+            try:
+                if os.getpgid(process.pid) in groups and process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(_describe(process.pid))
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def written_result_files() -> set[int]:
+    """This process's fds of ranks' result files (anonymous memory files, `ddpnb-result`) that rank 0 has written
+    its return value (one holding tensors) into: a new one is how a test knows that rank 0's function of a run it
+    started has returned, to release another rank only then."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "ddpnb-result" in os.readlink(f"/proc/self/fd/{fd}") and os.fstat(int(fd)).st_size > 0:
+                found.add(int(fd))
+        except OSError:  # the listing's own fd, or one closed meanwhile
+            continue
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -51,7 +51,11 @@ def _kernel_memory_files() -> dict[str, int]:
     return found
 
 
-def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank():
+def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank(monkeypatch):
+    # whatever would start CUDA in the kernel (a tensor moved to a GPU, a device query) goes through
+    # torch.cuda._lazy_init, GPU or not: it is recorded here instead
+    cuda_started = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: cuda_started.append(True))
     big = torch.arange(64 * MB, dtype=torch.int32)  # 256 MB
     dataset = torch.utils.data.TensorDataset(torch.randn(2 * MB, 2), torch.arange(2 * MB))
     mapped = _mapped_from_memory_file
@@ -75,7 +79,7 @@ def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank(
     assert big[0].item() == 0 and big[-1].item() == 64 * MB - 1  # nor the notebook
     sent = ddpnb.last_run().data
     assert sent.blocks == 3 and sent.written == big.nbytes + dataset.tensors[0].nbytes + dataset.tensors[1].nbytes
-    assert not torch.cuda.is_initialized()  # ddpnb never makes the kernel initialise CUDA
+    assert cuda_started == []  # ddpnb never makes the kernel initialise CUDA
 
 
 def test_data_striped_over_several_files_arrives_in_order_byte_for_byte():
@@ -255,3 +259,40 @@ def test_strided_arrays_are_copied_one_at_a_time_as_they_are_written():
     assert seen == [float(v.sum()) for v in views]
     assert ddpnb.last_run().data.written == 4 * 32 * MB
     assert peak < 48 * MB, peak / MB  # one 32 MiB copy at a time; all four held until the write: 128 MiB
+
+
+class _CudaCopy:
+    """Stands in for a notebook CUDA tensor's CPU copy on a rank (no GPU here): records where `.data` is moved."""
+
+    def __init__(self) -> None:
+        self.moved_to: list[str] = []
+
+    @property
+    def data(self) -> _CudaCopy:
+        return self
+
+    @data.setter
+    def data(self, value: _CudaCopy) -> None:
+        assert value is self
+
+    def to(self, device: str) -> _CudaCopy:
+        self.moved_to.append(device)
+        return self
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:3"])
+def test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up(monkeypatch, device):
+    """What a GPU rank does with a notebook CUDA tensor's CPU copy (`core.shared._from_cuda`, also called by the Ray
+    engine's `_rebuild_from_cuda`): unpickled before the rank's device is set up, it waits; then it goes onto that
+    device, the rank's own, never cuda:0 for every rank. A CPU rank keeps it on the CPU."""
+    monkeypatch.setattr(shared, "_device", None)
+    monkeypatch.setattr(shared, "_pending", [])
+    early, late, on_cpu = _CudaCopy(), _CudaCopy(), _CudaCopy()
+    assert shared._from_cuda(early) is early and early.moved_to == []  # CUDA must not start before set-up
+    shared.set_device(device)
+    assert early.moved_to == [device]
+    assert shared._from_cuda(late) is late and late.moved_to == [device]
+    monkeypatch.setattr(shared, "_device", None)
+    shared._from_cuda(on_cpu)
+    shared.set_device("cpu")
+    assert on_cpu.moved_to == []

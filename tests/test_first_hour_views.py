@@ -20,11 +20,14 @@ from tests.conftest import Kernel, dashboards
 
 KNOCK_ON_CELL = '''%%ddp -n 3
 def peers_fail(rank):
-    import signal, time, torch, torch.distributed as dist
+    import os, signal, time, torch, torch.distributed as dist
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ranks 0 and 1 fail in the collective: knock-on failures
+    here = os.environ["TEST_HANDSHAKE_DIR"]
     if rank == 2:
-        time.sleep(0.5)
+        while len([name for name in os.listdir(here) if name.startswith("at-all-reduce")]) < 2:
+            time.sleep(0.01)  # until ranks 0 and 1 are at their all_reduce
         raise ValueError("bad batch on rank 2")
+    open(os.path.join(here, f"at-all-reduce.{rank}"), "w").close()
     dist.all_reduce(torch.ones(1))
 '''
 
@@ -69,6 +72,7 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DDPNB_VIEW", "widget")
         env.setenv("DDPNB_RUNS_DIR", str(path / "runs"))
+        env.setenv("TEST_HANDSHAKE_DIR", str(path))  # the ranks inherit the kernel's environment
         NotebookClient(nb, timeout=240, store_widget_state=True, allow_errors=True,
                        resources={"metadata": {"path": str(path)}}).execute()
     return nb
@@ -129,11 +133,12 @@ def test_a_segfault_keeps_the_ranks_own_last_line_and_names_the_crash_frame(exec
 
 BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
 def fails_later(rank):
-    import time
-    time.sleep(0.5)
+    import os, time
+    while rank == 1 and not os.path.exists(os.environ["TEST_RELEASE"]):
+        time.sleep(0.01)  # until the cell has ended: the test says so
     if rank == 1:
         raise ValueError("bad batch in the background")
-    time.sleep(60)
+    time.sleep(60)  # until rank 1's failure stops the run
 '''
 
 ERROR_PANEL = '''import ipywidgets, json
@@ -147,10 +152,12 @@ print("<<" + json.dumps(panels[-1]) + ">>")
 def test_a_background_failure_shows_its_full_traceback_in_the_dashboard_with_cells_named(tmp_path):
     """A background run has no cell error to scroll to until `job.result()`: its dashboard keeps the traceback,
     with the cell named as the text view names it (`Cell In[3], line 6`), not ipykernel's temporary file."""
-    kernel = Kernel(env={"DDPNB_VIEW": "widget", "DDPNB_RUNS_DIR": str(tmp_path)})
+    release = tmp_path / "release"
+    kernel = Kernel(env={"DDPNB_VIEW": "widget", "DDPNB_RUNS_DIR": str(tmp_path), "TEST_RELEASE": str(release)})
     try:
         kernel.execute("%load_ext ddpnb")
         assert kernel.execute(BACKGROUND_CELL, timeout=180).error is None
+        release.touch()
         kernel.execute("job.wait()", timeout=120)
         shown = kernel.execute(ERROR_PANEL)
         panel = json.loads(re.search(r"<<(.*)>>", shown.stdout, re.DOTALL).group(1))

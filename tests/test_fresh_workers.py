@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ddpnb
-from tests.conftest import wait_gone
+from tests.conftest import left_in_groups
 
 # Defined the way a notebook cell defines things: in `__main__`, so cloudpickle sends it by value, with its
 # module-level global MARK.
@@ -76,7 +76,7 @@ def test_every_run_gets_new_worker_processes():
         pids = _rank_pids()
         assert rank0_pid == pids[0]
         assert os.getpid() not in pids
-        assert wait_gone(pids) == [], "the workers of a finished run are still alive"
+        assert left_in_groups(pids) == [], "what the workers of a finished run started is still alive"
         seen.append(pids)
     every = [pid for pids in seen for pid in pids]
     assert len(set(every)) == len(every), f"a PID was reused across runs: {seen}"

@@ -119,6 +119,7 @@ def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
 
 
 def test_the_resume_note_is_in_the_header_and_the_record_not_on_stderr(kernel):
+    kernel.execute("import torch")  # the cells below use the notebook's torch, whichever test ran before
     saved = kernel.execute("%%ddp -n 2\ndef save(rank):\n    ddpnb.save_checkpoint({'step': torch.tensor(7)}, step=7)\n",
                            timeout=180)
     assert saved.error is None, saved.text

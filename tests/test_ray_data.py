@@ -2,7 +2,7 @@
 bounded, a session's pushes and arguments too, CUDA tensors' rank side.
 
 One kernel and one local Ray instance (started by ddpnb in that kernel) for the module, as in tests/test_ray.py;
-one Ray session shared by the session tests, since each Ray start costs seconds of process start-up.
+a Ray session of its own for each session test (a session holds the instance's CPUs, which a run needs).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def last_lines(kernel, code: str, count: int = 1) -> list[str]:
     return run.stdout.strip().splitlines()[-count:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_session(ray_kernel):
-    """A session of 2 Ray ranks, as `s` in the kernel."""
+    """A session of 2 Ray ranks, as `s` in the kernel: one per test, since it holds the CPUs of the module's Ray
+    instance that the other tests' runs need, whichever order they run in."""
     last_lines(ray_kernel, "import numpy as np, gc\nfrom ddpnb.engines.ray import data as ray_data\n"
                "s = ddpnb.session(engine='ray', nprocs=2)")
     yield ray_kernel
@@ -65,26 +66,33 @@ for row in sent:
     assert run_actors_left([ray_kernel.pid]) == []
 
 
-# before the session tests: their session holds the CPUs this run needs
 def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
     """Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
     lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
+    ray_kernel.execute("import tempfile\nhandshake = tempfile.mkdtemp()")
     died = ray_kernel.execute('''%%ddp --engine ray -n 2
 def dies(rank):
     import signal
+    if rank == 0:
+        open(os.path.join(handshake, "rank 0 started"), "w").close()
+    while rank == 1 and not os.path.exists(os.path.join(handshake, "rank 0 started")):
+        time.sleep(0.01)
     if rank == 1:
-        time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
+    time.sleep(60)  # until rank 1's death stops the run
 ''', timeout=CELL_TIMEOUT)
     assert died.error is not None and died.error["ename"] == "WorkerError", died.text
-    later = ray_kernel.execute("time.sleep(3)")  # a message that came after the cell ended lands in this one
-    shown = died.stdout + died.stderr + later.stdout + later.stderr
+    shown = died.stdout + died.stderr
+    later_stderr = ""
+    deadline = time.monotonic() + 60  # the raylet's line may come after the cell ended: it lands in a later one
+    while "A worker died or was killed" not in shown and time.monotonic() < deadline:
+        later = ray_kernel.execute("time.sleep(0.5)")
+        shown, later_stderr = shown + later.stdout + later.stderr, later_stderr + later.stderr
     assert "\x1b[" not in shown
     assert "(raylet)" not in shown, shown
     ray_lines = [line for line in shown.splitlines() if "A worker died or was killed" in line]
     assert ray_lines and all(line.startswith("[ray] raylet: A worker died") for line in ray_lines), shown
-    assert all(line in died.stderr + later.stderr for line in ray_lines)
+    assert all(line in died.stderr + later_stderr for line in ray_lines)
     assert not any("A worker died" in line for line in died.stdout.splitlines() if line.startswith("[rank"))
 
 

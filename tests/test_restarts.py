@@ -74,7 +74,8 @@ def train(rank, world_size, fail_at=None, how="", fsdp=False, signal_dir="", asy
 
         def write_then_die(self, plan, planner):  # this rank's shard is on disk; the metadata never will be
             written = write_data(self, plan, planner)
-            if f"step-{fail_at:09d}." in str(self.path):  # that step's save (written in a thread if asynchronous)
+            if f"step-{fail_at:09d}" in str(self.path):  # that step's save, wherever it is written (in a thread
+                # if asynchronous)
                 os.kill(os.getpid(), signals.SIGKILL)
             return written
 
@@ -198,6 +199,43 @@ def test_a_rank_failing_in_every_attempt_names_every_attempts_first_failure():
 
 # --- 4: a save cut short is never loaded -----------------------------------------------------------------------------
 
+def test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint(tmp_path):
+    """The layers of "complete" (`core.checkpoints.latest`): the name is exactly `step-N` (a `.partial` one, being
+    written or left by a rank that died, never counts, even once DCP's metadata is in it), and DCP's `.metadata`
+    is in it (written last, by rank 0, once every rank's shards are)."""
+    from ddpnb.core import checkpoints
+
+    def checkpoint(name: str, metadata: bool) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"shard")
+        if metadata:
+            (tmp_path / name / ".metadata").write_bytes(b"metadata")
+
+    checkpoint("step-000000010", metadata=True)
+    checkpoint("step-000000020", metadata=False)
+    checkpoint("step-000000030.attempt0.partial", metadata=True)
+    checkpoint("step-000000040.attempt1.partial", metadata=False)
+    (tmp_path / "step-000000050").write_text("a file, not a checkpoint")
+
+    assert checkpoints.latest(tmp_path) == (10, tmp_path / "step-000000010")
+    assert checkpoints.resume_source(tmp_path) == (tmp_path, 10)
+    (tmp_path / "step-000000010" / ".metadata").unlink()
+    assert checkpoints.latest(tmp_path) is None
+    with pytest.raises(ddpnb.LaunchError, match="holds no complete checkpoint"):
+        checkpoints.resume_source(tmp_path)
+
+
+def test_a_rank_killed_inside_a_save_leaves_only_a_partial_directory_for_that_step():
+    """Write, then mark complete: a save that dies half-way leaves its files under a `.partial` name only, never
+    under the step's own (where a later listing, or a reader not checking `.metadata`, would take it whole)."""
+    with pytest.raises(ddpnb.WorkerError) as info:
+        ddpnb.run(train, nprocs=2, args=(20, "save"), view="none")
+    record = info.value.record
+    assert record.first_failure.rank == 1 and record.first_failure.summary == "killed by SIGKILL"
+    left = sorted(os.listdir(record.run_dir / "checkpoints"))
+    assert left == ["step-000000010", "step-000000020.attempt0.partial"], left
+    assert "__1_0.distcp" in os.listdir(record.run_dir / "checkpoints" / left[1])  # the kill came after its write
+
 def test_a_rank_killed_inside_save_checkpoint_restarts_from_the_previous_complete_one(uninterrupted):
     result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(20, "save"), view="none")
     record = ddpnb.last_run()
@@ -223,6 +261,68 @@ def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpo
     assert result["attempt"] == 0 and result["start"] == 20
     assert_same_weights(result, uninterrupted)
     assert ddpnb.last_run().resumed_from == stopped.run_dir / "checkpoints"
+
+
+def fails_while_rank_0_ignores_sigterm(rank, signal_dir):
+    """Attempt 0: rank 0 ignores SIGTERM (the attempt's teardown then lasts the engine's grace period, until its
+    SIGKILL), then rank 1 raises. A later attempt succeeds: a restart shows as success."""
+    import signal as signals
+    import time
+
+    ready = Path(signal_dir, "rank 0 ignores SIGTERM")
+    if ddpnb.attempt() > 0:
+        return "restarted"
+    if rank == 0:
+        signals.signal(signals.SIGTERM, signals.SIG_IGN)
+        ready.touch()
+        time.sleep(600)  # ended by ddpnb's SIGKILL only
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise ValueError("rank 1 fails")
+
+
+def _wait_for_the_failure(handle) -> None:
+    wait_for(lambda: handle.record.failures, "rank 1's failure to be recorded")
+    assert not handle.done  # rank 0 still ignores its SIGTERM: the failed attempt's teardown is under way
+
+
+def test_stop_during_a_failed_attempts_teardown_never_restarts(tmp_path):
+    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
+                          view="none")
+    _wait_for_the_failure(handle)
+    handle.stop()
+    record = handle.wait()
+    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
+    assert record.outcome in (ddpnb.Outcome.STOPPED, ddpnb.Outcome.FAILED), record.outcome
+    with pytest.raises(ddpnb.WorkerError):
+        handle.result()
+    assert_nothing_left(record)
+
+
+def test_an_interrupt_during_a_failed_attempts_teardown_never_restarts(tmp_path):
+    """Ctrl-C (SIGINT, as the kernel's interrupt sends it) while the cell waits for the run's end."""
+    import signal as signals
+    import threading
+
+    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
+                          view="none")
+
+    def interrupt_once_failed() -> None:
+        _wait_for_the_failure(handle)
+        os.kill(os.getpid(), signals.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_failed)
+    interrupter.start()
+    try:
+        with pytest.raises(ddpnb.RunInterrupted):
+            handle.wait()
+    finally:
+        interrupter.join()
+    record = handle.wait()
+    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
+    assert record.outcome is not ddpnb.Outcome.SUCCEEDED
+    assert_nothing_left(record)
 
 
 def test_resume_with_no_checkpoint_to_continue_from_says_what_to_do(tmp_path):
@@ -281,12 +381,14 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
         return loaded
 
     handle = ddpnb.launch(resumes, nprocs=1, resume=source, view="none")
-    wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
-    assert rundir.in_use(source)
-    for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
-        rundir.new_run_dir()
-    assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
-    release.touch()
+    try:
+        wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
+        assert rundir.in_use(source)
+        for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
+            rundir.new_run_dir()
+        assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
+    finally:  # a failed assert must not leave the rank waiting (the test process would wait for it at exit)
+        release.touch()
     assert handle.result() == STEPS
     assert not rundir.in_use(source)  # let go with the run: the next retention may delete it
     rundir.new_run_dir()

@@ -7,13 +7,12 @@ import os
 import re
 import signal
 import textwrap
-import time
 
 import pytest
 import torch
 
 import ddpnb
-from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, Kernel, left_in_groups, wait_gone
 from tests.test_faults import Cell
 
 # a cell that fails or hangs gets GRACE (5 s) for the other ranks, STACK_WAIT (3 s) for their stacks, then the
@@ -87,17 +86,16 @@ def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(sess
 
 def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives_fresh_ranks(session_kernel):
     before = pids_of(session_kernel)
-    began = time.monotonic()
     stuck = session_kernel.execute(textwrap.dedent("""\
         %%ranks
+        import torch, torch.distributed as dist
         if rank == 1:
             raise RuntimeError("rank 1 gives up")
         dist.all_reduce(torch.ones(1))
-    """), timeout=ENDS_WITHIN + 30)
-    assert time.monotonic() - began < ENDS_WITHIN
+    """), timeout=ENDS_WITHIN)  # the cell ends: execute raises TimeoutError if it has not by then
     assert stuck.error is not None and stuck.error["ename"] == "SessionBroken", stuck.text
     shown = "\n".join(stuck.error["traceback"])
-    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 4", shown), shown
+    assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 5", shown), shown
     assert "RuntimeError: rank 1 gives up" in shown and "%ddp_restart" in shown
     assert wait_gone(before, within=15) == []
     refused = session_kernel.execute("%ranks 1 + 1")
@@ -171,7 +169,7 @@ def test_push_pull_and_call_from_python():
         with pytest.raises(ddpnb.SessionError, match="name 'missing' is not defined"):
             session.pull("missing")
         pids = session.pids
-    assert wait_gone(pids, within=15) == []
+    assert left_in_groups(pids, within=15) == []
     assert session.run.record.outcome is ddpnb.Outcome.SUCCEEDED  # the ranks left when asked
 
 
@@ -182,7 +180,7 @@ def test_a_rank_that_dies_ends_the_session_and_names_how():
             session.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                             "import time\ntime.sleep(60)")
         assert "rank 1 of 2 failed first: killed by SIGKILL" in str(broken.value)
-        assert wait_gone([pid for pid in session.pids if pid], within=15) == []
+        assert left_in_groups([pid for pid in session.pids if pid], within=15) == []
     finally:
         session.stop()
 

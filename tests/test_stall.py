@@ -62,9 +62,8 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
     run = ddpnb.launch(train, nprocs=3, stall=3, view="none")
     try:
         assert _wait_for(lambda: sum(r.lines for r in run.record.ranks) >= 3, 120), run.status  # all started
-        ready = time.monotonic()
-        assert _wait_for(lambda: run.record.stalled, 10), f"not stalled 10 s after every rank was ready: {run.status}"
-        found_after = time.monotonic() - ready
+        # the cap only keeps a stall that is never marked from hanging the test
+        assert _wait_for(lambda: run.record.stalled, 120), f"never marked stalled: {run.status}"
         stall = run.record.stall
         sleep_line = _line_of("rank 1's sleep", train)
         reduce_line = _line_of("the others wait here", train)
@@ -74,8 +73,8 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
         assert stall.threshold == 3 and run.outcome is Outcome.RUNNING  # marked, not stopped
         assert run.status.endswith(f", stalled: {summary}")
         quiet = {where.rank: where.quiet for where in stall.diagnosis.ranks}
-        assert set(quiet) == {0, 1, 2} and all(seconds >= 3 for seconds in quiet.values()), quiet
-        assert found_after < 10
+        # never marked before every rank was quiet for the run's threshold (a bound the product keeps, not a timing)
+        assert set(quiet) == {0, 1, 2} and all(seconds >= stall.threshold for seconds in quiet.values()), quiet
 
         stacks = run.stacks()
         assert set(stacks) == {0, 1, 2}
@@ -118,9 +117,9 @@ def test_stalled_cell_says_so_in_the_text_view_with_cell_lines_then_resumes(kern
         assert re.search(rf"\[ddpnb\]   rank {rank}: .*, \d+\.\d s since its last activity", out), out
     assert "ipykernel_" not in out
     assert out.index("[ddpnb] stalled:") < out.index("[ddpnb] progress resumed") < out.index("run succeeded"), out
-    # within 10 s of rank 1's sleep: the stall line says how long no rank had made progress
+    # the stall line says how long no rank had made progress: at least --stall's 3 s, or it was marked too early
     quiet = float(re.search(r"no rank has made progress for (\d+\.\d) s", stalled[0]).group(1))
-    assert 3 <= quiet < 10
+    assert quiet >= 3, stalled[0]
 
 
 def hangs_on_rank_1(rank):
