@@ -121,15 +121,15 @@ MUTANTS = [
     ),
     # --- restarts ----------------------------------------------------------------------------------------------------
     Mutant(
-        "stop-during-a-failed-teardown-restarts", "ddpnb/core/run.py",
-        (("        if self._stop_requested is not None:\n            return 0\n        return max(0, self.max_restarts",
-          "        return max(0, self.max_restarts"),),
+        "stop-during-a-failed-teardown-restarts", "ddpnb/core/policy.py",
+        (("        return 0 if stop_asked else max(0, self.max_restarts - number)",
+          "        return max(0, self.max_restarts - number)"),),
         TEARDOWN_STOP,
     ),
     Mutant(
-        "restart-budget-one-short", "ddpnb/core/run.py",
-        (("return max(0, self.max_restarts - self.record.attempt)",
-          "return max(0, self.max_restarts - self.record.attempt - 1)"),),
+        "restart-budget-one-short", "ddpnb/core/policy.py",
+        (("else max(0, self.max_restarts - number)",
+          "else max(0, self.max_restarts - number - 1)"),),
         (RESTART_FROM_CHECKPOINT,),
     ),
     Mutant(
@@ -179,28 +179,28 @@ MUTANTS = [
     ),
     # --- notebook data -----------------------------------------------------------------------------------------------
     Mutant(
-        "notebook-cuda-tensors-all-on-cuda-0", "ddpnb/core/shared.py",
+        "notebook-cuda-tensors-all-on-cuda-0", "ddpnb/rank/data.py",
         (("        tensor.data = tensor.data.to(_device)\n", "        tensor.data = tensor.data.to(\"cuda:0\")\n"),),
         (CUDA_DEVICE + "[cuda:1]", CUDA_DEVICE + "[cuda:3]"),
     ),
     Mutant(
-        "cuda-tensors-unpickled-early-never-moved", "ddpnb/core/shared.py",
+        "cuda-tensors-unpickled-early-never-moved", "ddpnb/rank/data.py",
         (("    while _pending:\n        _move(_pending.pop())\n", "    _pending.clear()\n"),),
         (CUDA_DEVICE + "[cuda:1]",),
     ),
     Mutant(  # nearly equivalent before: the next launch's `keep` drops dead sources too; the test looks before one
-        "released-tensors-copy-kept-until-the-next-launch", "ddpnb/core/shared.py",
+        "released-tensors-copy-kept-until-the-next-launch", "ddpnb/engines/local/shared.py",
         (("            ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))\n",
           "            ref = weakref.ref(source)\n"),),
         (DATA + "test_a_released_tensors_copy_goes_away_and_nothing_is_left_after_a_failed_pickle",),
     ),
     Mutant(
-        "unchanged-data-written-again", "ddpnb/core/shared.py",
+        "unchanged-data-written-again", "ddpnb/engines/local/shared.py",
         (("        block = self.store.find(key, source)\n", "        block = None\n"),),
         (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
     ),
     Mutant(
-        "tensor-changed-in-place-not-sent-again", "ddpnb/core/shared.py",
+        "tensor-changed-in-place-not-sent-again", "ddpnb/engines/local/shared.py",
         (("(block.version == version if version is not None", "(True if version is not None"),),
         (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
     ),
@@ -246,13 +246,13 @@ MUTANTS = [
         (STALL + "test_stall_zero_never_marks_the_run_stalled", STALL + "test_timeout_report_starts_with_where_each_rank_is"),
     ),
     Mutant(
-        "stall-marked-before-its-threshold", "ddpnb/core/run.py",
-        (("        if quiet <= threshold or not any(", "        if quiet <= threshold / 2 or not any("),),
+        "stall-marked-before-its-threshold", "ddpnb/core/watchdog.py",
+        (("        if quiet <= self.stall.threshold() or not any(", "        if quiet <= self.stall.threshold() / 2 or not any("),),
         (STALL_MARKED,),
     ),
     Mutant(
-        "stall-never-resumes", "ddpnb/core/run.py",
-        (("                stall.resumed = time.time()\n", "                pass\n"),),
+        "stall-never-resumes", "ddpnb/core/attempt.py",
+        (("            self.record.stall.resumed = time.time()\n", "            pass\n"),),
         (STALL_MARKED,),
     ),
 ]

@@ -23,6 +23,7 @@ import torch
 import ddpnb
 from ddpnb.core import data as notebook_data
 from ddpnb.engines.local import mapped, shared
+from ddpnb.rank import data as rank_data
 
 MB = 1 << 20
 
@@ -282,17 +283,17 @@ class _CudaCopy:
 
 @pytest.mark.parametrize("device", ["cuda:1", "cuda:3"])
 def test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up(monkeypatch, device):
-    """What a GPU rank does with a notebook CUDA tensor's CPU copy (`core.shared._from_cuda`, also called by the Ray
-    engine's `_rebuild_from_cuda`): unpickled before the rank's device is set up, it waits; then it goes onto that
+    """What a GPU rank does with a notebook CUDA tensor's CPU copy (`rank.data.from_cuda`, also called by the Ray
+    engine's `fetched.rebuild_from_cuda`): unpickled before the rank's device is set up, it waits; then it goes onto that
     device, the rank's own, never cuda:0 for every rank. A CPU rank keeps it on the CPU."""
-    monkeypatch.setattr(shared, "_device", None)
-    monkeypatch.setattr(shared, "_pending", [])
+    monkeypatch.setattr(rank_data, "_device", None)
+    monkeypatch.setattr(rank_data, "_pending", [])
     early, late, on_cpu = _CudaCopy(), _CudaCopy(), _CudaCopy()
-    assert shared._from_cuda(early) is early and early.moved_to == []  # CUDA must not start before set-up
-    shared.set_device(device)
+    assert rank_data.from_cuda(early) is early and early.moved_to == []  # CUDA must not start before set-up
+    rank_data.set_device(device)
     assert early.moved_to == [device]
-    assert shared._from_cuda(late) is late and late.moved_to == [device]
-    monkeypatch.setattr(shared, "_device", None)
-    shared._from_cuda(on_cpu)
-    shared.set_device("cpu")
+    assert rank_data.from_cuda(late) is late and late.moved_to == [device]
+    monkeypatch.setattr(rank_data, "_device", None)
+    rank_data.from_cuda(on_cpu)
+    rank_data.set_device("cpu")
     assert on_cpu.moved_to == []
