@@ -155,3 +155,13 @@ def _dump_result(value: Any, result_fd: int | None) -> msg.Returned:
             "Return plain data (tensors, numbers, lists, dicts, a state_dict()), or save the object to a file and "
             "return its path."
         ) from None
+
+
+def exit_code(exc: SystemExit) -> int:
+    """What the interpreter would exit with: sys.exit() is 0, sys.exit("message") prints it and is 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1

@@ -24,7 +24,7 @@ from ddpnb.core.spec import WorkerSpec
 from ddpnb.engines.local import mapped
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
-from ddpnb.rank.main import run_function
+from ddpnb.rank.main import exit_code, run_function
 
 PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes: `ddpnb-rank0`, `ddpnb-preload-check`
 # init_process_group returns once this rank's group is up, not every rank's: a rank whose function is quick can
@@ -124,7 +124,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
         run_function(context, spec_payload, _setup, _join_group, result_fd)
         group.leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
-        code = _exit_code(exc)
+        code = exit_code(exc)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -162,15 +162,6 @@ def _join_group(context: ctx.RankContext, spec: WorkerSpec) -> None:
                                   master_listen_fd=_store_fd if context.rank == 0 else None)
     group.new_group(spec.backend)
 
-
-def _exit_code(exc: SystemExit) -> int:
-    """What the interpreter would exit with: sys.exit() is 0, sys.exit("message") prints it and is 1."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 def _omp_num_threads() -> int | None:

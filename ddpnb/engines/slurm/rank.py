@@ -28,7 +28,7 @@ from ddpnb.core.stacks import thread_stack
 from ddpnb.engines.slurm.wire import FLUSHED, Control, Hello, Setup, read_invitation
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
-from ddpnb.rank.main import run_function
+from ddpnb.rank.main import exit_code, run_function
 
 INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}  # see engines/local/rank.py: a quick rank must not leave early
 
@@ -111,7 +111,7 @@ def main() -> None:
                      lambda c, spec: _join_group(c, spec, setup, store_fd))
         group.leave_store(context)
     except SystemExit as exc:
-        code = _exit_code(exc)
+        code = exit_code(exc)
     finally:
         _finished.set()
         sys.stdout.flush()
@@ -193,14 +193,6 @@ def _first_int(value: str | None) -> int | None:
         return None
     return number if number > 0 else None
 
-
-def _exit_code(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":
