@@ -83,6 +83,7 @@ def demo_basic(rank, world_size):
 
 def test_closure_notebook_class_and_global_reach_the_workers(kernel):
     kernel.execute('''
+import torch
 class Scaler(torch.nn.Module):
     def __init__(self, factor):
         super().__init__()
@@ -170,6 +171,7 @@ def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
 
 def test_the_function_is_the_one_nothing_else_in_the_cell_uses(kernel):
     """A helper defined after `train`, or a factory that builds it, is not what the ranks run."""
+    kernel.execute("import torch")  # the second cell builds a model: this test must not rely on an earlier one's
     run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return helper(rank + 10)\n"
                          "def helper(x):\n    return x * 2\n")
     assert run.error is None and run.results == ["20"]
@@ -268,7 +270,8 @@ def main(rank, world_size, epochs, batch_size, path):
 
 
 def test_trainer_tutorial_runs_through_spawn_drop_in(kernel, tmp_path):
-    kernel.execute("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+    kernel.execute("import os\nimport torch\nimport torch.distributed as dist\n"
+                   "from torch.nn.parallel import DistributedDataParallel as DDP\n"
                    "from torch.distributed import init_process_group, destroy_process_group")
     for cell in TRAINER_CELLS:
         assert kernel.execute(cell).error is None

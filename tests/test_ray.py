@@ -134,8 +134,8 @@ def test_address_and_placement_need_the_ray_engine():
 
     with pytest.raises(ddpnb.LaunchError, match="engine='ray'"):
         ddpnb.launch(print, nprocs=2, placement="spread")
-    with pytest.raises(ddpnb.LaunchError, match="one of local, ray"):
-        ddpnb.launch(print, nprocs=2, engine="slurm")
+    with pytest.raises(ddpnb.LaunchError, match="engine must be one of local, ray.*not 'nosuch'"):
+        ddpnb.launch(print, nprocs=2, engine="nosuch")
 
 
 # --- a two-node cluster, started with `ray start` on this machine ----------------------------------------------------
