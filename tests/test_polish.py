@@ -75,7 +75,7 @@ def test_stacks_and_the_stall_summary_name_the_line_jupyterlab_shows(kernel):
         deadline = time.monotonic() + 120
         while not _value(kernel, "sleeper.record.stalled") and time.monotonic() < deadline:
             time.sleep(0.5)
-        summary = _value(kernel, "sleeper.record.stall.diagnosis.summary()")
+        summary = _value(kernel, "ddpnb.core.report.diagnosis_summary(sleeper.record.stall.diagnosis)")
         assert summary == f"ranks 0, 1 are in time.sleep ({cell})", summary
         stacks = _value(kernel, "sleeper.stacks(wait=30)")
         for rank in (0, 1):

@@ -18,6 +18,7 @@ import pytest
 import ddpnb
 from ddpnb.core import flight
 from ddpnb.core.record import Outcome, RankRecord, RankState
+from ddpnb.core.report import diagnosis_summary, where_phrase
 from ddpnb.core.spec import LaunchError
 from ddpnb.core.stall import FACTOR, FLOOR, StallWatch, call_on, locate
 
@@ -67,7 +68,7 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
         stall = run.record.stall
         sleep_line = _line_of("rank 1's sleep", train)
         reduce_line = _line_of("the others wait here", train)
-        summary = stall.diagnosis.summary()
+        summary = diagnosis_summary(stall.diagnosis)
         assert summary == (f'rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
                            f'ranks 0, 2 wait in all_reduce (File "{HERE}", line {reduce_line})'), summary
         assert stall.threshold == 3 and run.outcome is Outcome.RUNNING  # marked, not stopped
@@ -237,7 +238,7 @@ def test_a_wait_in_cpp_called_from_the_users_line_counts_as_a_wait(tmp_path):
     assert locate(running, stack(3), 1.0, False).waits_in == "store.get"
     outside = locate(running, stack(4), 1.0, False)
     assert (outside.waits_in, outside.call, outside.at) == ("", "sum", f'File "{source}", line 4')
-    assert locate(running, "", 2.0, True).phrase() == "has returned"
+    assert where_phrase(locate(running, "", 2.0, True)) == "has returned"
     assert call_on("    if rank == 1: time.sleep(30)\n") == "time.sleep" and call_on("    return (a,\n") == ""
 
 

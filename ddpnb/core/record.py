@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import Stream
-from ddpnb.core.words import Named, format_duration
+from ddpnb.core.words import Named
 
 KEEP_CLOSED_BARS = 4
 RECENT_REPORTS = 20  # StepTimes reports per rank the radar compares (about the last ten seconds)
@@ -96,11 +96,6 @@ class RankRecord:
         return sum(t.compute for t in times) / steps if steps >= MIN_STEPS else None
 
     @property
-    def straggler(self) -> str:
-        """'38% slower compute' for a flagged rank, else ''."""
-        return f"{self.slower_by:.0%} slower compute" if self.slower_by is not None else ""
-
-    @property
     def duration(self) -> float:
         return (self.ended or time.time()) - self.started
 
@@ -136,11 +131,6 @@ class Attempt:
     def first_failure(self) -> Failure | None:
         return root_cause(self.failures, self.outcome.ended_by_ddpnb)
 
-    def describe(self) -> str:
-        """'rank 1 failed first: killed by SIGKILL', or the outcome and why."""
-        first = self.first_failure
-        return f"rank {first.rank} failed first: {first.summary}" if first else f"{self.outcome.value}: {self.note}"
-
 
 @dataclass(frozen=True)
 class RankWhere:
@@ -153,17 +143,6 @@ class RankWhere:
     at: str = ""  # its line: "Cell In[4], line 6" or 'File "train.py", line 6'; "" where no stack came
     ended: str = ""  # a rank no longer in its function: "returned", "finished", "failed", "stopped"
 
-    def phrase(self, plural: bool = False) -> str:
-        """'waits in all_reduce (Cell In[4], line 7)', 'is in time.sleep (...)', 'is at ...' ('wait'/'are')."""
-        at = f" ({self.at})" if self.at else ""
-        if self.ended:
-            return f"{'have' if plural else 'has'} {self.ended}"
-        if self.waits_in:
-            return f"{'wait' if plural else 'waits'} in {self.waits_in}{at}"
-        if self.call:
-            return f"{'are' if plural else 'is'} in {self.call}{at}"
-        return f"{'are' if plural else 'is'} at {self.at}" if self.at else "sent no stack"
-
 
 @dataclass
 class Diagnosis:
@@ -173,20 +152,6 @@ class Diagnosis:
     ranks: list[RankWhere]
     stacks: dict[int, str] = field(default_factory=dict)
     flight: list[str] = field(default_factory=list)  # NCCL runs: the flight recorder's summary (`core.flight`)
-
-    def summary(self) -> str:
-        """One line, ranks grouped by where they are, those not waiting first: 'rank 1 is in time.sleep (Cell
-        In[4], line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'."""
-        groups: dict[tuple[str, str, str, str], list[int]] = {}
-        for where in self.ranks:
-            groups.setdefault((where.ended, where.waits_in, where.call, where.at), []).append(where.rank)
-        first = {where.rank: where for where in self.ranks}
-        order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
-        return "; ".join(f"{named(ranks)} {first[ranks[0]].phrase(len(ranks) > 1)}" for _, ranks in order)
-
-    def rank_lines(self) -> list[str]:
-        """One line per rank with its time since its last activity."""
-        return [f"rank {w.rank}: {w.phrase()}, {format_duration(w.quiet)} since its last activity" for w in self.ranks]
 
 
 @dataclass
@@ -201,16 +166,6 @@ class Stall:
     @property
     def ongoing(self) -> bool:
         return self.resumed is None
-
-    def headline(self) -> str:
-        quiet = self.diagnosis.taken - self.since
-        return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {self.threshold:g} s): "
-                f"{self.diagnosis.summary()}")
-
-
-def named(ranks: list[int]) -> str:
-    """'rank 1', 'ranks 0, 2'"""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
 @dataclass(frozen=True)

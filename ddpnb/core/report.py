@@ -1,5 +1,6 @@
-"""A run's record as text for the user: the summary table (with the radar's and hardware sampler's columns), a
-stopped run's line, and the exceptions a run raises, `WorkerError` and `RunInterrupted`, whose report is that text.
+"""A run's record as text for the user: the summary table (with the radar's and hardware sampler's columns), where
+each rank is at a stall or timeout, an ended attempt's line, a stopped run's line, and the exceptions a run raises,
+`WorkerError` and `RunInterrupted`, whose report is that text. Every view words the record through these.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ddpnb.core.cellnames import cell_names
-from ddpnb.core.record import Outcome, RankRecord, RunRecord
+from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 
@@ -39,7 +40,13 @@ def _compute_text(rank: RankRecord) -> str:
     compute = rank.compute_per_step
     if compute is None:
         return ""
-    return f"{compute * 1000:.1f} ms" + (f" ({rank.straggler})" if rank.straggler else "")
+    straggler = straggler_text(rank)
+    return f"{compute * 1000:.1f} ms" + (f" ({straggler})" if straggler else "")
+
+
+def straggler_text(rank: RankRecord) -> str:
+    """'38% slower compute' for a rank the radar flagged, else ''."""
+    return f"{rank.slower_by:.0%} slower compute" if rank.slower_by is not None else ""
 
 
 def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
@@ -56,6 +63,53 @@ def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
         gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
                f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W")
     return cpu, rss, gpu
+
+
+def where_phrase(where: RankWhere, plural: bool = False) -> str:
+    """'waits in all_reduce (Cell In[4], line 7)', 'is in time.sleep (...)', 'is at ...' ('wait'/'are')."""
+    at = f" ({where.at})" if where.at else ""
+    if where.ended:
+        return f"{'have' if plural else 'has'} {where.ended}"
+    if where.waits_in:
+        return f"{'wait' if plural else 'waits'} in {where.waits_in}{at}"
+    if where.call:
+        return f"{'are' if plural else 'is'} in {where.call}{at}"
+    return f"{'are' if plural else 'is'} at {where.at}" if where.at else "sent no stack"
+
+
+def diagnosis_summary(diagnosis: Diagnosis) -> str:
+    """One line, ranks grouped by where they are, those not waiting first: 'rank 1 is in time.sleep (Cell In[4],
+    line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'."""
+    groups: dict[tuple[str, str, str, str], list[int]] = {}
+    for where in diagnosis.ranks:
+        groups.setdefault((where.ended, where.waits_in, where.call, where.at), []).append(where.rank)
+    first = {where.rank: where for where in diagnosis.ranks}
+    order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
+    return "; ".join(f"{named(ranks)} {where_phrase(first[ranks[0]], len(ranks) > 1)}" for _, ranks in order)
+
+
+def diagnosis_lines(diagnosis: Diagnosis) -> list[str]:
+    """One line per rank with its time since its last activity."""
+    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet)} since its last activity"
+            for w in diagnosis.ranks]
+
+
+def stall_headline(stall: Stall) -> str:
+    """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...'"""
+    quiet = stall.diagnosis.taken - stall.since
+    return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {stall.threshold:g} s): "
+            f"{diagnosis_summary(stall.diagnosis)}")
+
+
+def attempt_line(attempt: Attempt) -> str:
+    """'rank 1 failed first: killed by SIGKILL', or the ended attempt's outcome and why."""
+    first = attempt.first_failure
+    return f"rank {first.rank} failed first: {first.summary}" if first else f"{attempt.outcome.value}: {attempt.note}"
+
+
+def named(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 0, 2'"""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
 def stopped_line(record: RunRecord) -> str:
@@ -84,7 +138,7 @@ class WorkerError(RuntimeError):
         )
         if record.attempts:  # every attempt's first failure, the last one's first
             headline = f"attempt {record.attempt}: {headline}; " + "; ".join(
-                f"attempt {a.number}: {a.describe()}" for a in reversed(record.attempts))
+                f"attempt {a.number}: {attempt_line(a)}" for a in reversed(record.attempts))
         super().__init__(headline)
 
     def report(self) -> str:
@@ -111,8 +165,8 @@ class WorkerError(RuntimeError):
         else:
             parts.append(f"ddpnb: run {record.outcome.value}: {record.note}")
             if record.at_timeout is not None:  # where each rank was, one line each, before the stacks
-                parts.append(f"where each rank was: {record.at_timeout.summary()}")
-                parts.extend(f"  {line}" for line in record.at_timeout.rank_lines())
+                parts.append(f"where each rank was: {diagnosis_summary(record.at_timeout)}")
+                parts.extend(f"  {line}" for line in diagnosis_lines(record.at_timeout))
                 parts.extend(f"  {line}" for line in record.at_timeout.flight)
         if first is None and record.failures:  # ranks that failed because ddpnb stopped the others
             parts.append("\nthen, as a consequence:")
@@ -120,7 +174,7 @@ class WorkerError(RuntimeError):
         if record.attempts:
             parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
                          "the earlier ones, each ended by stopping every rank and starting them all again:")
-            parts.extend(f"  attempt {a.number}: {a.describe()}" for a in record.attempts)
+            parts.extend(f"  attempt {a.number}: {attempt_line(a)}" for a in record.attempts)
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")

@@ -27,7 +27,7 @@ from ddpnb.core.policy import Decision, RestartPolicy
 from ddpnb.core.ranklogs import log_paths
 from ddpnb.core.record import Attempt as AttemptRecord
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
-from ddpnb.core.report import RunInterrupted, WorkerError
+from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.watchdog import Watchdog
 from ddpnb.core.words import format_duration
@@ -117,7 +117,7 @@ class Run:
         """One line: the outcome so far, the time, and each rank's state."""
         record = self.record
         ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
-        stalled = f", stalled: {record.stall.diagnosis.summary()}" if record.stall and record.stalled else ""
+        stalled = f", stalled: {diagnosis_summary(record.stall.diagnosis)}" if record.stall and record.stalled else ""
         return f"{record.outcome.value} after {format_duration(record.duration)} (ranks {ranks}){stalled}"
 
     @property

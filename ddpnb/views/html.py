@@ -19,7 +19,8 @@ from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
-from ddpnb.core.report import hardware_text
+from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, hardware_text, stall_headline,
+                               straggler_text)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -163,8 +164,9 @@ def _compute_html(rank: RankRecord) -> str:
     compute = rank.compute_per_step
     if compute is None:
         return _td("–", _MUTED)
-    flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{rank.straggler}</span>'
-            if rank.straggler else "")
+    straggler = straggler_text(rank)
+    flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{straggler}</span>'
+            if straggler else "")
     return _td(f"{compute * 1000:.1f} ms{flag}", _MONO)
 
 
@@ -187,7 +189,7 @@ def ranks_html(record: RunRecord) -> str:
         colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
         weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
-        straggler = f' data-straggler="{rank.straggler}"' if rank.straggler else ""
+        straggler = f' data-straggler="{straggler_text(rank)}"' if rank.slower_by is not None else ""
         last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
         swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
                   f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
@@ -435,7 +437,7 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     first = record.first_failure
     muted = f'class="ddpnb-muted" style="{_MUTED}"'
     earlier = "".join(f'<div {muted} data-attempt="{a.number}">attempt {a.number} (restarted): '
-                      f'{html.escape(a.describe())}</div>' for a in record.attempts)
+                      f'{html.escape(attempt_line(a))}</div>' for a in record.attempts)
     box = (f'<div class="ddpnb-error" style="border-left:3px solid {_RED};background-color:rgba(211,47,47,0.08);'
            f'padding:4px 10px;margin:4px 0">')
     if first is None:
@@ -473,15 +475,15 @@ def stall_html(record: RunRecord) -> str:
     if not stall.ongoing:
         assert stall.resumed is not None
         return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
-                f'({html.escape(stall.diagnosis.summary())}), then progress resumed</div>')
-    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*stall.diagnosis.rank_lines(),
+                f'({html.escape(diagnosis_summary(stall.diagnosis))}), then progress resumed</div>')
+    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(stall.diagnosis),
                                                                     *stall.diagnosis.flight])
     tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
             else f"still stalled when the run ended ({record.outcome.value})")
     return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
             f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0">'
             f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
-            f'{html.escape(stall.headline())}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
+            f'{html.escape(stall_headline(stall))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
             f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
 
 

@@ -13,7 +13,7 @@ import time
 
 from ddpnb.core import checkpoints
 from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
-from ddpnb.core.report import summary_table
+from ddpnb.core.report import attempt_line, diagnosis_lines, stall_headline, summary_table
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import format_duration
@@ -96,7 +96,7 @@ class TextView:
     def _restarted(self, attempt: Attempt) -> None:
         self.restarts_shown += 1
         record = self.run.record
-        self.out.write(f"[ddpnb] attempt {attempt.number} failed: {attempt.describe()}. Restarting every rank as "
+        self.out.write(f"[ddpnb] attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as "
                        f"fresh processes (restart {attempt.number + 1} of {record.max_restarts}); logs: "
                        f"rank{{N}}.attempt{attempt.number + 1}.log\n")
 
@@ -121,8 +121,8 @@ class TextView:
 def stall_lines(stall: Stall, going: str = "the run", handle: str = "run") -> str:
     """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's; `going`
     is what goes on meanwhile, `handle` what the user calls `stacks()` on."""
-    lines = [f"[ddpnb] {stall.headline()}"]
-    lines += [f"[ddpnb]   {line}" for line in [*stall.diagnosis.rank_lines(), *stall.diagnosis.flight]]
+    lines = [f"[ddpnb] {stall_headline(stall)}"]
+    lines += [f"[ddpnb]   {line}" for line in [*diagnosis_lines(stall.diagnosis), *stall.diagnosis.flight]]
     lines.append(f"[ddpnb]   {going} goes on; {handle}.stacks() gives every rank's stack now")
     return "\n".join(lines) + "\n"
 
