@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -217,16 +218,108 @@ def test_more_ranks_than_the_allocation_holds_is_refused_quoting_slurm(slurm_ker
     assert "NumNodes=2" in run.stderr and before == []
 
 
-def test_outside_an_allocation_or_without_srun_the_engine_says_what_to_do(tmp_path):
+def test_without_srun_the_engine_says_what_to_do(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
     code = ("import ddpnb\n"
             "try:\n    ddpnb.run(print, engine='slurm', nprocs=2, view='none')\n"
             "except ddpnb.LaunchError as exc:\n    print(exc)\n")
-    for path, expected in ((env.get("PATH", ""), "not inside a Slurm allocation (SLURM_JOB_ID is not set)"),
-                           (str(tmp_path), "needs Slurm's `srun` on this kernel's PATH")):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                              env={**env, "PATH": path}, check=False)
-        assert expected in done.stdout, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, "PATH": str(tmp_path)}, check=False)
+    assert "needs Slurm's `srun` on this kernel's PATH" in done.stdout, done.stdout + done.stderr
+
+
+# --- outside an allocation: the kernel on a login node asks for a job of its own (salloc) ---------------------------
+@contextmanager
+def on_a_login_node(kernel):
+    """The module's kernel as on a login node: SLURM_JOB_ID unset (the cluster's commands still reach Slurm)."""
+    kernel.execute("_kernels_job = os.environ.pop('SLURM_JOB_ID')")
+    try:
+        yield
+    finally:
+        kernel.execute("os.environ['SLURM_JOB_ID'] = _kernels_job")
+
+
+def ddpnb_jobs(cluster, within: float = 0.0) -> list[str]:
+    """Jobs ddpnb asked for (named ddpnb-<run>) still in the queue after `within` seconds: 'ID STATE REASON'."""
+    deadline = time.monotonic() + within
+    while True:
+        jobs = [line for line in cluster.run("squeue", "-h", "-o", "%i %j %T %r").splitlines()
+                if " ddpnb-" in line and line.split()[0] != cluster.job]  # not the module's own allocation
+        if not jobs or time.monotonic() > deadline:
+            return [f"{job.split()[0]} {' '.join(job.split()[2:])}" for job in jobs]
+        time.sleep(0.1)
+
+
+def held_job(cluster, timeout: float = 60.0) -> str:
+    """The ID of the ddpnb job that waits, held (`--job-args --hold`), in the queue."""
+    deadline = time.monotonic() + timeout
+    while not (held := [job.split()[0] for job in ddpnb_jobs(cluster) if "PENDING" in job]):
+        assert time.monotonic() < deadline, f"no held ddpnb job in the queue after {timeout:g} s"
+        time.sleep(0.1)
+    return held[0]
+
+
+def test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back(slurm_kernel,
+                                                                                                   cluster):
+    with on_a_login_node(slurm_kernel):
+        cell = Cell(slurm_kernel, """%%ddp --engine slurm -n 2 --nodes 2 --partition debug --time 5 --job-args '--hold' -o placed
+def where(rank, world_size):
+    import torch.distributed as dist
+    placed = [None] * world_size
+    dist.all_gather_object(placed, (os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]))
+    return placed
+""")
+        job = held_job(cluster)  # held in the queue until released: a job that waits for its turn
+        seen = cell.read_until(lambda out: f"slurm job {job} pending (JobHeldUser)" in out.stdout, timeout=60)
+        assert "interrupt or stop the run to cancel it" in seen.stdout
+        cluster.run("scontrol", "release", job)
+        result = cell.finish(timeout=CELL_TIMEOUT)
+    assert result.error is None, "\n".join(result.error["traceback"]) + result.text
+    assert f"slurm job {job} runs on n[1-2] after" in result.stdout, result.stdout
+    placed = slurm_kernel.execute("print(placed)").stdout.strip()
+    assert placed == f"[('n1', '{job}'), ('n2', '{job}')]"  # ranks on both nodes of the job asked for
+    assert ddpnb_jobs(cluster, within=10) == []  # given back with the run's end
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_nothing(slurm_kernel, cluster):
+    with on_a_login_node(slurm_kernel):
+        cell = Cell(slurm_kernel, "%%ddp --engine slurm -n 2 --job-args '--hold'\ndef f():\n    return 1\n")
+        job = held_job(cluster)
+        cell.read_until(lambda out: f"slurm job {job} pending" in out.stdout, timeout=60)
+        slurm_kernel.manager.interrupt_kernel()
+        result = cell.finish(timeout=60)
+    assert result.error is not None and result.error["ename"] == "RunInterrupted", result.text
+    assert "interrupted while the ranks were starting; none is running" in "\n".join(result.error["traceback"])
+    assert ddpnb_jobs(cluster, within=10) == []  # cancelled, not left waiting for a turn nobody wants
+    assert ranks_left(within=0) == []
+
+
+def test_a_job_slurm_refuses_is_a_clear_error_quoting_it_and_inside_an_allocation_job_options_are_refused(
+        slurm_kernel, cluster):
+    with on_a_login_node(slurm_kernel):
+        run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --partition nope\ndef f():\n    return 1\n",
+                                   timeout=CELL_TIMEOUT)
+    assert "UsageError: Slurm refused the job for this run (salloc" in run.stderr, run.text
+    assert "--partition=nope" in run.stderr and "invalid partition specified: nope" in run.stderr, run.stderr
+    assert ddpnb_jobs(cluster) == [] and ranks_left(within=0) == []
+    run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --partition debug\ndef f():\n    return 1\n")
+    assert f"--partition: options of a job ddpnb asks for outside an allocation, and this kernel runs inside Slurm " \
+           f"job {cluster.job}" in run.stderr, run.stderr
+
+
+def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster):
+    """The job's `salloc` runs `cat` on ddpnb's pipe: a kernel killed outright closes it, and the job ends."""
+    code = ("import os, signal\n"
+            "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
+            "job = OwnJob(JobRequest(name='ddpnb-orphan', tasks=1), say=print).wait()\n"
+            "print('JOB', job.job, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, **cluster.env}, check=False)
+    assert done.returncode == -9 and "JOB " in done.stdout, done.stdout + done.stderr
+    assert ddpnb_jobs(cluster, within=10) == []
 
 
 def test_a_rank_that_raises_on_node_2_shows_its_own_traceback_and_the_cell_ends(slurm_kernel, cluster):

@@ -1,7 +1,8 @@
-"""The kernel's Slurm allocation, as `scontrol` describes it, and the address its nodes reach the kernel at."""
+"""The Slurm allocation a run's ranks use, as `scontrol` describes it, and the address its nodes reach the kernel at."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 from ddpnb.core.spec import LaunchError
 
 SCONTROL_WAIT = 30.0  # seconds a `scontrol` call may take (a busy controller answers slowly)
-INSIDE_HINT = ("--engine slurm runs the ranks as a job step inside the allocation this kernel runs in: start Jupyter "
-               "inside one (`salloc -N 2 -n 4`, then `jupyter lab` in that shell; or an Open OnDemand Jupyter "
-               "session), so that SLURM_JOB_ID is set. Submitting a job from a login node (sbatch) is not there yet.")
+INSIDE_HINT = ("--engine slurm runs the ranks as a job step of the allocation this kernel runs in (SLURM_JOB_ID), "
+               "or, outside one, of a job it asks for itself (salloc, with --partition, --time, ...).")
+log = logging.getLogger(__name__)
 
 
 def srun_path() -> str:
@@ -37,16 +38,23 @@ class Allocation:
         return " ".join(f"{name}={self.fields.get(name, '?')}" for name in names)
 
 
+def inside() -> str:
+    """The job this kernel runs in ($SLURM_JOB_ID), or '' outside any allocation (a login node)."""
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID") or ""
+
+
 def current() -> Allocation:
-    """The job this kernel runs in ($SLURM_JOB_ID); LaunchError where there is none, or it is not running."""
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")
-    if not job:
-        raise LaunchError(f"this kernel is not inside a Slurm allocation (SLURM_JOB_ID is not set). {INSIDE_HINT}")
+    """The job this kernel runs in (`inside()`); LaunchError where it is not running."""
+    return describe(inside(), "(this kernel's SLURM_JOB_ID) ")
+
+
+def describe(job: str, whose: str = "") -> Allocation:
+    """A running job's nodes and CPUs, as scontrol says them; LaunchError where it is not running."""
     fields = _parse(scontrol("show", "job", job))
     state = fields.get("JobState", "")
     if state != "RUNNING":
-        raise LaunchError(f"Slurm job {job} (this kernel's SLURM_JOB_ID) is {state or 'gone'}, not running: "
-                          f"its ranks cannot start in it. {INSIDE_HINT}")
+        raise LaunchError(f"Slurm job {job} {whose}is {state or 'gone'}, not running: its ranks cannot start in it. "
+                          f"{INSIDE_HINT}")
     nodes = tuple(scontrol("show", "hostnames", fields.get("NodeList", "")).split())
     return Allocation(job=job, nodes=nodes, cpus=int(fields.get("NumCPUs", "0") or 0), state=state, fields=fields)
 
@@ -80,6 +88,15 @@ def scontrol(*args: str) -> str:
     if done.returncode:
         raise LaunchError(f"`scontrol {' '.join(args)}` failed: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
+
+
+def scancel(*args: str) -> None:
+    """`scancel --quiet ARGS`; a failure is logged: what else ends the ranks or the job (their lifelines, srun's
+    and salloc's ends) still does."""
+    try:
+        subprocess.run(["scancel", "--quiet", *args], capture_output=True, timeout=SCONTROL_WAIT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("ddpnb: scancel %s failed: %s", " ".join(args), exc)
 
 
 def _parse(text: str) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The slurm engine, kernel side: one `srun` job step per attempt inside the kernel's allocation, one task per rank.
+"""The slurm engine, kernel side: one `srun` job step per attempt inside the kernel's allocation, one task per rank
+(outside one, inside a job asked for with `salloc` for the attempt: `submit.py`).
 
 The kernel listens on the address the allocation's nodes reach it at (port 0), and only for this attempt; the
 step's stdin gives every task that address and a fresh secret, and each rank connects proving it (HMAC, through
@@ -36,7 +37,7 @@ from ddpnb.core import pickling, rundir
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
-from ddpnb.engines.slurm import allocation
+from ddpnb.engines.slurm import allocation, submit
 from ddpnb.engines.slurm.wire import FLUSHED, Control, Hello, Setup, invitation
 
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to the step
@@ -61,13 +62,24 @@ _SIGNAL_WORDS = {signal.strsignal(sig): -sig for sig in signal.Signals if signal
 log = logging.getLogger(__name__)
 
 
+SUBMIT_OPTIONS = ("partition", "time", "account", "qos", "constraint", "job_args")  # for a job ddpnb asks for
+
+
 @dataclass(frozen=True)
 class SlurmOptions:
-    """`nodes`: how many of the allocation's nodes the ranks spread over (default: as many as it holds, at most
-    one per rank); `srun_args`: more srun options for the step, as one string (`"--cpus-per-task=4"`)."""
+    """`nodes`: how many nodes the ranks spread over (inside an allocation, default: as many as it holds, at most
+    one per rank; outside, Slurm's choice); `srun_args`: more srun options for the step, as one string
+    (`"--cpus-per-task=4"`). Outside an allocation, the job ddpnb asks for: `partition`, `time`, `account`, `qos`,
+    `constraint` (salloc's options of those names) and `job_args`, more salloc options as one string."""
 
     nodes: int | None = None
     srun_args: str = ""
+    partition: str = ""
+    time: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    job_args: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes is not None:
@@ -76,17 +88,28 @@ class SlurmOptions:
             except (TypeError, ValueError):
                 nodes = 0
             if nodes < 1 or isinstance(self.nodes, bool):
-                raise LaunchError(f"nodes takes a positive whole number of the allocation's nodes, not {self.nodes!r}.")
+                raise LaunchError(f"nodes takes a positive whole number of nodes, not {self.nodes!r}.")
             object.__setattr__(self, "nodes", nodes)
-        try:
-            shlex.split(self.srun_args or "")
-        except ValueError as exc:
-            raise LaunchError(f"srun_args must be srun options as a shell would split them ({exc}): "
-                              f"{self.srun_args!r}.") from None
+        for name in ("srun_args", "job_args"):
+            try:
+                shlex.split(getattr(self, name) or "")
+            except ValueError as exc:
+                raise LaunchError(f"{name} must be options as a shell would split them ({exc}): "
+                                  f"{getattr(self, name)!r}.") from None
+        for name in SUBMIT_OPTIONS[:-1]:
+            value = getattr(self, name)
+            if not isinstance(value, str) or any(c.isspace() for c in value):
+                raise LaunchError(f"{name} takes one word, as salloc --{name} does, not {value!r}.")
+
+    @property
+    def submits(self) -> list[str]:
+        """The job options given: they only mean something outside an allocation."""
+        return [name for name in SUBMIT_OPTIONS if getattr(self, name)]
 
 
 class SlurmType:
-    """The slurm engine before a run: srun on PATH, and the kernel inside a running allocation."""
+    """The slurm engine before a run: srun on PATH, and the kernel inside a running allocation, or salloc to ask
+    for one."""
 
     name: ClassVar[str] = "slurm"
     # ranks on other nodes: notebook data and results travel pickled on the channel; no run directory in common
@@ -95,16 +118,35 @@ class SlurmType:
     Options: ClassVar[type] = SlurmOptions
     flags: ClassVar[list[Flag]] = [
         Flag("--nodes", metavar="N",
-             help="with --engine slurm: spread the ranks over N of the allocation's nodes (default: all it holds, "
+             help="with --engine slurm: spread the ranks over N nodes (inside an allocation, default: all it holds, "
                   "at most one per rank)."),
         Flag("--srun-args", metavar="'ARGS'",
              help="with --engine slurm: more srun options for the ranks' job step, quoted as one argument "
                   "(e.g. --srun-args '--cpus-per-task=4 --mem=8G')."),
+        Flag("--partition", metavar="NAME",
+             help="with --engine slurm outside an allocation: the partition of the job ddpnb asks for (salloc)."),
+        Flag("--time", metavar="LIMIT",
+             help="with --engine slurm outside an allocation: the job's time limit, as salloc takes it (30, 2:00:00)."),
+        Flag("--account", metavar="NAME", help="with --engine slurm outside an allocation: the job's account."),
+        Flag("--qos", metavar="NAME", help="with --engine slurm outside an allocation: the job's quality of service."),
+        Flag("--constraint", metavar="FEATURES",
+             help="with --engine slurm outside an allocation: node features the job needs (salloc --constraint)."),
+        Flag("--job-args", metavar="'ARGS'",
+             help="with --engine slurm outside an allocation: more salloc options for the job, quoted as one "
+                  "argument (e.g. --job-args '--mem=16G --exclusive')."),
     ]
 
     def check(self, options: SlurmOptions) -> None:
         allocation.srun_path()
-        allocation.current()
+        if allocation.inside():
+            job = allocation.current()
+            if options.submits:
+                given = ", ".join(f"--{name.replace('_', '-')}" for name in options.submits)
+                raise LaunchError(f"{given}: options of a job ddpnb asks for outside an allocation, and this kernel "
+                                  f"runs inside Slurm job {job.job}, whose nodes the ranks use. Leave them out, or "
+                                  "pass srun options for the step with --srun-args.")
+        else:
+            submit.salloc_path()
 
     def shipment(self) -> None:
         return None
@@ -151,6 +193,7 @@ class SlurmEngine:
         self._stacks: dict[int, str] = {}
         self._signalled = False
         self._srun_done_at: float | None = None
+        self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
         # the command channel: `send` and `interrupt` come from the session's thread, the rest from the reader
         self._send_lock = threading.Lock()  # one frame at a time on a connection; `_ready` and `_queued` too
         self._ready: dict[int, Connection] = {}  # rank -> its connection, once it has its setup
@@ -164,19 +207,19 @@ class SlurmEngine:
         self._events = events
         spec = self.spec
         srun = allocation.srun_path()
-        job = allocation.current()
-        nodes = self._nodes(job)
         self._spec_payload = pickling.dump_spec(spec, None)  # before anything starts: args that cannot be sent
-        secret = secrets.token_bytes(32)
-        host = allocation.reachable_address(job.nodes[0])
-        self._listener = Listener((host, 0), family="AF_INET", authkey=secret)
-        threading.Thread(target=self._accept, name="ddpnb-slurm-accept", daemon=True).start()
-        command = [srun, f"--jobid={job.job}", f"--nodes={nodes}", f"--ntasks={spec.world_size}", "--overlap",
-                   "--kill-on-bad-exit=0", "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
-                   *(["--gpus-per-task=1", "--gpu-bind=none"] if spec.use_gpus else []),
-                   *shlex.split(self.options.srun_args or ""),
-                   sys.executable, "-c", RANK_MAIN]
         try:
+            job = allocation.current() if allocation.inside() else self._ask_for_job()
+            nodes = self._nodes(job)
+            secret = secrets.token_bytes(32)
+            host = allocation.reachable_address(job.nodes[0])
+            self._listener = Listener((host, 0), family="AF_INET", authkey=secret)
+            threading.Thread(target=self._accept, name="ddpnb-slurm-accept", daemon=True).start()
+            command = [srun, f"--jobid={job.job}", f"--nodes={nodes}", f"--ntasks={spec.world_size}", "--overlap",
+                       "--kill-on-bad-exit=0", "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
+                       *(["--gpus-per-task=1", "--gpu-bind=none"] if spec.use_gpus else []),
+                       *shlex.split(self.options.srun_args or ""),
+                       sys.executable, "-c", RANK_MAIN]
             # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
             # which would cancel the step at once; ddpnb stops it in its own order
             self._srun = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -196,6 +239,17 @@ class SlurmEngine:
             self._pending_lines[pipe.fileno()] = b""
             self._selector.register(pipe.fileno(), selectors.EVENT_READ, self._read_srun)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._welcome)
+
+    def _ask_for_job(self) -> allocation.Allocation:
+        """Outside an allocation: a job of this attempt's own, for its ranks; its queue state is said in the cell
+        (the views start with the ranks) while it waits, and an interrupt meanwhile cancels it (`close`)."""
+        options = self.options
+        request = submit.JobRequest(
+            name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size, nodes=options.nodes,
+            gpus=self.spec.use_gpus, partition=options.partition, time=options.time, account=options.account,
+            qos=options.qos, constraint=options.constraint, job_args=options.job_args)
+        self._own_job = submit.OwnJob(request, say=lambda line: print(f"[ddpnb] {line}", flush=True))
+        return self._own_job.wait()
 
     def _nodes(self, job: allocation.Allocation) -> int:
         """How many nodes the step spans; LaunchError where the allocation cannot hold the run, quoting Slurm."""
@@ -454,7 +508,7 @@ class SlurmEngine:
     def _signal_step(self, name: str) -> None:
         step = self._step()
         if step:
-            _scancel(f"--signal={name}", step)
+            allocation.scancel(f"--signal={name}", step)
         elif self._srun is not None and self._srun.poll() is None:  # no task has said its step yet: srun ends it
             self._srun.send_signal(signal.SIGTERM)
 
@@ -466,7 +520,7 @@ class SlurmEngine:
         self._signalled = True
         step = self._step()
         if step:
-            _scancel(step)
+            allocation.scancel(step)
         if self._srun is not None and self._srun.poll() is None:
             self._srun.send_signal(signal.SIGTERM)
 
@@ -541,6 +595,9 @@ class SlurmEngine:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
         self._selector.close()
+        if self._own_job is not None:  # the step is gone: the job asked for it goes back
+            self._own_job.release()
+            self._own_job = None
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
 
 
@@ -567,14 +624,6 @@ def _task_ids(text: str) -> list[int]:
         first, _, last = part.partition("-")
         ids += range(int(first), int(last or first) + 1)
     return ids
-
-
-def _scancel(*args: str) -> None:
-    try:
-        subprocess.run(["scancel", "--quiet", *args], capture_output=True, timeout=allocation.SCONTROL_WAIT,
-                       check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:  # the lifelines and srun's end still stop the ranks
-        log.warning("ddpnb: scancel %s failed: %s", " ".join(args), exc)
 
 
 def _shut(conn: Connection) -> None:

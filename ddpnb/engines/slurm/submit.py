@@ -1,0 +1,164 @@
+"""A job of the run's own, for a kernel outside any allocation (a login node): asked for with `salloc`, its queue
+state said in the cell while it waits, and given back when the attempt ends.
+
+`salloc` runs `cat` on this host for as long as the job should live: ddpnb closes `cat`'s stdin to give the job
+back, and a kernel that dies closes it too (end of file), so no allocation outlives its kernel, however it ended.
+`scancel` backs that up. The ranks then run as a step of that job, exactly as inside an allocation.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ddpnb.core.spec import LaunchError
+from ddpnb.core.words import format_duration
+from ddpnb.engines.slurm import allocation
+
+POLL = 1.0  # seconds between two looks at the job's queue state
+SAY_EVERY = 60.0  # seconds between two lines about a job whose state did not change
+RELEASE_WAIT = 10.0  # seconds salloc gets to give the job back once its `cat` ended
+# salloc's own lines (src/salloc): "salloc: Pending job allocation 12", "salloc: Granted job allocation 12"
+JOB_ID = re.compile(r"job allocation (\d+)")
+GRANTED = "Granted job allocation"
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What the run asks Slurm for: its ranks as tasks, and the submission options the user gave."""
+
+    name: str
+    tasks: int
+    nodes: int | None = None
+    gpus: bool = False
+    partition: str = ""
+    time: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    job_args: str = ""
+
+    def salloc(self, salloc: str) -> list[str]:
+        named = {"partition": self.partition, "time": self.time, "account": self.account, "qos": self.qos,
+                 "constraint": self.constraint}
+        return [salloc, f"--job-name={self.name}", f"--ntasks={self.tasks}",
+                *([f"--nodes={self.nodes}"] if self.nodes else []),
+                *(["--gpus-per-task=1"] if self.gpus else []),
+                *(f"--{key}={value}" for key, value in named.items() if value),
+                *shlex.split(self.job_args), "cat"]
+
+
+def salloc_path() -> str:
+    path = shutil.which("salloc")
+    if path is None:
+        raise LaunchError("--engine slurm outside an allocation asks Slurm for a job with `salloc`, and there is "
+                          "none on this kernel's PATH: load Slurm's module (e.g. `module load slurm`), or start "
+                          "Jupyter inside an allocation.")
+    return path
+
+
+class OwnJob:
+    """One salloc'd job: `wait` until it runs (saying its queue state), `release` to give it back."""
+
+    def __init__(self, request: JobRequest, say: Callable[[str], None]) -> None:
+        self.request = request
+        self.say = say
+        self.job = ""
+        self.granted = False
+        self._salloc: subprocess.Popen[str] | None = None
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # salloc's stderr; None: it closed
+        self._said: list[str] = []
+
+    def wait(self) -> allocation.Allocation:
+        """Ask for the job and wait, however long it queues, until it runs; LaunchError, quoting Slurm, where it
+        is refused. An interrupt meanwhile raises here: the caller's `release` cancels the job."""
+        self._salloc = subprocess.Popen(self.request.salloc(salloc_path()), stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)  # the kernel's interrupt is ddpnb's to act on
+        threading.Thread(target=self._read, name="ddpnb-salloc", daemon=True).start()
+        asked = time.monotonic()
+        shown, shown_at = "", 0.0
+        while not self.granted:
+            try:
+                line = self._lines.get(timeout=POLL)
+            except queue.Empty:
+                line = ""
+            if line is None or (not line and self._salloc.poll() is not None):
+                raise LaunchError(self._refusal())
+            if line:
+                self._said.append(line)
+                found = JOB_ID.search(line)
+                self.job = self.job or (found.group(1) if found else "")
+                self.granted = GRANTED in line
+                continue
+            state = self._queue_state()
+            waited = time.monotonic() - asked
+            if state and (state != shown or time.monotonic() - shown_at > SAY_EVERY):
+                self.say(f"slurm job {self.job} {state}, waited {format_duration(waited)} (interrupt or stop the "
+                         "run to cancel it)")
+                shown, shown_at = state, time.monotonic()
+        job = allocation.describe(self.job)
+        waited = format_duration(time.monotonic() - asked)
+        self.say(f"slurm job {self.job} runs on {job.fields.get('NodeList', '?')} after {waited} in the queue; "
+                 "it is given back when the run ends")
+        return job
+
+    def release(self) -> None:
+        """Give the job back: `cat` ends and salloc relinquishes the allocation; a job still in the queue is
+        cancelled; `scancel` in any case, for a salloc that did not."""
+        salloc = self._salloc
+        if salloc is None:
+            return
+        self._salloc = None
+        if not self.granted:  # nothing runs `cat` yet: salloc itself cancels the job it waits for on SIGTERM
+            if self.job:
+                allocation.scancel(self.job)
+            salloc.terminate()
+        if salloc.stdin is not None:
+            try:
+                salloc.stdin.close()
+            except OSError:  # salloc is gone already
+                pass
+        try:
+            salloc.wait(RELEASE_WAIT)
+        except subprocess.TimeoutExpired:
+            salloc.kill()
+            salloc.wait()
+        if self.job:
+            allocation.scancel(self.job)
+
+    def _read(self) -> None:
+        salloc = self._salloc
+        assert salloc is not None and salloc.stderr is not None
+        for line in salloc.stderr:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _queue_state(self) -> str:
+        """'pending (Priority)', 'configuring', ... as squeue says it; '' before the job has an ID."""
+        if not self.job:
+            return ""
+        try:
+            done = subprocess.run(["squeue", "-h", "-j", self.job, "-o", "%T|%r"], capture_output=True, text=True,
+                                  timeout=allocation.SCONTROL_WAIT, check=False)
+        except (OSError, subprocess.TimeoutExpired):  # squeue is slow or missing: salloc still says the grant
+            return ""
+        state, _, reason = done.stdout.strip().partition("|")
+        if not state:
+            return ""
+        return f"{state.lower()} ({reason})" if reason and reason != "None" else state.lower()
+
+    def _refusal(self) -> str:
+        said = [line.removeprefix("salloc: ") for line in self._said if "error" in line.lower()] or self._said
+        request = " ".join(shlex.quote(arg) for arg in self.request.salloc("salloc")[1:-1])
+        return (f"Slurm refused the job for this run (salloc {request}): {'; '.join(said[-3:]) or 'no reason given'}."
+                " Check --partition, --account, --qos, --time and --constraint against `sinfo` and your "
+                "cluster's documentation; nothing was started.")
+
