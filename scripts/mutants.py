@@ -37,6 +37,7 @@ TEARDOWN_STOP = (RESTARTS + "test_stop_during_a_failed_attempts_teardown_never_r
                  RESTARTS + "test_an_interrupt_during_a_failed_attempts_teardown_never_restarts")
 COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint"
 CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
+SLURM = "tests/test_slurm.py::"
 STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
@@ -254,6 +255,22 @@ MUTANTS = [
         "stall-never-resumes", "ddpnb/core/attempt.py",
         (("            self.record.stall.resumed = time.time()\n", "            pass\n"),),
         (STALL_MARKED,),
+    ),
+    # --- the slurm engine (test_slurm.py: a real two-node Slurm) -----------------------------------------------------
+    Mutant(
+        "slurm-rank-named-without-its-node", "ddpnb/engines/slurm/engine.py",
+        (('            cause = f"{describe_exit(code)} (on Slurm node {hello.node})"\n', '            cause = ""\n'),),
+        (SLURM + "test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone",),
+    ),
+    Mutant(
+        "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
+        (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
+        (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),
+    ),
+    Mutant(
+        "own-job-outlives-its-kernel", "ddpnb/engines/slurm/submit.py",
+        (('*shlex.split(self.job_args), "cat"]', '*shlex.split(self.job_args), "sleep", "3600"]'),),
+        (SLURM + "test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it",),
     ),
 ]
 
