@@ -18,12 +18,16 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Started:
+    """The rank has its spec and its device, and now joins the process group and runs the function."""
+
     rank: int
     device: str
 
 
 @dataclass(frozen=True)
 class Metric:
+    """What one `ddpnb.log(step=..., name=value, ...)` call sent."""
+
     rank: int
     step: int | None
     time: float
@@ -156,6 +160,8 @@ KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progr
 
 
 class CommandKind(enum.Enum):
+    """What a session command asks of a rank."""
+
     EXECUTE = "execute"  # run a cell's code in the rank's namespace; its last expression is the value
     PUSH = "push"  # bind names in the namespace
     PULL = "pull"  # the values of names

@@ -42,6 +42,8 @@ class Point(NamedTuple):
 
 
 class RankState(Named):
+    """Where one rank is in its life, as every view shows it."""
+
     STARTING = "starting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -50,6 +52,8 @@ class RankState(Named):
 
 
 class Outcome(Named):
+    """How a run ended (RUNNING until it has)."""
+
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -53,7 +53,8 @@ class RunSetup:
 
 
 class Run:
-    """A set of ranks, one process each, and what they report. Use `wait()`, `result()`, `stop()`."""
+    """The user's handle on one run, across its attempts: `wait()`, `result()`, `stop()`, `stacks()`, `record`
+    and the views' subscriptions."""
 
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup

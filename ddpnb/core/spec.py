@@ -11,6 +11,8 @@ from ddpnb.core.words import Named
 
 
 class ViewKind(Named):
+    """How a run is shown: the dashboard, text lines, nothing, or the first that fits the front end."""
+
     AUTO = "auto"
     WIDGET = "widget"
     TEXT = "text"
@@ -18,11 +20,15 @@ class ViewKind(Named):
 
 
 class Stream(Named):
+    """Which of a rank's output streams a chunk or line came from."""
+
     STDOUT = "stdout"
     STDERR = "stderr"
 
 
 class CallStyle(Named):
+    """How each rank calls the function it is given."""
+
     AUTO = "auto"  # fn(), fn(rank) or fn(rank, world_size) by its parameters, then the extra args
     SPAWN = "spawn"  # fn(rank, *args), as torch.multiprocessing.spawn calls it
 

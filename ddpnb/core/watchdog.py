@@ -27,7 +27,8 @@ class Alarm(enum.Enum):
 
 
 class Watchdog:
-    """`timeout`: seconds an attempt may run (None: no limit); `stall`: --stall's seconds (None: adaptive, 0: off);
+    """Watches one attempt's clocks and says what is due (`check(now)` -> `Alarm`); the attempt acts on it.
+    `timeout`: seconds an attempt may run (None: no limit); `stall`: --stall's seconds (None: adaptive, 0: off);
     `paused()`: whether waiting is the ranks' job just now (a session between commands), so quiet is no stall."""
 
     def __init__(self, world_size: int, timeout: float | None, stall: float | None,
