@@ -35,6 +35,7 @@ RAY_TEST_TIMEOUT = 900  # seconds; a Ray run takes ~30 s on an idle 2-core machi
 CELL_TIMEOUT = 600
 # every kernel here: text view, Ray quiet; RAY_ADDRESS=local keeps a `ray start` elsewhere on the machine out
 KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+pytestmark = pytest.mark.ray
 
 TRAIN_CELL = '''%%ddp --engine ray -n 2 {flags} -o trained
 def train(rank, world_size):

@@ -17,7 +17,7 @@ from tests.test_ray import CELL_TIMEOUT, RAY_TEST_TIMEOUT, needs_ray, ray_kernel
 
 __all__ = ["ray_kernel"]  # the module's one kernel and Ray instance (a fixture)
 
-pytestmark = [needs_ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT)]
+pytestmark = [needs_ray, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(RAY_TEST_TIMEOUT)]
 MB = 1 << 20
 
 
