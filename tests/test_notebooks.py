@@ -1,4 +1,5 @@
-"""Every tutorial notebook runs top to bottom through a real kernel, shrunk with DDPNB_QUICK=1."""
+"""Every tutorial notebook runs top to bottom through a real kernel, shrunk with DDPNB_QUICK=1 (the Slurm one in
+tests/test_slurm.py, inside its two-node Slurm)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+ALL_NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NEEDS_SLURM = [p for p in ALL_NOTEBOOKS if "--engine slurm" in p.read_text()]  # run by tests/test_slurm.py
+NOTEBOOKS = [p for p in ALL_NOTEBOOKS if p not in NEEDS_SLURM]
 # what each cell tagged raises-exception must raise, by a name only that cell uses (the function it defines, or a
 # session cell's variable): (exception type, in its text)
 EXPECTED_ERRORS = {
@@ -55,8 +58,15 @@ def _shown_text(cell) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.ray] if "--engine ray" in p.read_text() else [])
+                                  for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    run_notebook(path, tmp_path, monkeypatch)
+
+
+def run_notebook(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> nbformat.NotebookNode:
+    """Execute the notebook in a fresh kernel (it inherits this environment), shrunk; no warnings, and each cell
+    tagged raises-exception raises what EXPECTED_ERRORS says. Returns the executed notebook."""
     monkeypatch.setenv("DDPNB_QUICK", "1")
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",
@@ -73,6 +83,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
         assert raised, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
         assert raised[0] == expected[0] and expected[1] in raised[1], (
             f"{path.name}: expected {expected[0]} saying {expected[1]!r}, got {raised[0]}:\n{raised[1][-2000:]}")
+    return nb
 
 
 ON_ALL_GPUS = [p for p in NOTEBOOKS if "%%ddp --gpus all" in p.read_text()]
@@ -93,7 +104,7 @@ def test_notebook_runs_on_a_machine_with_one_gpu(path, tmp_path, monkeypatch):
     assert nb.cells[-1].outputs[0].text == "ranks in the last run: 1\n"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", ALL_NOTEBOOKS, ids=[p.stem for p in ALL_NOTEBOOKS])
 def test_committed_notebook_is_clean(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)

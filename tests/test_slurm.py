@@ -24,6 +24,7 @@ import pytest
 from tests import slurm_cluster
 from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
 from tests.test_faults import Cell
+from tests.test_notebooks import run_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RANK_MODULE = "ddpnb.engines.slurm.rank"
@@ -130,6 +131,20 @@ def test_ddp_training_on_slurm_ends_with_the_local_engines_weights(slurm_kernel)
         "print(ddpnb.last_run().engine, [len(ddpnb.last_run().metrics('loss', r)) for r in range(4)])")
     assert check.error is None, check.error
     assert check.stdout.splitlines()[0] == "True ['bias', 'weight'] cpu"
+
+
+def test_the_slurm_tutorial_trains_on_both_nodes_and_its_weights_come_back(cluster, tmp_path, monkeypatch):
+    """notebooks/07_slurm.ipynb top to bottom in a kernel inside the allocation: `-n 4 --nodes 2`, ranks on both
+    nodes, the same weights on every rank (the notebook asserts it), rank 0's on the CPU in the notebook."""
+    for name, value in {**cluster.env, "SLURM_JOB_ID": cluster.job, "DDPNB_VIEW": "text"}.items():
+        monkeypatch.setenv(name, value)
+    nb = run_notebook(Path(__file__).parent.parent / "notebooks" / "07_slurm.ipynb", tmp_path, monkeypatch)
+    shown = ["".join(out.get("text", "") for out in cell.get("outputs", [])) for cell in nb.cells]
+    assert any("[rank 3] rank 3/4 on node n2" in text for text in shown), shown
+    assert any("final loss" in text and "the same weights on every rank" in text for text in shown), shown
+    assert shown[-2].splitlines() == ["{'weight': device(type='cpu'), 'bias': device(type='cpu')}",
+                                      "nodes: ['n1', 'n2']"], shown[-2]
+    assert ranks_left() == [] and steps_left(cluster) == []
 
 
 def test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone(slurm_kernel, cluster):
