@@ -270,6 +270,17 @@ def test_metrics_points_have_named_fields():
     assert repr(last) == "Point(step=1, time=11.0, value=0.25)"
 
 
+def test_a_record_of_a_long_run_prints_as_one_short_line_and_its_ranks_too():
+    ranks = [RankRecord(rank=r, pid=100 + r, state=RankState.FINISHED, exitcode=0) for r in range(4)]
+    for rank in ranks:
+        rank.metrics["loss"] = [Point(step, 10.0 + step, 1.0 / (step + 1)) for step in range(5000)]
+    record = RunRecord(run_dir=Path("/tmp/ddpnb-runs/run-1"), world_size=4, backend="gloo", function="train",
+                       started=100.0, ended=112.5, outcome=Outcome.SUCCEEDED, ranks=ranks)
+    assert repr(record) == ("<RunRecord train on local: succeeded, 4 ranks (gloo), attempt 0, 12.5 s, "
+                            "/tmp/ddpnb-runs/run-1>")
+    assert repr(ranks[3]) == "<RankRecord rank 3 finished exit=0 pid=103 device=cpu lines=0 metrics (loss: 5000)>"
+
+
 def test_outcomes_and_states_print_as_words():
     assert str(Outcome.SUCCEEDED) == "succeeded" and f"{Outcome.TIMED_OUT}" == "timed out"
     assert str(RankState.FAILED) == "failed" and f"{RankState.STOPPED}" == "stopped"

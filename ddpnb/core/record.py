@@ -67,7 +67,7 @@ class Outcome(Named):
         return self in (Outcome.TIMED_OUT, Outcome.INTERRUPTED, Outcome.STOPPED)
 
 
-@dataclass
+@dataclass(repr=False)
 class RankRecord:
     """One rank in one attempt, as plain data: its process, state, output, metrics, progress and samples."""
 
@@ -91,6 +91,12 @@ class RankRecord:
     step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))
     slower_by: float | None = None  # a straggler: its compute per step over the others' median, less one (0.38)
     hardware: deque[Hardware] = field(default_factory=lambda: deque(maxlen=HARDWARE_HISTORY))
+
+    def __repr__(self) -> str:  # a short line: the full dataclass repr runs to thousands of characters
+        metrics = ", ".join(f"{name}: {len(points)}" for name, points in self.metrics.items())
+        return (f"<RankRecord rank {self.rank} {self.state.value} exit={self.exitcode} pid={self.pid} "
+                f"device={self.device}{f' node={self.node}' if self.node else ''} lines={self.lines}"
+                f"{f' metrics ({metrics})' if metrics else ''}>")
 
     @property
     def compute_per_step(self) -> float | None:
@@ -117,7 +123,7 @@ class RankRecord:
         return [bar for bar in bars if not bar.closed] or bars[-1:]
 
 
-@dataclass
+@dataclass(repr=False)
 class Attempt:
     """One ended attempt of a run that was restarted after it (`--max-restarts`): its ranks and failures as they
     were when it ended. The attempt going on (or the last one) is the run record's own `ranks` and `failures`."""
@@ -134,6 +140,11 @@ class Attempt:
     @property
     def first_failure(self) -> Failure | None:
         return root_cause(self.failures, self.outcome.ended_by_ddpnb)
+
+    def __repr__(self) -> str:
+        first = self.first_failure
+        return (f"<Attempt {self.number} {self.outcome.value}"
+                f"{f', rank {first.rank} failed first' if first else ''}, {len(self.ranks)} ranks>")
 
 
 @dataclass(frozen=True)
@@ -184,9 +195,10 @@ class DataSent:
     into: str = "shared memory"  # where they went, as the launch's note names it
 
 
-@dataclass
+@dataclass(repr=False)
 class RunRecord:
-    """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it."""
+    """Everything known about one run; `ddpnb.last_run()` and `Run.record` return it. Its repr is one line; its
+    fields hold the rest (`ranks`, `attempts`, `failures`, `metrics(...)`, `metrics_frame()`)."""
 
     run_dir: Path
     world_size: int
@@ -211,6 +223,12 @@ class RunRecord:
     launch_note: str = ""
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
+
+    def __repr__(self) -> str:
+        first = self.first_failure
+        return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
+                f"{f', rank {first.rank} failed first' if first else ''}, {self.world_size} ranks ({self.backend}), "
+                f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}>")
 
     def add_launch_note(self, note: str) -> None:
         """One more thing about the launch for the headers (information, not a warning on stderr)."""
