@@ -138,6 +138,7 @@ class Session:
             run.wait(STOP_WAIT)
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
+            self._say(f"session stopped: its {run.record.world_size} ranks have ended, and their namespaces with them")
         if self.state is not SessionState.BROKEN:
             self.state = SessionState.STOPPED
 

@@ -96,7 +96,9 @@ def test_a_ranks_cells_traceback_names_the_line_jupyterlab_shows(kernel):
         line_form = kernel.execute("%ranks 1 / (rank - rank)")
         assert f"Cell In[{line_form.count}], line 1" in _traceback(line_form), line_form.text
     finally:
-        kernel.execute("%ddp_stop")
+        stopped = kernel.execute("%ddp_stop")
+    assert stopped.stdout == "[ddpnb] session stopped: its 2 ranks have ended, and their namespaces with them\n", \
+        stopped.text
 
 
 # --- 2. launch notes in the header, not on stderr -------------------------------------------------------------------
