@@ -681,6 +681,47 @@ def test_interrupt_while_the_first_run_starts_says_nothing_is_running(tmp_path):
         slow.shutdown()
 
 
+SLOW_TORCH_IN_FORKSERVER = textwrap.dedent('''\
+    import os, sys, time
+    if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", [])):
+        class SlowTorch:  # the forkserver's `import torch` takes a while, and says when it begins
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    sys.meta_path.remove(self)
+                    with open(os.environ["FORKSERVER_IMPORTING"], "w") as mark:
+                        mark.write(str(os.getpid()))
+                    time.sleep(8)
+                return None
+        sys.meta_path.insert(0, SlowTorch())
+''')
+
+
+@pytest.mark.slow
+def test_an_interrupt_while_the_forkserver_imports_torch_leaves_it_running_and_the_first_launch_works(tmp_path):
+    """`%load_ext ddpnb` starts the forkserver in the background, and Jupyter's interrupt signals the kernel's
+    whole process group, forkserver included: one pressed while it still imports torch must not kill it (the next
+    launch then found it dead: multiprocessing's EOFError)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_TORCH_IN_FORKSERVER)
+    importing = tmp_path / "importing"
+    kernel = Kernel(env={"DDPNB_VIEW": "text", "DDPNB_RUNS_DIR": str(tmp_path / "runs"),
+                         "FORKSERVER_IMPORTING": str(importing),
+                         "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"),
+                                                                     os.environ.get("PYTHONPATH")]))})
+    try:
+        kernel.execute("%load_ext ddpnb")
+        wait_for(lambda: importing.exists() and importing.read_text(), "the forkserver to import torch", within=120)
+        server = int(importing.read_text())
+        kernel.manager.interrupt_kernel()  # the kernel is idle; its process group gets SIGINT all the same
+        again = kernel.execute("import multiprocessing.forkserver as fs\n"
+                               "print(ddpnb.run(lambda rank: rank + 40, nprocs=2, view='none'), "
+                               "fs._forkserver._forkserver_pid)", timeout=180)
+        assert again.error is None, "\n".join(again.error["traceback"])
+        assert again.stdout.split() == ["40", str(server)]  # the same forkserver, alive, forked the ranks
+    finally:
+        kernel.shutdown()
+
+
 # --- 5. the kernel itself dies ------------------------------------------------------------------------------
 
 SILENT_CELL = LONG_CELL.replace('print(f"step {step}", flush=True)', "pass")  # no output: no broken pipe either

@@ -112,6 +112,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     # walking it at every full collection, which also copied every page it touched out of the shared memory
     gc.freeze()
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, which the forkserver's shield set aside
     _redirect_output(out, err)
     context = ctx.RankContext(rank=rank, link=PipeLink(rank, channel, commands))
     threading.Thread(target=_watch_kernel, args=(lifeline,), name="ddpnb-watchdog", daemon=True).start()

@@ -1,0 +1,11 @@
+"""Imported first in the forkserver, before torch: the kernel's interrupt must not kill it while it imports.
+
+Jupyter interrupts a kernel by signalling its whole process group, which holds the forkserver the kernel started;
+multiprocessing's forkserver ignores SIGINT only once its preloading is done, so an interrupt during a kernel's
+first launch killed it halfway through `import torch`, and the next launch found it dead. Ranks get Python's own
+SIGINT handler back as they start (`rank.entry`).
+"""
+
+import signal
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)
