@@ -694,7 +694,9 @@ def waits(rank):
     assert run.error is None, run.text
     check = ray_kernel.execute(
         "deadline = time.monotonic() + 300\n"
-        "while sum(r.lines for r in handle.record.ranks) < 2 and time.monotonic() < deadline: time.sleep(0.2)\n"
+        # each rank's own line, not just any two: Ray's "on Ray node" lines come before the function runs
+        "while not all(r.last_line == f'rank {r.rank} up' for r in handle.record.ranks) "
+        "and time.monotonic() < deadline: time.sleep(0.2)\n"
         "stacks = handle.stacks()\n"
         "print('stacks:', sorted(stacks), all('in waits' in text for text in stacks.values()))\n"
         f"open({str(wake)!r}, 'w').close()\n"
