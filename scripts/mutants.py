@@ -269,7 +269,7 @@ MUTANTS = [
     ),
     Mutant(
         "own-job-outlives-its-kernel", "ddpnb/engines/slurm/submit.py",
-        (('*shlex.split(self.job_args), "cat"]', '*shlex.split(self.job_args), "sleep", "3600"]'),),
+        (('*shlex.split(options.job_args), "cat"]', '*shlex.split(options.job_args), "sleep", "3600"]'),),
         (SLURM + "test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it",),
     ),
 ]

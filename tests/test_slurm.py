@@ -326,8 +326,10 @@ def test_a_job_slurm_refuses_is_a_clear_error_quoting_it_and_inside_an_allocatio
 def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster):
     """The job's `salloc` runs `cat` on ddpnb's pipe: a kernel killed outright closes it, and the job ends."""
     code = ("import os, signal\n"
+            "from ddpnb.engines.slurm.options import SlurmOptions\n"
             "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
-            "job = OwnJob(JobRequest(name='ddpnb-orphan', tasks=1), say=print).wait()\n"
+            "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=SlurmOptions())\n"
+            "job = OwnJob(request, say=print).wait()\n"
             "print('JOB', job.job, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}

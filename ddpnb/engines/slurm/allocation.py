@@ -18,11 +18,16 @@ log = logging.getLogger(__name__)
 
 
 def srun_path() -> str:
-    path = shutil.which("srun")
+    return command("srun", "--engine slurm needs Slurm's `srun` on this kernel's PATH, and there is none: run the "
+                           "kernel on a node of a Slurm cluster (load its module, e.g. `module load slurm`), or "
+                           "install Slurm's client commands (Debian/Ubuntu: apt-get install slurm-client).")
+
+
+def command(name: str, missing: str) -> str:
+    """The path of Slurm's command `name`; LaunchError(`missing`) where it is not on PATH."""
+    path = shutil.which(name)
     if path is None:
-        raise LaunchError("--engine slurm needs Slurm's `srun` on this kernel's PATH, and there is none: run the "
-                          "kernel on a node of a Slurm cluster (load its module, e.g. `module load slurm`), or "
-                          "install Slurm's client commands (Debian/Ubuntu: apt-get install slurm-client).")
+        raise LaunchError(missing)
     return path
 
 

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
@@ -38,6 +37,7 @@ from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
 from ddpnb.engines.slurm import allocation, submit
+from ddpnb.engines.slurm.options import SlurmOptions
 from ddpnb.engines.slurm.wire import FLUSHED, Control, Hello, Setup, invitation
 
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL to the step
@@ -60,51 +60,6 @@ STOP_NOISE = (b"forcing job termination", b"Job step aborted", b"Force Terminate
               b"Terminating StepId", b"Waiting up to")
 _SIGNAL_WORDS = {signal.strsignal(sig): -sig for sig in signal.Signals if signal.strsignal(sig)}
 log = logging.getLogger(__name__)
-
-
-SUBMIT_OPTIONS = ("partition", "time", "account", "qos", "constraint", "job_args")  # for a job ddpnb asks for
-
-
-@dataclass(frozen=True)
-class SlurmOptions:
-    """`nodes`: how many nodes the ranks spread over (inside an allocation, default: as many as it holds, at most
-    one per rank; outside, Slurm's choice); `srun_args`: more srun options for the step, as one string
-    (`"--cpus-per-task=4"`). Outside an allocation, the job ddpnb asks for: `partition`, `time`, `account`, `qos`,
-    `constraint` (salloc's options of those names) and `job_args`, more salloc options as one string."""
-
-    nodes: int | None = None
-    srun_args: str = ""
-    partition: str = ""
-    time: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    job_args: str = ""
-
-    def __post_init__(self) -> None:
-        if self.nodes is not None:
-            try:
-                nodes = int(self.nodes)
-            except (TypeError, ValueError):
-                nodes = 0
-            if nodes < 1 or isinstance(self.nodes, bool):
-                raise LaunchError(f"nodes takes a positive whole number of nodes, not {self.nodes!r}.")
-            object.__setattr__(self, "nodes", nodes)
-        for name in ("srun_args", "job_args"):
-            try:
-                shlex.split(getattr(self, name) or "")
-            except ValueError as exc:
-                raise LaunchError(f"{name} must be options as a shell would split them ({exc}): "
-                                  f"{getattr(self, name)!r}.") from None
-        for name in SUBMIT_OPTIONS[:-1]:
-            value = getattr(self, name)
-            if not isinstance(value, str) or any(c.isspace() for c in value):
-                raise LaunchError(f"{name} takes one word, as salloc --{name} does, not {value!r}.")
-
-    @property
-    def submits(self) -> list[str]:
-        """The job options given: they only mean something outside an allocation."""
-        return [name for name in SUBMIT_OPTIONS if getattr(self, name)]
 
 
 class SlurmType:
@@ -243,11 +198,8 @@ class SlurmEngine:
     def _ask_for_job(self) -> allocation.Allocation:
         """Outside an allocation: a job of this attempt's own, for its ranks; its queue state is said in the cell
         (the views start with the ranks) while it waits, and an interrupt meanwhile cancels it (`close`)."""
-        options = self.options
-        request = submit.JobRequest(
-            name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size, nodes=options.nodes,
-            gpus=self.spec.use_gpus, partition=options.partition, time=options.time, account=options.account,
-            qos=options.qos, constraint=options.constraint, job_args=options.job_args)
+        request = submit.JobRequest(name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size,
+                                    gpus=self.spec.use_gpus, options=self.options)
         self._own_job = submit.OwnJob(request, say=lambda line: print(f"[ddpnb] {line}", flush=True))
         return self._own_job.wait()
 

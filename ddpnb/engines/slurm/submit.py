@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import re
 import shlex
-import shutil
 import subprocess
 import threading
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from ddpnb.core.spec import LaunchError
 from ddpnb.core.words import format_duration
 from ddpnb.engines.slurm import allocation
+from ddpnb.engines.slurm.options import SUBMIT_OPTIONS, SlurmOptions
 
 POLL = 1.0  # seconds between two looks at the job's queue state
 SAY_EVERY = 60.0  # seconds between two lines about a job whose state did not change
@@ -32,36 +32,27 @@ GRANTED = "Granted job allocation"
 
 @dataclass(frozen=True)
 class JobRequest:
-    """What the run asks Slurm for: its ranks as tasks, and the submission options the user gave."""
+    """What the run asks Slurm for: its ranks as tasks (one GPU each on GPU runs), and the job options given."""
 
     name: str
     tasks: int
-    nodes: int | None = None
-    gpus: bool = False
-    partition: str = ""
-    time: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    job_args: str = ""
+    gpus: bool
+    options: SlurmOptions
 
     def salloc(self, salloc: str) -> list[str]:
-        named = {"partition": self.partition, "time": self.time, "account": self.account, "qos": self.qos,
-                 "constraint": self.constraint}
+        options = self.options
+        named = {name: getattr(options, name) for name in SUBMIT_OPTIONS if name != "job_args"}
         return [salloc, f"--job-name={self.name}", f"--ntasks={self.tasks}",
-                *([f"--nodes={self.nodes}"] if self.nodes else []),
+                *([f"--nodes={options.nodes}"] if options.nodes else []),
                 *(["--gpus-per-task=1"] if self.gpus else []),
                 *(f"--{key}={value}" for key, value in named.items() if value),
-                *shlex.split(self.job_args), "cat"]
+                *shlex.split(options.job_args), "cat"]
 
 
 def salloc_path() -> str:
-    path = shutil.which("salloc")
-    if path is None:
-        raise LaunchError("--engine slurm outside an allocation asks Slurm for a job with `salloc`, and there is "
-                          "none on this kernel's PATH: load Slurm's module (e.g. `module load slurm`), or start "
-                          "Jupyter inside an allocation.")
-    return path
+    return allocation.command("salloc", "--engine slurm outside an allocation asks Slurm for a job with `salloc`, "
+                              "and there is none on this kernel's PATH: load Slurm's module (e.g. `module load "
+                              "slurm`), or start Jupyter inside an allocation.")
 
 
 class OwnJob:
