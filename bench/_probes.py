@@ -683,10 +683,10 @@ def probe_data(args: argparse.Namespace) -> None:
         return
 
     import ddpnb
-    from ddpnb.core import shared
+    from ddpnb.engines.local import shared
 
     if args.via == "pickle":  # ddpnb as it was before issue 16: every rank unpickles its own copy
-        shared.MIN_BYTES = 1 << 62
+        shared.MIN_BYTES = 1 << 62  # the local engine's threshold for what goes into memory files
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2, view="none")  # warm: the forkserver is up, as in a notebook's 2nd cell
     started = clock()
