@@ -147,6 +147,7 @@ class SlurmEngine:
         self._ended: set[int] = set()
         self._stacks: dict[int, str] = {}
         self._signalled = False
+        self._sent: set[int] = set()  # the signals ddpnb sent the step: a rank killed by another one failed itself
         self._srun_done_at: float | None = None
         self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
         # the command channel: `send` and `interrupt` come from the session's thread, the rest from the reader
@@ -443,7 +444,10 @@ class SlurmEngine:
             cause = f"did not start: {said}"
         elif code < 0 and hello is not None:
             cause = f"{describe_exit(code)} (on Slurm node {hello.node})"
-        self._events.exited(rank, code, stopped=self._signalled and code != 0, cause=cause)
+        # srun reports a task's end after the fact, maybe after another rank's knock-on error began the stop: a
+        # death by a signal ddpnb never sent (a SIGKILL before the escalation, a SIGSEGV) is the rank's own failure
+        stopped = self._signalled and code != 0 and not (code < 0 and -code not in self._sent)
+        self._events.exited(rank, code, stopped=stopped, cause=cause)
 
     # --- stopping ------------------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
@@ -458,6 +462,7 @@ class SlurmEngine:
         return None
 
     def _signal_step(self, name: str) -> None:
+        self._sent.add(signal.Signals[f"SIG{name}"])
         step = self._step()
         if step:
             allocation.scancel(f"--signal={name}", step)
@@ -470,6 +475,7 @@ class SlurmEngine:
 
     def _cancel_step(self) -> None:
         self._signalled = True
+        self._sent |= {signal.SIGTERM, signal.SIGKILL}  # scancel's own way: TERM, then KILL
         step = self._step()
         if step:
             allocation.scancel(step)
