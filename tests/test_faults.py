@@ -284,6 +284,23 @@ def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
     assert "then, as a consequence:\n  rank 2: RuntimeError: Connection closed by peer" in report
 
 
+def test_the_text_summary_names_each_failed_ranks_role_as_the_dashboard_does(tmp_path):
+    """A rank killed first reads 'failed first', one whose collective broke because of it 'stopped: peer failed',
+    one with an error of its own 'failed': the words of the dashboard's rank rows, not a bare 'failed'."""
+    from ddpnb.core.failures import Failure
+    from ddpnb.core.record import RankRecord, RankState, RunRecord
+
+    ranks = [RankRecord(r, state=RankState.FAILED, exitcode=1) for r in range(3)]
+    ranks[2].exitcode = -9
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=ranks)
+    record.failures = [Failure(2, 10.0, "killed by SIGKILL"), Failure(1, 10.1, "ValueError: bad batch"),
+                       Failure(0, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
+    rows = {int(row.split()[0]): row for row in summary_table(record).splitlines()[1:]}
+    assert re.match(r"\s*0  stopped: peer failed +exited with code 1 ", rows[0]), rows[0]
+    assert re.match(r"\s*1  failed +exited with code 1 ", rows[1]), rows[1]
+    assert re.match(r"\s*2  failed first +killed by SIGKILL ", rows[2]), rows[2]
+
+
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSEGV"])
 def test_rank_killed_by_signal_is_named_first_and_knock_on_failures_are_folded(how, tmp_path):
     error = run_failing(dies_by_signal, nprocs=3, args=(how, str(tmp_path)))

@@ -8,20 +8,29 @@ from __future__ import annotations
 import time
 
 from ddpnb.core.cellnames import cell_names
-from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankWhere, RunRecord, Stall
+from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 
 def summary_table(record: RunRecord) -> str:
-    """One row per rank: its state, how it exited, its time, the radar's and hardware's columns, its last line."""
+    """One row per rank: its state (a failed rank's as its role: 'failed first', 'stopped: peer failed', as the
+    dashboard says it), how it exited, its time, the radar's and hardware's columns, its last line."""
     radar = radar_columns(record.ranks)
-    rows = [f"{'rank':>4}  {'state':<9} {'exit':<22} {'time':>10}  {radar[0]}last line"]
-    for r, extra in zip(record.ranks, radar[1:]):
+    states = [state_words(record, r) for r in record.ranks]
+    width = max(9, *(len(state) for state in states))
+    rows = [f"{'rank':>4}  {'state':<{width}} {'exit':<22} {'time':>10}  {radar[0]}last line"]
+    for r, state, extra in zip(record.ranks, states, radar[1:]):
         rows.append(
-            f"{r.rank:>4}  {r.state.value:<9} {describe_exit(r.exitcode):<22} "
+            f"{r.rank:>4}  {state:<{width}} {describe_exit(r.exitcode):<22} "
             f"{format_duration(r.duration):>10}  {extra}{r.last_line[:60]}"
         )
     return "\n".join(rows)
+
+
+def state_words(record: RunRecord, rank: RankRecord) -> str:
+    """The rank's state, a failed rank's as its role in the attempt's failure."""
+    role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
+    return role.value if role is not None else rank.state.value
 
 
 def radar_columns(ranks: list[RankRecord]) -> list[str]:
