@@ -344,6 +344,23 @@ def test_static_summary_keeps_the_runs_hint():
     assert record.hint in summary_text(record)
 
 
+def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
+    """After a restart the summary's last lines may come from an earlier attempt: its count of lines is the run's
+    (what the log files hold), never only the last attempt's ('last 16 of 10 lines')."""
+    from ddpnb.core.record import Attempt
+
+    record = _record()
+    record.outcome = Outcome.SUCCEEDED
+    earlier = [RankRecord(rank.rank, lines=8) for rank in record.ranks]
+    record.attempts = [Attempt(0, earlier, [], Outcome.FAILED, "rank 1 failed", 0.0, 1.0, last_line=16)]
+    for rank in record.ranks:
+        rank.lines = 5
+    lines = [OutputLine(n, n % 2, Stream.STDOUT, f"line {n}") for n in range(26)]
+    html = _html.summary_html(record, lines)
+    total = 8 * len(record.ranks) + 5 * len(record.ranks)
+    assert f"last 26 of {total:,} lines" in html, re.findall(r"last \d+ of [\d,]+ lines", html)
+
+
 def test_gpu_runs_show_each_ranks_gpu_memory():
     record = _record()
     assert "GPU memory" not in _html.ranks_html(record)  # CPU ranks: no such column

@@ -35,6 +35,7 @@ from ddpnb.views.html import (
     stacks_html,
     stall_html,
     summary_html,
+    total_lines,
 )
 from ddpnb.views.text import summary_text
 
@@ -198,11 +199,11 @@ class Dashboard:
         record = self.record
         if rank == -1:
             lines = self._all
-            total = sum(r.lines for ranks in [*(a.ranks for a in record.attempts), record.ranks] for r in ranks)
+            total = total_lines(record)
             where = log_location(record)
         else:
             lines = self._per_rank[rank]
-            total = sum(ranks[rank].lines for ranks in [*(a.ranks for a in record.attempts), record.ranks])
+            total = total_lines(record, rank)
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
         shown = printed_count(line for line, _ in lines)
         note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown

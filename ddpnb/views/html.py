@@ -411,6 +411,12 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
             f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
 
+def total_lines(record: RunRecord, rank: int | None = None) -> int:
+    """Lines the ranks printed in every attempt of the run (one rank's, given `rank`): what the log files hold."""
+    attempts = [*(attempt.ranks for attempt in record.attempts), record.ranks]
+    return sum(r.lines for ranks in attempts for r in ranks if rank is None or r.rank == rank)
+
+
 def printed_count(lines: Iterable[OutputLine | FoldedLine]) -> int:
     """How many printed lines these are: a folded line is one per rank that printed it."""
     return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
@@ -525,7 +531,7 @@ def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine], fu
     latest lines, folded or not. Styled inline only, with the plots as images: it reads the same in an untrusted
     notebook, whose HTML JupyterLab sanitises."""
     tail = lines[-SUMMARY_LOG_LINES:]
-    total = sum(r.lines for r in record.ranks)
+    total = total_lines(record)  # every attempt's: the lines shown may come from an earlier one
     note = (f"last {printed_count(tail)} of {total:,} lines · every line is in {log_location(record)}" if total
             else f"no output · logs in {log_location(record)}")
     logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
