@@ -119,7 +119,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
             raise LaunchError(f"checkpoint_dir {str(options.checkpoint_dir)!r} cannot be created ({exc.strerror}): "
                               "pass a directory you can write to.") from None
     resumed = launch.resumed
-    held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`new_run_dir`) may delete it
+    held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`rundir.prune`) may delete it
     try:
         run_dir = rundir.new_run_dir()
     except BaseException:

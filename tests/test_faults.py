@@ -776,6 +776,7 @@ def test_kernel_restart_takes_every_rank_with_it():
         restarted.manager.restart_kernel(now=False)
         left = max(0.0, asked + KERNEL_DEATH_GRACE - time.monotonic())
         assert wait_gone(tree + children, within=left) == []
+        restarted.client.wait_for_ready(timeout=120)  # the new kernel answers before a cell is sent to it
         restarted.execute("%load_ext ddpnb")
         following = restarted.execute(NEXT_CELL)
         assert following.error is None, following.error
@@ -1062,6 +1063,19 @@ def test_runs_directory_that_is_a_symlink_is_refused(tmp_path, monkeypatch):
 
 def sleeps(rank, seconds):
     time.sleep(seconds)
+
+
+def test_a_launch_refused_before_it_starts_deletes_no_earlier_runs_logs(runs_dir, monkeypatch):
+    """Bad input loses nothing: arguments that cannot be sent are refused once the run's directory exists (they
+    are pickled with the spec), and retention must not have made room for a run that never started."""
+    monkeypatch.setattr(rundir, "KEEP_RUNS", 3)
+    for _ in range(3):
+        assert_next_run_works()
+    before = sorted(p.name for p in runs_dir.iterdir() if p.is_dir())
+    assert len(before) >= 3
+    with pytest.raises(ddpnb.NotPicklableError):
+        ddpnb.run(sum_of_ranks, nprocs=2, args=(threading.Lock(),), view="none")
+    assert sorted(p.name for p in runs_dir.iterdir() if p.is_dir()) == before
 
 
 def test_retention_keeps_the_newest_runs_and_never_a_live_one(runs_dir, monkeypatch):

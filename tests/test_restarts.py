@@ -384,14 +384,15 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
     try:
         wait_for(lambda: handle.record.ranks[0].state is ddpnb.RankState.RUNNING, "the resuming rank to start")
         assert rundir.in_use(source)
-        for _ in range(rundir.KEEP_RUNS + 1):  # retention, as that many newer runs would apply it
+        for _ in range(rundir.KEEP_RUNS + 1):  # that many newer runs, then their retention
             rundir.new_run_dir()
+        rundir.prune()
         assert (source / "checkpoints" / "step-000000040").is_dir(), "retention deleted the directory being resumed"
     finally:  # a failed assert must not leave the rank waiting (the test process would wait for it at exit)
         release.touch()
     assert handle.result() == STEPS
     assert not rundir.in_use(source)  # let go with the run: the next retention may delete it
-    rundir.new_run_dir()
+    rundir.prune()
     assert not source.exists()
 
 

@@ -89,6 +89,7 @@ class Run:
                                self._restarts_left())
             self.record.started = self.attempt.started
             live.add(self)
+            rundir.prune()  # only now: a launch refused before its ranks started deletes no earlier run's logs
             threading.Thread(target=self._serve, name=f"ddpnb-{self.record.engine}-run", daemon=True).start()
         except BaseException as exc:
             self.attempt.abandon()

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-KEEP_RUNS = 50  # run directories kept; older ones are deleted when a new run starts
+KEEP_RUNS = 50  # run directories kept; older ones are deleted when a new run has started (`prune`)
 
 
 def runs_root() -> Path:
@@ -27,14 +27,19 @@ def runs_root() -> Path:
     return root
 
 
-def new_run_dir() -> Path:
-    """A fresh private directory for one run. Retention, applied here: the newest KEEP_RUNS - 1 directories of
-    ended runs are kept (KEEP_RUNS with the new one), and those of runs still going in any process (see
-    `lock`); older ones are deleted."""
+def prune() -> None:
+    """Retention, applied once a new run has started (a launch refused before it starts deletes nothing): the
+    newest KEEP_RUNS - 1 directories of ended runs are kept (KEEP_RUNS with the new run's), and those of runs
+    still going in any process (see `lock`); older ones are deleted."""
     root = runs_root()
     ended = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not in_use(p))
     for stale in ended[: max(0, len(ended) - KEEP_RUNS + 1)]:  # names sort by creation time
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def new_run_dir() -> Path:
+    """A fresh private directory for one run (named by its creation time, so names sort by age)."""
+    root = runs_root()
     now = time.time()
     path = root / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:6]}"
     path.mkdir(mode=0o700)
