@@ -93,7 +93,8 @@ class RankRecord:
     hardware: deque[Hardware] = field(default_factory=lambda: deque(maxlen=HARDWARE_HISTORY))
 
     def __repr__(self) -> str:  # a short line: the full dataclass repr runs to thousands of characters
-        metrics = ", ".join(f"{name}: {len(points)}" for name, points in self.metrics.items())
+        # a copy of the items: the reader thread may add a metric meanwhile
+        metrics = ", ".join(f"{name}: {len(points)}" for name, points in list(self.metrics.items()))
         return (f"<RankRecord rank {self.rank} {self.state.value} exit={self.exitcode} pid={self.pid} "
                 f"device={self.device}{f' node={self.node}' if self.node else ''} lines={self.lines}"
                 f"{f' metrics ({metrics})' if metrics else ''}>")

@@ -146,8 +146,8 @@ class SlurmEngine:
         self._closed: dict[int, float] = {}  # rank -> when its connection closed
         self._ended: set[int] = set()
         self._stacks: dict[int, str] = {}
-        self._signalled = False
-        self._sent: set[int] = set()  # the signals ddpnb sent the step: a rank killed by another one failed itself
+        self._sent: set[int] = set()  # the signals ddpnb sent the step (none: not stopping); a rank killed by
+        # another signal failed by itself
         self._srun_done_at: float | None = None
         self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
         # the command channel: `send` and `interrupt` come from the session's thread, the rest from the reader
@@ -380,7 +380,7 @@ class SlurmEngine:
                     self._events.output(rank, stream, text)
                 self._release(rank)
                 return
-            if not (self._signalled and any(noise in text for noise in STOP_NOISE)):
+            if not (self._sent and any(noise in text for noise in STOP_NOISE)):
                 self._events.output(rank, stream, text)
             return
         ended = TASK_END.match(line)
@@ -391,7 +391,7 @@ class SlurmEngine:
             for rank in _task_ids(ended.group("tasks").decode()):
                 self._reports.setdefault(rank, (code, time.monotonic()))
             return
-        if self._signalled and any(noise in line for noise in STOP_NOISE):
+        if self._sent and any(noise in line for noise in STOP_NOISE):
             return
         self._srun_said.append(line.decode(errors="replace").rstrip())
         self._events.output(0, Stream.STDERR, line)  # srun's own news: shown with rank 0's output
@@ -446,12 +446,11 @@ class SlurmEngine:
             cause = f"{describe_exit(code)} (on Slurm node {hello.node})"
         # srun reports a task's end after the fact, maybe after another rank's knock-on error began the stop: a
         # death by a signal ddpnb never sent (a SIGKILL before the escalation, a SIGSEGV) is the rank's own failure
-        stopped = self._signalled and code != 0 and not (code < 0 and -code not in self._sent)
+        stopped = bool(self._sent) and code != 0 and not (code < 0 and -code not in self._sent)
         self._events.exited(rank, code, stopped=stopped, cause=cause)
 
     # --- stopping ------------------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
-        self._signalled = True
         self._signal_step("TERM")
         return STOP_GRACE
 
@@ -474,7 +473,6 @@ class SlurmEngine:
         return hello.step if hello is not None and not hello.step.endswith(".") else ""
 
     def _cancel_step(self) -> None:
-        self._signalled = True
         self._sent |= {signal.SIGTERM, signal.SIGKILL}  # scancel's own way: TERM, then KILL
         step = self._step()
         if step:
