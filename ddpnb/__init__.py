@@ -20,7 +20,7 @@ from ddpnb._session import PerRank, Session, SessionBroken, SessionError, curren
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunRecord
 from ddpnb.core.report import RunInterrupted, WorkerError
-from ddpnb.engines.local.forkserver import PreloadError
+from ddpnb.node.forkserver import PreloadError
 from ddpnb.engines.local.preload import preload
 from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 
@@ -44,7 +44,7 @@ def load_ipython_extension(ipython: Any) -> None:
     check_platform()  # before anything Linux-only starts (the forkserver's warm-up)
     from ddpnb._magic import DDPMagics, SessionMagics
     from ddpnb.core.live import stop_all
-    from ddpnb.engines.local import forkserver
+    from ddpnb.node import forkserver
 
     ipython.register_magics(DDPMagics, SessionMagics)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])

@@ -133,7 +133,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     sources = pickling.notebook_sources()
     spec = WorkerSpec(
         fn_payload=payload, args=args, call_style=CallStyle(options.call_style), world_size=planned.world_size,
-        backend=planned.backend, use_gpus=planned.use_gpus, master_port=0, environ=environ, run_dir=str(run_dir),
+        backend=planned.backend, use_gpus=planned.use_gpus, environ=environ, run_dir=str(run_dir),
         sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
         timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,

@@ -69,14 +69,14 @@ MUTANTS = [
         (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]"),
     ),
     Mutant(
-        "authkey-in-every-ranks-environment", "ddpnb/engines/local/rank.py",
+        "authkey-in-every-ranks-environment", "ddpnb/node/rank.py",
         (("    os.environ.update(_torchrun_env(rank, spec))\n",
           ("    os.environ.update(_torchrun_env(rank, spec))\n"
            "    os.environ['DDPNB_KEY'] = bytes(__import__('multiprocessing').current_process().authkey).hex()\n")),),
         (FAULTS + "test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank",),
     ),
     Mutant(
-        "spec-args-in-every-ranks-environment", "ddpnb/engines/local/rank.py",
+        "spec-args-in-every-ranks-environment", "ddpnb/node/rank.py",
         (("    os.environ.update(_torchrun_env(rank, spec))\n",
           "    os.environ.update(_torchrun_env(rank, spec))\n    os.environ['DDPNB_ARGS'] = repr(spec.args)\n"),),
         (FAULTS + "test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank",),

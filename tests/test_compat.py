@@ -28,7 +28,7 @@ def call(helper: Callable[..., Any], library: str, *args: Any) -> Any:
 
 
 def test_forkserver_internals_still_name_and_restart_the_forkserver():
-    from ddpnb.engines.local import forkserver
+    from ddpnb.node import forkserver
 
     forkserver.context()
     first = call(_compat.forkserver_pid, "python")
@@ -42,7 +42,7 @@ def test_forkserver_internals_still_name_and_restart_the_forkserver():
 
 
 def test_preparation_data_wrapper_keeps_the_main_module_out_of_ranks_only():
-    from ddpnb.engines.local import forkserver
+    from ddpnb.node import forkserver
 
     forkserver.context()
     wrapped = multiprocessing.spawn.get_preparation_data

@@ -22,7 +22,7 @@ import torch
 
 import ddpnb
 from ddpnb.core import data as notebook_data
-from ddpnb.engines.local import mapped, shared
+from ddpnb.node import mapped, shared
 from ddpnb.rank import data as rank_data
 
 MB = 1 << 20

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddpnb
-from ddpnb.engines.local import mapped as rank_side
+from ddpnb.node import mapped as rank_side
 from ddpnb.engines.local import shared
 from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
 from tests.conftest import private_runs_dir

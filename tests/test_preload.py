@@ -14,7 +14,7 @@ import pytest
 
 import ddpnb
 from ddpnb.core import hints
-from ddpnb.engines.local import forkserver as _forkserver
+from ddpnb.node import forkserver as _forkserver
 
 MODULES = {
     # a module a rank can tell apart: where it was imported, and a global one run changes

@@ -260,7 +260,7 @@ class Run:
                                              outcome=outcome, note=note, started=ended.started, ended=time.time(),
                                              last_line=self._lines.count))
         record.stall = record.at_timeout = None
-        spec = replace(ended.spec, attempt=ended.number + 1, master_port=0)
+        spec = replace(ended.spec, attempt=ended.number + 1)
         self.attempt = self._new_attempt(ended.number + 1, spec)
         assert self._relay is not None  # released only when the run ends
         self._relay.retarget(self.attempt)

@@ -54,7 +54,6 @@ class WorkerSpec:
     world_size: int
     backend: str
     use_gpus: bool
-    master_port: int
     environ: dict[str, str]
     run_dir: str
     sources: dict[str, list[str]] = field(default_factory=dict)  # notebook cells, so tracebacks show lines

@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib.util
 
 from ddpnb.core import live
-from ddpnb.engines.local import forkserver
+from ddpnb.node import forkserver
 from ddpnb.engines.local.engine import LocalOptions, LocalType
-from ddpnb.engines.local.forkserver import PreloadError
+from ddpnb.node.forkserver import PreloadError
 from ddpnb.rank import context as rank_context
 
 

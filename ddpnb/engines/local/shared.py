@@ -25,7 +25,7 @@ from ddpnb.core.data import CHUNK, KEEP_LAUNCHES, MIN_BYTES, BySource, cpu_copy,
 from ddpnb.core.record import DataSent
 from ddpnb.core.spec import LaunchError
 from ddpnb.core.words import size_text
-from ddpnb.engines.local.mapped import STRIPE, pieces, rebuild_array, rebuild_tensor
+from ddpnb.node.mapped import STRIPE, pieces, rebuild_array, rebuild_tensor
 from ddpnb.rank.data import from_cuda
 
 ALIGN = mmap.ALLOCATIONGRANULARITY  # every block starts on a page, so a rank can map it on its own

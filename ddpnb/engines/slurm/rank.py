@@ -30,7 +30,7 @@ from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import exit_code, run_function
 
-INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}  # see engines/local/rank.py: a quick rank must not leave early
+INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}  # see node/rank.py: a quick rank must not leave early
 
 
 class SocketLink:

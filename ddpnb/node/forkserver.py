@@ -21,12 +21,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb import _compat
-from ddpnb.engines.local.rank import PROCESS_PREFIX
+from ddpnb.node.rank import PROCESS_PREFIX
 
 # the shield first (the kernel's interrupt must not kill the forkserver mid-import); tqdm is optional (a failed
 # preload import is skipped): preloaded, the rank's progress hook costs nothing
-PRELOAD = ["ddpnb.engines.local.shield", "torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle",
-           "tqdm", "ddpnb.engines.local.rank"]
+PRELOAD = ["ddpnb.node.shield", "torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle",
+           "tqdm", "ddpnb.node.rank"]
 lock = threading.Lock()  # held while the forkserver starts, restarts, or has ranks forked from it
 _preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
 

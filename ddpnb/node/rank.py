@@ -1,6 +1,8 @@
-"""A local rank: a process forked from the CUDA-free forkserver, its fds, environment, store and exit.
+"""A forked rank: a process forked from the CUDA-free forkserver, its fds, environment, store and exit.
 
-Nothing here runs in the kernel except `FdForChild` and the names below; `entry` is the multiprocessing target.
+Nothing here runs in the kernel except `FdForChild`, `Seat` and the names below; `entry` is the multiprocessing
+target. A local run's ranks sit on this machine alone; a Ray run's ranks are forked on each node by its host
+(`engines/ray/host.py`), each told its seat in the whole run.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb.core import messages as msg
 from ddpnb.core import rundir
 from ddpnb.core.spec import WorkerSpec
-from ddpnb.engines.local import mapped
+from ddpnb.node import mapped
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import exit_code, run_function
@@ -31,6 +34,31 @@ PROCESS_PREFIX = "ddpnb-"  # names ddpnb's processes: `ddpnb-rank0`, `ddpnb-prel
 # take its group down (or exit) while a peer is still connecting gloo's full mesh, which then fails ("Gloo
 # connectFullMesh failed ... Connection closed by peer"). torch's own store barrier closes that gap.
 INIT_BARRIER = {"TORCH_DIST_INIT_BARRIER": "1"}
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Where one rank sits in its run: its rank, its place on its node, the rendezvous, its device, the file its
+    stacks go to. A one-machine run's seats (`Seat.local`) rendezvous over loopback."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    stack_dir: str  # where `rankN.stack` is written (SIGUSR1): a directory on the rank's own node
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # rank 0's TCPStore: the port of the socket rank 0 is handed
+    gpu: int | None = None  # with --gpus: the device index the rank uses
+    environ: dict[str, str] = field(default_factory=dict)  # the node's environment, under the spec's (Ray: its own)
+
+    @property
+    def loopback(self) -> bool:
+        return self.master_addr == "127.0.0.1"
+
+    @classmethod
+    def local(cls, world_size: int, use_gpus: bool, stack_dir: str, master_port: int) -> list[Seat]:
+        return [cls(rank, rank, world_size, stack_dir, master_port=master_port, gpu=rank if use_gpus else None)
+                for rank in range(world_size)]
 
 
 class FdForChild:
@@ -98,7 +126,7 @@ class PipeLink:
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 
 
-def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
+def entry(seat: Seat, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
           spec_payload: bytes, data: dict[int, tuple[int, ...]], store_socket: socket.socket | None = None,
           result_fd: int | None = None, commands: Connection | None = None) -> None:
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
@@ -108,6 +136,7 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     anything is unpickled. Rank 0 also gets the socket for its TCPStore and the file for its result; a session's
     ranks get a pipe for the kernel's commands."""
     global _store_fd
+    rank = seat.rank
     # what the forkserver imported (torch: ~200,000 objects) is never garbage: keep the garbage collector from
     # walking it at every full collection, which also copied every page it touched out of the shared memory
     gc.freeze()
@@ -122,7 +151,8 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     code = 0
     try:
         mapped.attach(data)
-        run_function(context, spec_payload, _setup, _join_group, result_fd)
+        run_function(context, spec_payload, lambda rank, spec: _setup(seat, spec),
+                     lambda context, spec: _join_group(seat, context, spec), result_fd)
         group.leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
         code = exit_code(exc)
@@ -132,16 +162,17 @@ def entry(rank: int, channel: Connection, lifeline: Connection, out: Connection,
     os._exit(code)  # skip interpreter teardown: user threads or CUDA state must not hang the exit
 
 
-def _setup(rank: int, spec: WorkerSpec) -> str:
+def _setup(seat: Seat, spec: WorkerSpec) -> str:
     """The environment torchrun would give the rank, its CPU threads and its device."""
     import torch
 
-    _install_stack_dump(spec.run_dir, rank)
+    _install_stack_dump(seat.stack_dir, seat.rank)
     os.environ.clear()
     os.environ.update(INIT_BARRIER)  # unless the kernel's environment or --env says otherwise
+    os.environ.update(seat.environ)
     os.environ.update(spec.environ)
-    os.environ.update(_torchrun_env(rank, spec))
-    loopback = _loopback_interface()
+    os.environ.update(_torchrun_env(seat, spec))
+    loopback = _loopback_interface() if seat.loopback else None
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         # ranks of a local run talk over loopback: gloo would otherwise listen on the address the hostname
         # resolves to, which on many machines is reachable from the network
@@ -149,17 +180,18 @@ def _setup(rank: int, spec: WorkerSpec) -> str:
     threads = spec.torch_threads or _omp_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    if spec.use_gpus:
-        torch.cuda.set_device(rank)
-        return f"cuda:{rank}"
+    if spec.use_gpus and seat.gpu is not None:
+        torch.cuda.set_device(seat.gpu)
+        return f"cuda:{seat.gpu}"
     return "cpu"
 
 
-def _join_group(context: ctx.RankContext, spec: WorkerSpec) -> None:
+def _join_group(seat: Seat, context: ctx.RankContext, spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
-    # rank 0 listens on the socket the kernel bound to 127.0.0.1 (never on every interface, never a raced port)
-    context.store = dist.TCPStore("127.0.0.1", spec.master_port, spec.world_size, is_master=context.rank == 0,
+    # rank 0 listens on the socket the kernel (or its node's host) bound: 127.0.0.1 for a one-machine run, its
+    # node's address for a run across nodes; never every interface, never a raced port
+    context.store = dist.TCPStore(seat.master_addr, seat.master_port, spec.world_size, is_master=context.rank == 0,
                                   master_listen_fd=_store_fd if context.rank == 0 else None)
     group.new_group(spec.backend)
 
@@ -213,14 +245,14 @@ def _install_stack_dump(run_dir: str, rank: int) -> None:
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
 
 
-def _torchrun_env(rank: int, spec: WorkerSpec) -> dict[str, str]:
+def _torchrun_env(seat: Seat, spec: WorkerSpec) -> dict[str, str]:
     return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "RANK": str(seat.rank),
+        "LOCAL_RANK": str(seat.local_rank),
         "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.world_size),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(spec.master_port),
+        "LOCAL_WORLD_SIZE": str(seat.local_world_size),
+        "GROUP_RANK": str(seat.node_rank),
+        "MASTER_ADDR": seat.master_addr,
+        "MASTER_PORT": str(seat.master_port),
         "DDPNB_WORKER": "1",
     }
