@@ -22,7 +22,8 @@ import torch
 
 import ddpnb
 from ddpnb.core import data as notebook_data
-from ddpnb.node import mapped, shared
+from ddpnb.engines.local import shared
+from ddpnb.node import mapped
 from ddpnb.rank import data as rank_data
 
 MB = 1 << 20

@@ -130,6 +130,11 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
         return list(_preloaded)
 
 
+def preloaded() -> list[str]:
+    """What `preload` added so far, in the order asked."""
+    return list(_preloaded)
+
+
 def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as listing:

@@ -80,6 +80,14 @@ def attach_from(pid: int, fds: dict[int, tuple[int, ...]]) -> None:
         attach({segment_id: tuple(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) for fd in files)})
 
 
+def has(segment_id: int) -> bool:
+    return segment_id in _maps
+
+
+def size(segment_id: int) -> int:
+    return len(_segment(segment_id))
+
+
 def _segment(segment_id: int) -> mmap.mmap:
     try:
         return _maps[segment_id]

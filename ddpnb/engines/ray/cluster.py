@@ -19,6 +19,19 @@ _local_resources: dict[str, int] = {}
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+def connect_for_run(address: str | None, world_size: int, use_gpus: bool) -> None:
+    """`connect` for a run's ranks, saying where they go, and warning where the cluster is too small for them."""
+    import ray
+
+    cpus, gpus = world_size, world_size if use_gpus else 0
+    print(connect(address, cpus=cpus, gpus=gpus))
+    total = ray.cluster_resources()
+    if total.get("CPU", 0) < cpus or total.get("GPU", 0) < gpus:
+        print(f"[ddpnb] the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all; "
+              f"this run needs {cpus} CPUs and {gpus} GPUs. It waits until the cluster has room (an autoscaler "
+              "may add nodes); --timeout bounds the wait.", file=sys.stderr)
+
+
 def connect(address: str | None, cpus: int, gpus: int) -> str:
     """Connect this kernel to Ray by the rule the README documents; returns a line saying where runs go.
 

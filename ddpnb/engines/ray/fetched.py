@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddpnb.node import mapped
 from ddpnb.rank.data import from_cuda
 
 _refs: dict[int, Any] = {}  # key -> ObjectRef, given by the run or the session command (`receive`)
@@ -35,6 +36,9 @@ def rebuild_tensor(key: int, dtype: Any, storage_offset: int, size: tuple[int, .
                     requires_grad: bool, parameter: bool) -> Any:
     import torch
 
+    if mapped.has(key):  # a rank forked by its node's host: the object is in a memory file the host filled
+        return mapped.rebuild_tensor(key, 0, mapped.size(key), dtype, storage_offset, size, stride, requires_grad,
+                                     parameter)
     storage = _storages.get(key)
     if storage is None:
         storage = _storages[key] = torch.from_numpy(_fetch(key)).untyped_storage()
@@ -51,4 +55,6 @@ def rebuild_from_cuda(*args: Any) -> Any:
 
 
 def rebuild_array(key: int, dtype: Any, shape: tuple[int, ...], order: str) -> Any:
+    if mapped.has(key):
+        return mapped.rebuild_array(key, 0, mapped.size(key), dtype, shape, order)
     return _fetch(key).view(dtype).reshape(shape, order=order)

@@ -18,7 +18,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core.messages import Output, Placed, Stacks
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.stacks import thread_stack
-from ddpnb.engines.ray import fetched, versions
+from ddpnb.engines.ray import fetched, version_warning
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import run_function
@@ -122,12 +122,8 @@ class _RayCheckpoints:
 
 
 def _warn_about_versions(kernel: dict[str, str]) -> None:
-    here = versions()
-    differ = [f"{name} {here.get(name)} here, {version} in the kernel" for name, version in kernel.items()
-              if here.get(name) != version]
-    if differ:
-        print(f"[ddpnb] this node's versions differ from the kernel's: {'; '.join(differ)}. Functions and results "
-              "travel pickled between them: install the same versions on both.", file=sys.stderr)
+    if warning := version_warning(kernel):
+        print(warning, file=sys.stderr)
 
 
 class _Link:

@@ -1,0 +1,288 @@
+"""The ray engine's launch without Ray Train, kernel side: a placement group reserves the ranks' CPUs and GPUs where
+Ray places them; each node's host actor (`host.py`, started once per node and kernel) forks that node's ranks
+from its warm forkserver; the kernel long-polls every host for its ranks' news.
+
+A host that dies (its node lost) ends its ranks' part of the run: each is named a failure that says so, and the
+run stops the others as after any failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddpnb.core import pickling
+from ddpnb.core.engine import AttemptStart, RunEvents
+from ddpnb.core.spec import WorkerSpec
+from ddpnb.engines.ray import versions
+from ddpnb.engines.ray.data import ObjectStoreShipment
+from ddpnb.node import forkserver
+from ddpnb.node.forked import STACK_WAIT, STOP_GRACE
+from ddpnb.node.rank import Seat
+
+TICK = 0.1  # seconds between two checks of the run (stop, timeout, announcements) while no host has news
+HOLD = 0.5  # seconds a host's drain waits for news before it answers empty
+CALL_WAIT = 30.0  # seconds a host may take to answer a call that should take milliseconds
+REMOVE_WAIT = 1.0  # seconds `close` waits for Ray to count the run's CPUs as free (others may take them first)
+HOST_START = 600.0  # seconds a new host may take to start (its node imports ddpnb)
+
+_hosts: dict[str, Any] = {}  # node id -> its host actor, for this kernel's Ray connection (`_hosts_job`)
+_hosts_job: str | None = None
+
+
+class WarmEngine:
+    """One attempt's ranks, forked by the hosts of the nodes Ray placed them on."""
+
+    def __init__(self, spec: WorkerSpec, placement: str, connect: Callable[[], None]) -> None:
+        self.spec = spec
+        self.placement = placement
+        self._connect = connect
+        self._run = Path(spec.run_dir).name + f"-{spec.attempt}"
+        self._events: RunEvents | None = None
+        self._group: Any = None
+        self._payload = b""
+        self._refs: dict[int, Any] = {}
+        self._commands = False
+        self._hosts: dict[str, Any] = {}  # node id -> host, once launched
+        self._nodes: dict[int, tuple[str, str]] = {}  # rank -> (node id, node ip)
+        self._exited: set[int] = set()
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._launched = False
+        self._early: list[Callable[[], None]] = []  # commands sent before the ranks were forked
+        self._numbers = itertools.count()  # commands and interrupts, in the order the hosts must take them
+
+    def start(self, events: RunEvents, start: AttemptStart) -> None:
+        from ray.util import placement_group
+
+        self._events = events
+        self._commands = start.commands
+        # before anything starts: arguments that cannot be sent
+        self._payload = pickling.dump_spec(self.spec, start.shipment)
+        self._connect()
+        # the function's and args' big tensors and arrays: put into the object store once, fetched once per node
+        self._refs = start.shipment.put() if isinstance(start.shipment, ObjectStoreShipment) else {}
+        bundle = {"CPU": 1, **({"GPU": 1} if self.spec.use_gpus else {})}
+        self._group = placement_group([bundle] * self.spec.world_size, strategy=self.placement,
+                                      name=f"ddpnb-{self._run}")
+
+    # --- the reader ------------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        import ray
+
+        assert self._events is not None
+        try:
+            if self._placed():
+                self._launch()
+                self._relay()
+        except ray.exceptions.RayError as exc:  # Ray failed under us (the cluster went away): end the run, saying why
+            self._lose(list(range(self.spec.world_size)), f"lost the Ray run: {type(exc).__name__}: {exc}")
+        finally:
+            for rank in range(self.spec.world_size):  # stopped before they were forked
+                if rank not in self._exited:
+                    self._events.exited(rank, -signal.SIGKILL, stopped=True)
+
+    def _placed(self) -> bool:
+        """Wait until Ray has reserved every rank's bundle (a busy cluster: until it has room); False if stopped."""
+        assert self._events is not None
+        while not self._group.wait(TICK):  # asks Ray's control store (`ready()` would run a task in the group)
+            self._events.tick()
+            if self._stopping:
+                return False
+        return not self._stopping
+
+    def _launch(self) -> None:
+        """Each node's ranks forked by its host: ranks numbered node by node, rank 0's node holding the store."""
+        import ray
+        from ray.util import placement_group_table
+
+        bundles = placement_group_table(self._group)["bundles_to_node_id"]
+        nodes = list(dict.fromkeys(bundles[index] for index in range(self.spec.world_size)))
+        self._hosts = {node: _host(node) for node in nodes}
+        where = dict(zip(nodes, ray.get([self._hosts[node].where.remote() for node in nodes],
+                                        timeout=HOST_START), strict=True))
+        gpus = _gpu_ids(self._group, self.spec.world_size) if self.spec.use_gpus else {}
+        single = len(nodes) == 1
+        first = self._hosts[nodes[0]]
+        port = ray.get(first.bind_store.remote(self._run, single), timeout=CALL_WAIT)
+        master = "127.0.0.1" if single else where[nodes[0]][1]
+        seats: dict[str, list[Seat]] = {}
+        rank = 0
+        for node_rank, node in enumerate(nodes):
+            mine = [index for index in range(self.spec.world_size) if bundles[index] == node]
+            visible = sorted({gpus[index] for index in mine}) if gpus else []
+            environ = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))} if gpus else {}
+            seats[node] = []
+            for local_rank, index in enumerate(mine):
+                seats[node].append(Seat(rank, local_rank, len(mine), "", node_rank, master, port,
+                                        visible.index(gpus[index]) if gpus else None, environ))
+                self._nodes[rank] = (node, where[node][1])
+                rank += 1
+        notes = ray.get([self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
+                                                        self._commands, forkserver.preloaded(), versions())
+                         for node in nodes], timeout=CALL_WAIT)
+        for note in itertools.chain(*notes):
+            print(note, file=sys.stderr)
+        with self._lock:
+            early, self._early, self._launched = self._early, [], True
+        for call in early:
+            call()
+
+    def _relay(self) -> None:
+        """Every host's news as it comes (one long poll per host), until every host's ranks have ended."""
+        import ray
+
+        assert self._events is not None
+        polls = {host.drain.remote(self._run, HOLD): node for node, host in self._hosts.items()}
+        while polls:
+            ready, _ = ray.wait(list(polls), num_returns=1, timeout=TICK)
+            for ref in ready:
+                node = polls.pop(ref)
+                try:
+                    batch, done = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # the host died: its node was lost, or its process killed
+                    _hosts.pop(node, None)
+                    self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],
+                               f"its Ray node {self._nodes_ip(node)} was lost ({type(exc).__name__})")
+                    continue
+                self._replay(node, batch)
+                if not done:
+                    polls[self._hosts[node].drain.remote(self._run, HOLD)] = node
+            self._events.tick()
+
+    def _replay(self, node: str, batch: list[tuple[Any, ...]]) -> None:
+        from ddpnb.core.spec import Stream
+
+        assert self._events is not None
+        for kind, rank, *rest in batch:
+            if kind == "output":
+                self._events.output(rank, *rest)
+            elif kind == "message":
+                self._events.message(rank, *rest)
+            elif kind == "placed":
+                self._events.placed(rank, rest[0], node)
+                line = f"[ddpnb] on Ray node {node[:12]} ({self._nodes_ip(node)}), pid {rest[0]}\n"
+                self._events.output(rank, Stream.STDOUT, line.encode())
+            elif kind == "exited":
+                self._exited.add(rank)
+                self._events.exited(rank, rest[0], stopped=rest[1])
+
+    def _lose(self, ranks: list[int], cause: str) -> None:
+        assert self._events is not None
+        for rank in ranks:
+            if rank not in self._exited:
+                self._exited.add(rank)
+                self._events.exited(rank, 1, cause=cause)
+
+    def _nodes_ip(self, node: str) -> str:
+        return next((ip for where, ip in self._nodes.values() if where == node), "?")
+
+    # --- stopping and commands --------------------------------------------------------------------------------------
+    def stop(self, ranks: list[int], failed: bool) -> float | None:
+        self._stopping = True
+        for host in self._hosts.values():
+            host.stop.remote(self._run, ranks)
+        return STOP_GRACE
+
+    def escalate(self) -> float | None:
+        for host in self._hosts.values():
+            host.escalate.remote(self._run)
+        return None
+
+    def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        import ray
+
+        stacks: dict[int, str] = {}
+        for found in ray.get([host.collect_stacks.remote(self._run, ranks) for host in self._hosts.values()],
+                             timeout=STACK_WAIT + CALL_WAIT):
+            stacks.update(found)
+        return stacks
+
+    def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
+        # the command's big tensors and arrays: put once (or reused), fetched once per node by its host
+        refs = shipment.put() if isinstance(shipment, ObjectStoreShipment) else {}
+        self._in_order(lambda number: [host.send.remote(self._run, number, ranks, command, refs)
+                                       for host in self._hosts.values()])
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self._in_order(lambda number: [host.interrupt.remote(self._run, number, ranks)
+                                       for host in self._hosts.values()])
+
+    def _in_order(self, call: Callable[[int], Any]) -> None:
+        """Numbered as called, since a threaded actor may run two calls in either order; kept until the ranks are
+        forked where they come before."""
+        with self._lock:
+            number = next(self._numbers)
+            if not self._launched:
+                self._early.append(lambda: call(number))
+                return
+        call(number)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get([host.close.remote(self._run) for host in self._hosts.values()], timeout=CALL_WAIT)
+        except ray.exceptions.RayError:  # a host is gone, and its ranks with it
+            pass
+        except Exception:  # noqa: BLE001 - Ray already shut down (the kernel is exiting): the hosts went with it
+            pass
+        if self._group is not None:
+            try:
+                _remove(self._group, self.spec.world_size)
+            except Exception as exc:  # noqa: BLE001 - say so: its CPUs/GPUs stay reserved until the kernel exits
+                print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
+                      "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
+        self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+
+def _host(node: str) -> Any:
+    """The node's host actor, started on the node the first time a run needs it (for this Ray connection)."""
+    global _hosts_job
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ddpnb.engines.ray.host import Host
+
+    job = ray.get_runtime_context().get_job_id()
+    if job != _hosts_job:  # Ray restarted, or another cluster: the hosts known went with the old connection
+        _hosts.clear()
+        _hosts_job = job
+    if node not in _hosts:
+        _hosts[node] = ray.remote(Host).options(
+            num_cpus=0, max_concurrency=64, name=f"ddpnb-host-{job}-{node[:12]}", get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+    return _hosts[node]
+
+
+def _remove(group: Any, cpus: int) -> None:
+    """Release the run's reservation, and wait (briefly) until Ray counts its CPUs as free again: a group asked for
+    before then (the next cell's, at once) waits for Ray's next scheduling round, a second later."""
+    import ray
+    from ray.util import remove_placement_group
+
+    free = ray.available_resources().get("CPU", 0)
+    remove_placement_group(group)
+    deadline = time.monotonic() + REMOVE_WAIT
+    while ray.available_resources().get("CPU", 0) < free + cpus and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _gpu_ids(group: Any, world_size: int) -> dict[int, int]:
+    """The GPU Ray reserved in each bundle, learned by a task that runs in it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def gpu_id() -> int:
+        return int(ray.get_gpu_ids()[0])
+
+    return dict(enumerate(ray.get([
+        gpu_id.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index))
+        .remote() for index in range(world_size)], timeout=HOST_START)))
