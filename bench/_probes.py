@@ -755,6 +755,54 @@ def probe_slurm(args: argparse.Namespace) -> None:
     emit({"first": first, "later": later})
 
 
+def probe_ray(args: argparse.Namespace) -> None:
+    """A kernel's launches and sessions on Ray (the local Ray instance ddpnb starts, or `--address`), 2 CPU ranks,
+    interleaved with the local engine's in the same process: first and later launches of the trivial workload,
+    a session's start and its round trip (`s.execute("x = x + 1")`)."""
+    import torch  # noqa: F401 - the notebook imported torch
+
+    import ddpnb
+
+    by_value()
+    ray_options: dict[str, Any] = {"engine": "ray", **({"address": args.address} if args.address else {}),
+                                   **({"placement": args.placement} if args.placement else {})}
+    options = {"ray": ray_options, "local": {}}
+    pids: list[int] = []
+
+    def launch(engine: str) -> float:
+        started = time.perf_counter()
+        value = ddpnb.run(_workloads.trivial, nprocs=2, view="none", **options[engine])
+        elapsed = time.perf_counter() - started
+        assert value["sum"] == 2.0, value
+        if engine == "ray":
+            pids.append(value["pid"])
+        return elapsed
+
+    first = {engine: launch(engine) for engine in options}
+    later: dict[str, list[float]] = {engine: [] for engine in options}
+    for _ in range(args.warm):
+        for engine, times in later.items():
+            times.append(launch(engine))
+    start: dict[str, list[float]] = {engine: [] for engine in options}
+    round_trip: dict[str, list[float]] = {engine: [] for engine in options}
+    for _ in range(args.sessions):
+        for engine in options:
+            began = time.perf_counter()
+            session = ddpnb.session(nprocs=2, **options[engine])
+            try:
+                start[engine].append(time.perf_counter() - began)
+                session.execute("x = 0")
+                for index in range(args.warmup + args.cells):
+                    began = time.perf_counter()
+                    session.execute("x = x + 1")
+                    if index >= args.warmup:
+                        round_trip[engine].append(time.perf_counter() - began)
+            finally:
+                session.stop()
+    emit({"first": first, "later": later, "session_start": start, "round_trip": round_trip,
+          "fresh_pids": len(set(pids)) == len(pids)})
+
+
 def _readlink(path: str) -> str:
     try:
         return os.readlink(path)
@@ -784,6 +832,13 @@ def main() -> None:
     p.add_argument("--cells", type=int, default=200, help="timed cells of each kind")
     p.add_argument("--warmup", type=int, default=20, help="untimed cells of each kind first")
     p.add_argument("--restarts", type=int, default=5, help="restarts, each paired with a later launch")
+    p = sub.add_parser("ray")
+    p.add_argument("--warm", type=int, default=5, help="later launches of each engine")
+    p.add_argument("--sessions", type=int, default=2, help="sessions of each engine")
+    p.add_argument("--cells", type=int, default=20, help="timed round trips per session")
+    p.add_argument("--warmup", type=int, default=5, help="untimed round trips first")
+    p.add_argument("--address", default="", help="a Ray cluster's address (default: a local Ray instance)")
+    p.add_argument("--placement", default="", help="pack or spread")
     p = sub.add_parser("ipyparallel")
     p.add_argument("--cells", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
@@ -817,7 +872,7 @@ def main() -> None:
         "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
         "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
-        "checkpoint": probe_checkpoint, "slurm": probe_slurm,
+        "checkpoint": probe_checkpoint, "slurm": probe_slurm, "ray": probe_ray,
     }[args.probe]
     probe(args)
 

@@ -71,6 +71,9 @@ class Settings:
     checkpoint_bytes: int = 100_000_000
     slurm_reps: int = 3  # rounds: the srun rows once each, then a fresh kernel's slurm and local launches
     slurm_warm: int = 4  # later launches of each engine per round
+    ray_reps: int = 2  # rounds: a fresh kernel, its own local Ray instance
+    ray_warm: int = 5  # later launches of each engine per round
+    ray_sessions: int = 2  # sessions of each engine per round (20 timed round trips each)
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -79,7 +82,8 @@ FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, st
 QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
                  session_warmup=5, session_restarts=2, data_reps=1,
-                 data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2)
+                 data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2,
+                 ray_reps=1, ray_warm=3, ray_sessions=1)
 
 
 class ProbeFailed(RuntimeError):
@@ -898,8 +902,61 @@ def _free_port() -> int:
 
 
 # --- main -----------------------------------------------------------------------------------------------------
+def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    title = "### 9. The ray engine — trivial all_reduce and session cells, 2 CPU ranks, gloo, beside the local engine"
+    if not installed("ray"):
+        goals.append(Goal("ray (issue 31): later launch ≤ 3 s", "—", None))
+        return f"{title}\n\nnot measured: ray is not installed (pip install -e '.[ray]')"
+    samples = {name: Samples() for name in ("ray_first", "ray_later", "local_later", "ray_start", "local_start",
+                                            "ray_trip", "local_trip")}
+    fresh = True
+    for rnd in range(settings.ray_reps):
+        say(f"ray: round {rnd + 1}/{settings.ray_reps} (a fresh kernel starts its own local Ray instance)")
+        data = attempt(samples["ray_later"], lambda: probe(
+            "ray", f"--warm={settings.ray_warm}", f"--sessions={settings.ray_sessions}", env=env, timeout=900))
+        if not data:
+            continue
+        fresh = fresh and data["fresh_pids"]
+        samples["ray_first"].add(data["first"]["ray"], rnd)
+        for engine in ("ray", "local"):
+            samples[f"{engine}_later"].add(data["later"][engine], rnd)
+            samples[f"{engine}_start"].add(data["session_start"][engine], rnd)
+            samples[f"{engine}_trip"].add(data["round_trip"][engine], rnd)
+    entries = [
+        ("first `ddpnb.run(engine='ray')`", "ray_first", " s", "starts a local Ray instance and this node's host"),
+        ("later `ddpnb.run(engine='ray')`", "ray_later", " s", "a placement group, a fork on the warm host"),
+        ("later `ddpnb.run` (local engine)", "local_later", " s", "the same kernel"),
+        ("`ddpnb.session(engine='ray')` starts", "ray_start", " s", "Ray and the host already up"),
+        ("`ddpnb.session()` starts (local engine)", "local_start", " s", ""),
+        ("session round trip on Ray, `s.execute('x = x + 1')`", "ray_trip", " ms", ""),
+        ("session round trip, local engine", "local_trip", " ms", ""),
+    ]
+    rows = []
+    for label, name, unit, note in entries:
+        found = samples[name]
+        scale = 1000 if unit == " ms" else 1
+        median = None if found.median is None else found.median * scale
+        local = samples[name.replace("ray_", "local_")] if name.startswith("ray_") and name != "ray_first" else None
+        ratio = found.ratio_of_medians_to(local) if local is not None else None
+        extra = f"{note}; {found.note}" if found.note else note
+        rows.append([label, fmt(median, unit), str(len(found.values)), fmt(ratio, "×") if local else "", extra])
+    goals.append(_at_most("ray (issue 31): later launch ≤ 3 s", samples["ray_later"].median, 3.0, " s"))
+    goals.append(_at_most("ray (issue 31): session start ≤ 5 s", samples["ray_start"].median, 5.0, " s"))
+    trip = samples["ray_trip"].median
+    goals.append(_at_most("ray (issue 31): session round trip ≤ 10 ms", None if trip is None else trip * 1000, 10.0,
+                          " ms"))
+    return (f"{title}\n\n" + table(["", "median", "n", "÷ local engine", "note"], rows)
+            + f"\n\nOne fresh process per round plays the kernel, with a local Ray instance it starts (2 CPUs); "
+              f"launches of the two engines interleave. Every later Ray launch got new rank PIDs: {fresh}.")
+
+
+def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:
+    return Goal(label, fmt(value, unit), None if value is None else value <= bound)
+
+
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
-            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm}
+            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm,
+            "ray": bench_ray}
 
 
 def machine() -> str:

@@ -66,36 +66,6 @@ for row in sent:
     assert run_actors_left([ray_kernel.pid]) == []
 
 
-def test_the_raylets_line_about_a_killed_rank_is_labelled_as_rays_without_colour_codes(ray_kernel):
-    """Ray's driver prints the raylet's "A worker died or was killed ..." into the running cell, between the ranks'
-    lines, coloured as `(raylet)`; ddpnb shows it as Ray's own line, on stderr, with no ANSI codes."""
-    ray_kernel.execute("import tempfile\nhandshake = tempfile.mkdtemp()")
-    died = ray_kernel.execute('''%%ddp --engine ray -n 2
-def dies(rank):
-    import signal
-    if rank == 0:
-        open(os.path.join(handshake, "rank 0 started"), "w").close()
-    while rank == 1 and not os.path.exists(os.path.join(handshake, "rank 0 started")):
-        time.sleep(0.01)
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # until rank 1's death stops the run
-''', timeout=CELL_TIMEOUT)
-    assert died.error is not None and died.error["ename"] == "WorkerError", died.text
-    shown = died.stdout + died.stderr
-    later_stderr = ""
-    deadline = time.monotonic() + 60  # the raylet's line may come after the cell ended: it lands in a later one
-    while "A worker died or was killed" not in shown and time.monotonic() < deadline:
-        later = ray_kernel.execute("time.sleep(0.5)")
-        shown, later_stderr = shown + later.stdout + later.stderr, later_stderr + later.stderr
-    assert "\x1b[" not in shown
-    assert "(raylet)" not in shown, shown
-    ray_lines = [line for line in shown.splitlines() if "A worker died or was killed" in line]
-    assert ray_lines and all(line.startswith("[ray] raylet: A worker died") for line in ray_lines), shown
-    assert all(line in died.stderr + later_stderr for line in ray_lines)
-    assert not any("A worker died" in line for line in died.stdout.splitlines() if line.startswith("[rank"))
-
-
 def _plasma(kernel) -> tuple[float, int]:
     """The object store's use as Ray reports it (a private helper: this is a test), in MiB and objects."""
     line = last_lines(kernel, "from ray._private.internal_api import memory_summary\n"

@@ -1,17 +1,18 @@
-"""The ray engine: a run on a Ray cluster through Ray Train's `TorchTrainer`, seen exactly like a local run.
+"""The ray engine: a run on a Ray cluster, seen exactly like a local run.
 
     kernel (engine.py, cluster.py)           Ray cluster
-    RayEngine, in the run's thread ───────►  run actor (actor.py; 0 CPUs, owned by the kernel: it dies with it)
-      drains the channel ten times a           hosts TorchTrainer.fit() and the ranks' channel to the kernel
-      second                                   │ owns Ray Train's controller, which owns the workers
+    WarmEngine (warm.py): a placement  ───►  host × node (host.py; 0 CPUs, owned by the kernel: it dies with it)
+      group, then one long poll per            keeps a warm forkserver; forks the node's ranks from it as the
+      host for its ranks' news                 local engine does (node/forked.py), relays their pipes' news
                                                ▼
-                                             rank × N (rank.py, on Ray Train workers): fds 1/2 → pipes → channel
-                                             (and on to Ray's own log), then `rank.main.run_function`: the same
-                                             call, result and failure code as a local rank
+                                             rank × N (node/rank.py): the local engine's rank code
+    TrainEngine (train.py; a run that  ───►  run actor (actor.py) hosts TorchTrainer.fit() and the ranks'
+      may restart): drains the channel         channel; rank × N (rank.py, on Ray Train workers)
 
-Ranks report through ddpnb's own channel (the run actor), never through Ray's driver log forwarding, which
-loses the rank, drops repeated lines and prints into whichever cell is running. Modules here import Ray only
-inside functions: they are imported for `--engine ray` alone, and on the workers.
+Both end in `rank.main.run_function`: the same call, result and failure code as a local rank. Ranks report
+through ddpnb's own channel, never through Ray's driver log forwarding, which loses the rank, drops repeated lines
+and prints into whichever cell is running. Modules here import Ray only inside functions: they are imported for
+`--engine ray` alone, and on the cluster.
 """
 
 from __future__ import annotations

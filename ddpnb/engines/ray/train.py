@@ -21,7 +21,7 @@ from ddpnb import _compat
 from ddpnb.core import messages as msg
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, RunEvents
-from ddpnb.core.spec import WorkerSpec
+from ddpnb.core.spec import Stream, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT, versions
 from ddpnb.engines.ray.actor import FitOutcome, FitRequest, NewAttempt
 from ddpnb.engines.ray.data import ObjectStoreShipment

@@ -19,7 +19,7 @@ from typing import Any
 
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, RunEvents
-from ddpnb.core.spec import WorkerSpec
+from ddpnb.core.spec import Stream, WorkerSpec
 from ddpnb.engines.ray import versions
 from ddpnb.engines.ray.data import ObjectStoreShipment
 from ddpnb.node import forkserver
@@ -74,14 +74,12 @@ class WarmEngine:
 
     # --- the reader ------------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        import ray
-
         assert self._events is not None
         try:
             if self._placed():
                 self._launch()
                 self._relay()
-        except ray.exceptions.RayError as exc:  # Ray failed under us (the cluster went away): end the run, saying why
+        except Exception as exc:  # noqa: BLE001 - Ray failed under us (the cluster went away): end the run, saying why
             self._lose(list(range(self.spec.world_size)), f"lost the Ray run: {type(exc).__name__}: {exc}")
         finally:
             for rank in range(self.spec.world_size):  # stopped before they were forked
@@ -117,7 +115,8 @@ class WarmEngine:
         for node_rank, node in enumerate(nodes):
             mine = [index for index in range(self.spec.world_size) if bundles[index] == node]
             visible = sorted({gpus[index] for index in mine}) if gpus else []
-            environ = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, visible))} if gpus else {}
+            # the node's ranks see all of its run's GPUs, each using its own (NCCL's peer-to-peer paths need both)
+            environ = {"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {}
             seats[node] = []
             for local_rank, index in enumerate(mine):
                 seats[node].append(Seat(rank, local_rank, len(mine), "", node_rank, master, port,
@@ -157,8 +156,6 @@ class WarmEngine:
             self._events.tick()
 
     def _replay(self, node: str, batch: list[tuple[Any, ...]]) -> None:
-        from ddpnb.core.spec import Stream
-
         assert self._events is not None
         for kind, rank, *rest in batch:
             if kind == "output":
@@ -256,7 +253,7 @@ def _host(node: str) -> Any:
         _hosts_job = job
     if node not in _hosts:
         _hosts[node] = ray.remote(Host).options(
-            num_cpus=0, max_concurrency=64, name=f"ddpnb-host-{job}-{node[:12]}", get_if_exists=True,
+            num_cpus=0, max_concurrency=64,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
     return _hosts[node]
 
@@ -274,14 +271,15 @@ def _remove(group: Any, cpus: int) -> None:
         time.sleep(0.005)
 
 
-def _gpu_ids(group: Any, world_size: int) -> dict[int, int]:
-    """The GPU Ray reserved in each bundle, learned by a task that runs in it."""
+def _gpu_ids(group: Any, world_size: int) -> dict[int, str]:
+    """The GPU Ray reserved in each bundle (an index, or a UUID where the node names its GPUs so), learned by a
+    task that runs in it."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     @ray.remote(num_cpus=0, num_gpus=1)
-    def gpu_id() -> int:
-        return int(ray.get_gpu_ids()[0])
+    def gpu_id() -> str:
+        return str(ray.get_gpu_ids()[0])
 
     return dict(enumerate(ray.get([
         gpu_id.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index))
