@@ -38,6 +38,7 @@ TEARDOWN_STOP = (RESTARTS + "test_stop_during_a_failed_attempts_teardown_never_r
 COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint"
 CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
 SLURM = "tests/test_slurm.py::"
+RAY = "tests/test_ray.py::"
 STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
@@ -271,6 +272,23 @@ MUTANTS = [
         "own-job-outlives-its-kernel", "ddpnb/engines/slurm/submit.py",
         (('*shlex.split(options.job_args), "cat"]', '*shlex.split(options.job_args), "sleep", "3600"]'),),
         (SLURM + "test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it",),
+    ),
+    # --- the ray engine's warm launch (test_ray.py: a real local Ray instance) ------------------------------------
+    Mutant(
+        "lost-host-fails-no-rank", "ddpnb/engines/ray/warm.py",
+        (("                    self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],\n",
+          "                    (lambda *_: None)([rank for rank, (where, _) in self._nodes.items() if where == node],\n"),),
+        (RAY + "test_a_lost_host_fails_its_ranks_with_rays_own_line_and_the_next_launch_gets_a_new_one",),
+    ),
+    Mutant(
+        "placement-group-kept-after-the-run", "ddpnb/engines/ray/warm.py",
+        (("                _remove(self._group, self.spec.world_size)\n", "                pass\n"),),
+        (RAY + "test_a_killed_ray_rank_is_named_as_the_first_failure_and_nothing_is_left",),
+    ),
+    Mutant(
+        "preload-never-reaches-the-hosts", "ddpnb/engines/ray/warm.py",
+        (("self._commands, forkserver.preloaded(), versions())", "self._commands, [], versions())"),),
+        (RAY + "test_a_module_preloaded_in_the_kernel_is_in_every_ray_rank_from_the_next_launch",),
     ),
 ]
 

@@ -90,7 +90,9 @@ print(s.pull("fresh")[0][0].item(), len(ray_data.store.entries), ray_data.store.
 ''')[0]
     assert held.split() == ["19.0", str(KEEP_LAUNCHES), str(KEEP_LAUNCHES * 16 * MB)]
     deadline = time.monotonic() + 60  # Ray frees an object once no reference to it is left, asynchronously
-    while (used := _plasma(ray_session)) and used[1] > KEEP_LAUNCHES + 1 and time.monotonic() < deadline:
+    bounded = (KEEP_LAUNCHES + 1, (KEEP_LAUNCHES + 1) * 16 + 1)
+    while (used := _plasma(ray_session)) and (used[1] > bounded[0] or used[0] > bounded[1]) \
+            and time.monotonic() < deadline:
         time.sleep(1)
     # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
     assert used[1] <= KEEP_LAUNCHES + 1 and used[0] <= (KEEP_LAUNCHES + 1) * 16 + 1, used

@@ -5,9 +5,9 @@ Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulte
 the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
 the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
 from, so that the next launch reuses what did not change instead of putting it again. Rank side (`fetched`): `rebuild_tensor`
-/ `rebuild_array` fetch the object (on the rank's node Ray keeps one copy in shared memory, which every rank there
-reads) and copy it into the rank's own memory, since the object store's copy is read-only: a rank that writes into
-its tensor changes neither the notebook's nor another rank's, as with a pickle.
+/ `rebuild_array` map the memory file the node's host fetched the object into (`host.py`), copy-on-write, or fetch
+it (a Ray Train worker) and copy it into the rank's own memory, since the object store's copy is read-only: a rank
+that writes into its tensor changes neither the notebook's nor another rank's, as with a pickle.
 """
 
 from __future__ import annotations

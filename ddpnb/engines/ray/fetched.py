@@ -1,5 +1,6 @@
-"""Notebook data on Ray, rank side: the object references a launch or session command was given, and the tensors
-and arrays rebuilt from what they fetch. The kernel side is `data`."""
+"""Notebook data on Ray, rank side: the tensors and arrays a launch's or session command's pickle names by key,
+rebuilt from the memory file the node's host filled (a forked rank: `node.mapped`, copy-on-write), or from the
+object reference the rank was given (a Ray Train worker: fetched and copied). The kernel side is `data`."""
 
 from __future__ import annotations
 
