@@ -20,13 +20,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ddpnb.core.channel import EAGER
-from ddpnb.core.data import KEEP_LAUNCHES
 from ddpnb.core.spec import Stream
 from ddpnb.engines.ray import version_warning
 from ddpnb.node import forkserver
 from ddpnb.node.forked import ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat
 
+RECENT_COMMANDS = 4  # commands whose data's memory files stay open (the kernel keeps as many: data.KEEP_LAUNCHES)
 TURN_WAIT = 30.0  # seconds a command waits for the one the kernel sent before it (lost with a failed call)
 Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data) | ("message", rank, message)
 # | ("exited", rank, exitcode, stopped)
@@ -211,7 +211,7 @@ class Host:
         wanted = {key: ref for key, ref in refs.items() if ref.hex() not in hosted.files}
         for (key, ref), value in zip(wanted.items(), ray.get(list(wanted.values())), strict=True):
             hosted.files[ref.hex()] = _memory_file(value)
-        hosted.commands = [*hosted.commands, [ref.hex() for ref in refs.values()]][-KEEP_LAUNCHES:]
+        hosted.commands = [*hosted.commands, [ref.hex() for ref in refs.values()]][-RECENT_COMMANDS:]
         recent = {name for used in hosted.commands for name in used}
         for name in [name for name in hosted.files if name not in recent]:
             os.close(hosted.files.pop(name))
