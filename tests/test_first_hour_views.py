@@ -5,6 +5,7 @@ states. The untrusted-notebook look (item 4) is checked in a real browser, in te
 
 from __future__ import annotations
 
+import ast
 import base64
 import colorsys
 import ctypes
@@ -217,3 +218,42 @@ def test_faulthandler_report_is_told_apart_from_the_ranks_own_stderr():
     assert crash.complete and crash.crash_frame() == ("/home/me/train.py", 6, "crash")
     assert CrashDump().own_lines(["Fatal Python error: x", "my own line"]) == ["my own line"]  # a report cut short
 
+
+
+def test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source(tmp_path):
+    """Issue 28: `run.stacks()` for a function defined in a plain cell, on every rank: oldest call first, the cell
+    named as IPython names it (`Cell In[N], line K`) with its source line, the collective a rank waits in; no
+    ipykernel temp path, no ddpnb thread, no torch logging wrapper (`c10d_logger`)."""
+    kernel = Kernel(env={"DDPNB_RUNS_DIR": str(tmp_path)})
+    go = tmp_path / "go"
+    try:
+        kernel.execute("import os, time, torch, torch.distributed as dist\nimport ddpnb")
+        kernel.execute(f'''def waits(rank):
+    print("up", flush=True)
+    while rank == 1 and not os.path.exists({str(go)!r}):
+        time.sleep(0.05)
+    dist.all_reduce(torch.ones(1))
+''')
+        shown = kernel.execute(
+            "run = ddpnb.launch(waits, nprocs=2, view='none')\n"
+            "while not all(r.last_line == 'up' for r in run.record.ranks): time.sleep(0.1)\n"
+            "stacks = run.stacks()\n"
+            f"open({str(go)!r}, 'w').close()\n"
+            "print(run.wait().outcome.value)\n"
+            "print(repr(stacks[0]))\nprint(repr(stacks[1]))", timeout=120)
+        assert shown.error is None, shown.text
+        outcome, *texts = shown.stdout.strip().splitlines()[-3:]
+        stacks = [ast.literal_eval(text) for text in texts]
+    finally:
+        kernel.shutdown()
+    assert outcome == "succeeded"
+    for stack in stacks:
+        assert stack.startswith("Stack (most recent call last):\n"), stack
+        assert re.search(r"^  Cell In\[\d+\], line \d+, in waits$", stack, re.MULTILINE), stack
+        assert "ipykernel" not in stack and "c10d_logger" not in stack and "ddpnb" not in stack, stack
+        assert "other thread" in stack  # ddpnb's sampling thread, left out and counted
+    assert "\n    time.sleep(0.05)\n" in stacks[1] and "all_reduce" not in stacks[1]
+    waiting = stacks[0].splitlines()
+    cell = next(i for i, line in enumerate(waiting) if line.startswith("  Cell In["))
+    assert waiting[cell + 1] == "    dist.all_reduce(torch.ones(1))"
+    assert waiting[cell + 2].endswith(", in all_reduce"), stacks[0]  # the collective, after the cell's frame

@@ -26,6 +26,7 @@ from ddpnb.core.ranklogs import RankLogs
 from ddpnb.core.record import Diagnosis, Outcome, Point, RankState, RunRecord, Stall
 from ddpnb.core.result import ResultSlot
 from ddpnb.core.spec import Stream, WorkerSpec
+from ddpnb.core.stacks import readable
 from ddpnb.core.stall import diagnose
 from ddpnb.core.watchdog import Alarm, Watchdog
 from ddpnb.core.words import describe_exit
@@ -251,7 +252,7 @@ class Attempt:
             self.channel.release()
         while self._stack_requests:  # asked for by another thread: collected in the reader's thread
             ranks, taken, collected = self._stack_requests.pop(0)
-            taken.update(self.engine.collect_stacks(ranks))
+            taken.update(self._collect_stacks(ranks))
             collected.set()
         asked = self._request.asked
         if asked and self._stop is None:
@@ -295,13 +296,16 @@ class Attempt:
         running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
         recorder = self.record.backend == "nccl" and self.capabilities.shares_run_dir
         asked = flight.request(self.spec.run_dir, running) if recorder else 0.0  # dumped while the stacks come
-        stacks = self.engine.collect_stacks(running)
+        stacks = self._collect_stacks(running)
         if keep:
             for rank, stack in stacks.items():
                 kept = self.record.ranks[rank]
                 kept.stack, kept.stalled_state = stack, kept.state
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if recorder else []
         return diagnose(self.record.ranks, stacks, self.watchdog.active, self._returned, recorded)
+
+    def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}
 
     def request_stacks(self, ranks: list[int], wait: float, done: Callable[[], bool]) -> dict[int, str]:
         """Each of `ranks`' stacks now (from any thread but the reader's, which collects them)."""

@@ -189,7 +189,8 @@ class WorkerError(RuntimeError):
             parts.append("\nwhere each rank was when the run was stopped:")
             for r in stacks:
                 state = (r.stalled_state or r.state).value
-                parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n{r.stack.rstrip()}")
+                parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n"
+                             f"{cell_names(r.stack.rstrip())}")
         parts.append("\n" + summary_table(record))
         parts.append(f"\nfull per-rank logs: {record.run_dir}")
         if self.hint:

@@ -19,6 +19,7 @@ from typing import Any
 from ddpnb.core import hints, live, rundir
 from ddpnb.core.announce import Announcer
 from ddpnb.core.attempt import Attempt, Relay, StopRequest
+from ddpnb.core.cellnames import cell_names
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import Capabilities, Engine
@@ -223,11 +224,13 @@ class Run:
             self._enders.clear()
 
     def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
-        """Every running rank's Python stack now, from the user's code down: `{rank: text}` (local ranks: every
-        thread's; Ray: the training thread's). The run goes on; `{}` once it has ended."""
+        """Every running rank's Python stack now, as a traceback reads: `{rank: text}`, the threads that run your
+        code (on Ray Train: the training thread), oldest call first, notebook cells named `Cell In[N]`, with their
+        source lines. The run goes on; `{}` once it has ended."""
         if self.done:
             return {}
-        return self.collect_stacks(self.attempt.running_ranks(), wait)
+        return {rank: cell_names(stack) for rank, stack in
+                self.collect_stacks(self.attempt.running_ranks(), wait).items()}
 
     def collect_stacks(self, ranks: list[int], wait: float) -> dict[int, str]:
         """Each of `ranks`' stacks now, from the user's code down (asked from any thread but the reader's)."""

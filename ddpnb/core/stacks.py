@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import multiprocessing
 import os
 import re
@@ -42,6 +43,45 @@ def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel") -> str:
         if lines and skip_thread not in block and frames:
             threads.append("\n".join([lines[0], *frames]))
     return "\n\n".join(threads)
+
+
+def readable(dump: str) -> str:
+    """A faulthandler dump as a traceback reads (a stack already in that form comes back as it is): the threads
+    that run the user's code, oldest call first, each frame with its source line (from this kernel's linecache,
+    which holds the notebook's cells), and each run of frames inside one library shown by its innermost frame
+    alone (torch's logging wrappers around a collective go, the collective stays). How many other threads (ddpnb's,
+    libraries' idle ones) were left out is said last. File names stay: `cellnames.cell_names` names the cells."""
+    if "most recent call first" not in dump:
+        return dump
+    shown, left = [], 0
+    for block in dump.strip().split("\n\n"):
+        frames = [(file, int(line), name) for file, line, name in _FRAME.findall(block)][::-1]
+        if all(_library(file) for file, _, _ in frames):
+            left += 1
+            continue
+        header = block.splitlines()[0]
+        title = "Stack" if header.startswith("Current thread") else header.partition(" (")[0]
+        lines = [f"{title} (most recent call last):"]
+        for index, (file, line, name) in enumerate(frames):
+            inner = frames[index + 1][0] if index + 1 < len(frames) else None
+            if inner is not None and _library(file) and _library(inner) and _package(file) == _package(inner):
+                continue  # inside one library: its innermost frame stands for the run
+            lines.append(f'  File "{file}", line {line}, in {name}')
+            if source := linecache.getline(file, line).strip():
+                lines.append(f"    {source}")
+        shown.append("\n".join(lines))
+    if left:
+        shown.append(f"({left} other thread{'s' if left > 1 else ''}, not running your code, left out)")
+    return "\n\n".join(shown)
+
+
+def _package(filename: str) -> str:
+    """The library a file belongs to: its top-level package under site-packages, or the standard library."""
+    parts = filename.split(os.sep)
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return parts[parts.index(marker) + 1]
+    return "python" if filename.startswith(_STDLIB) else os.path.dirname(filename)
 
 
 def _dumped_plumbing(line: str) -> bool:
