@@ -257,3 +257,37 @@ def test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source(tmp_pa
     cell = next(i for i, line in enumerate(waiting) if line.startswith("  Cell In["))
     assert waiting[cell + 1] == "    dist.all_reduce(torch.ones(1))"
     assert waiting[cell + 2].endswith(", in all_reduce"), stacks[0]  # the collective, after the cell's frame
+
+
+def test_the_first_failures_locals_are_kept_in_the_record_and_shown_under_its_traceback(tmp_path):
+    """Issue 29, item 5: without any debugger, the failing rank's frames keep their locals as bounded reprs: in
+    `record.first_failure.frames` after the process is gone, and in the text view under the traceback (a tensor by
+    its shape, dtype and first values, an int as itself, a long string cut)."""
+    kernel = Kernel(env={"DDPNB_RUNS_DIR": str(tmp_path), "DDPNB_VIEW": "text"})
+    try:
+        kernel.execute("%load_ext ddpnb\nimport ddpnb")
+        failed = kernel.execute('''%%ddp -n 2
+def train(rank):
+    import torch
+    batch = torch.arange(32.0).reshape(8, 4)
+    step = 3
+    note = "x" * 1000
+    if rank == 1:
+        raise ValueError("bad batch")
+''', timeout=120)
+        frames = kernel.execute(
+            "first = ddpnb.last_run().first_failure\n"
+            "print(repr([(f.function, dict(f.values)) for f in first.frames]))")
+    finally:
+        kernel.shutdown()
+    assert failed.error is not None and failed.error["ename"] == "WorkerError", failed.text
+    kept = ast.literal_eval(frames.stdout.strip())
+    assert [name for name, _ in kept] == ["train"], kept
+    values = kept[0][1]
+    assert values["step"] == "3" and values["rank"] == "1"
+    assert values["batch"] == ("tensor(shape=(8, 4), dtype=torch.float32, device=cpu, values=[0.0, 1.0, 2.0, 3.0]...)")
+    assert len(values["note"]) <= 200 and values["note"].startswith("'xxx")
+    assert "torch" not in values  # a module: the code names it
+    report = "\n".join(failed.error["traceback"])
+    assert re.search(r"--- rank 1 locals where it raised ---\nCell In\[\d+\], line \d+, in train:\n", report), report
+    assert "    step = 3\n" in report

@@ -19,7 +19,7 @@ from ddpnb.core.announce import Announcer
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
-from ddpnb.core.failures import Failure, is_knock_on
+from ddpnb.core.failures import Failure, FrameLocals, is_knock_on
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import AttemptSnapshot
 from ddpnb.core.ranklogs import RankLogs
@@ -219,7 +219,8 @@ class Attempt:
         # one raised before, but read after, is the rank's own
         knock_on = is_knock_on(message.exc_type, message.message) \
             or message.time >= self._stopping.get(rank, float("inf"))
-        self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on))
+        frames = tuple(FrameLocals(*frame) for frame in message.frames)
+        self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on, frames))
         self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
 
     def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",

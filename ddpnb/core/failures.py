@@ -22,6 +22,18 @@ class Failure:
     summary: str  # one line: "ValueError: bad batch" or "killed by SIGSEGV"
     traceback: str = ""  # the worker's own traceback, when it raised
     knock_on: bool = False  # a collective error caused by another rank's failure (see `is_knock_on`)
+    frames: tuple[FrameLocals, ...] = ()  # the user's frames where it raised, each with its locals' reprs
+
+
+@dataclass(frozen=True)
+class FrameLocals:
+    """One of the user's frames where a rank raised, with bounded reprs of its local variables (kept after the
+    process is gone): `Cell In[5], line 7, in train` and `{"step": "3", "batch": "tensor(shape=(8, 4), ...)"}`."""
+
+    file: str
+    line: int
+    function: str
+    values: tuple[tuple[str, str], ...]  # (name, repr), in the frame's order, at most LOCALS_SHOWN
 
 
 # What a collective says when a peer died or stopped answering: such a failure is a consequence, not the cause.

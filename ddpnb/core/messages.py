@@ -101,6 +101,8 @@ class Failed:
     exc_type: str
     message: str
     traceback: str
+    # the user's frames where it raised, outermost first: (file, line, function, ((name, bounded repr), ...))
+    frames: tuple[tuple[str, int, str, tuple[tuple[str, str], ...]], ...] = ()
 
 
 @dataclass(frozen=True)

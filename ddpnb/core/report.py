@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from ddpnb.core.cellnames import cell_names
+from ddpnb.core.failures import Failure
 from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
@@ -72,6 +73,18 @@ def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
         gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
                f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W")
     return cpu, rss, gpu
+
+
+def locals_lines(failure: Failure) -> list[str]:
+    """A failure's frames with their locals' reprs, innermost last: `Cell In[5], line 7, in train:` then
+    `    step = 3` for each value."""
+    lines = []
+    for frame in failure.frames:
+        if frame.values:
+            location = cell_names(f'File "{frame.file}", line {frame.line}')
+            lines.append(f"{location}, in {frame.function}:")
+            lines.extend(f"    {name} = {text}" for name, text in frame.values)
+    return lines
 
 
 def where_phrase(where: RankWhere, plural: bool = False) -> str:
@@ -160,6 +173,9 @@ class WorkerError(RuntimeError):
             if first.traceback:
                 shown = cell_names(first.traceback).rstrip()
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
+            if any(frame.values for frame in first.frames):
+                parts.append(f"\n--- rank {first.rank} locals where it raised ---\n"
+                             + "\n".join(locals_lines(first)))
             others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
             own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort
             if own:

@@ -45,6 +45,52 @@ def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel") -> str:
     return "\n\n".join(threads)
 
 
+LOCALS_SHOWN = 20  # local variables kept per frame of a failure
+REPR_CHARS = 200  # characters kept of each one's repr
+LOCALS_FRAMES = 5  # the user's innermost frames whose locals are kept
+
+
+def user_locals(exc: BaseException) -> tuple[tuple[str, int, str, tuple[tuple[str, str], ...]], ...]:
+    """The user's frames where `exc` was raised (the innermost LOCALS_FRAMES, outermost first), each with bounded
+    reprs of its local variables: what the kernel keeps of them once the rank is gone. Modules, functions and
+    classes are left out (the code shows them); a repr that raises says so instead."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not _library(code.co_filename):
+            values = [(name, _bounded_repr(value)) for name, value in tb.tb_frame.f_locals.items()
+                      if not name.startswith("__") and not _definition(value)]
+            frames.append((code.co_filename, tb.tb_lineno, code.co_name, tuple(values[:LOCALS_SHOWN])))
+        tb = tb.tb_next
+    return tuple(frames[-LOCALS_FRAMES:])
+
+
+def _definition(value: object) -> bool:
+    import inspect
+
+    return inspect.ismodule(value) or inspect.isfunction(value) or inspect.isclass(value) or inspect.isbuiltin(value)
+
+
+def _bounded_repr(value: object) -> str:
+    """A short repr: a tensor by its shape, dtype, device and first values (never its whole data)."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and isinstance(value, torch.Tensor):
+            head = value.detach().flatten()[:4].tolist() if value.device.type == "cpu" else "..."
+            text = (f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}, "
+                    f"values={head}{'...' if value.numel() > 4 else ''})")
+        else:
+            import reprlib
+
+            limits = reprlib.Repr()
+            limits.maxstring = limits.maxother = REPR_CHARS
+            text = limits.repr(value)
+    except Exception as error:  # noqa: BLE001 - the user's __repr__ failed: say so, keep the rest
+        text = f"<repr failed: {type(error).__name__}>"
+    return text if len(text) <= REPR_CHARS else text[:REPR_CHARS - 3] + "..."
+
+
 def readable(dump: str) -> str:
     """A faulthandler dump as a traceback reads (a stack already in that form comes back as it is): the threads
     that run the user's code, oldest call first, each frame with its source line (from this kernel's linecache,

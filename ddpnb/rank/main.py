@@ -13,7 +13,7 @@ from typing import Any
 
 from ddpnb.core import messages as msg
 from ddpnb.core.spec import CallStyle, WorkerSpec
-from ddpnb.core.stacks import user_traceback
+from ddpnb.core.stacks import user_locals, user_traceback
 from ddpnb.rank import cells, checkpoint, data, group, progress, radar
 from ddpnb.rank import context as ctx
 
@@ -100,7 +100,7 @@ def _installed(module: Any) -> bool:
 
 def _report(context: ctx.RankContext, exc: BaseException, message: str) -> None:
     context.send(msg.Failed(rank=context.rank, time=time.time(), exc_type=type(exc).__qualname__,
-                            message=message, traceback=user_traceback(exc)))
+                            message=message, traceback=user_traceback(exc), frames=user_locals(exc)))
 
 
 def _reseed() -> None:

@@ -19,8 +19,8 @@ from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
-from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, hardware_text, stall_headline,
-                               straggler_text)
+from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, hardware_text, locals_lines,
+                               stall_headline, straggler_text)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -460,6 +460,11 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
         at = f"at {frames[-1]}; " if frames and "most recent call first" not in traceback else ""
         parts.append(f'<div {muted} data-traceback="below">{html.escape(at)}the full traceback is in the cell\'s '
                      f'error below</div>')
+    values = locals_lines(first)
+    if values:  # collapsed: the traceback says where; these say with what
+        parts.append(f'<details class="ddpnb-locals"><summary {muted}>locals where rank {first.rank} raised</summary>'
+                     f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:240px;overflow:auto">'
+                     f'{html.escape(chr(10).join(values))}</pre></details>')
     others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
     own = [f for f in others if not f.knock_on]  # as the text report splits them
     if own:
