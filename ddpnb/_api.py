@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
 from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
 from ddpnb.core.cellnames import cell_names_of
@@ -137,6 +138,9 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
         timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
+        # a rank's breakpoint() asks the front end: only a foreground cell's wait can, and only where it takes input
+        prompts=(foreground and not commands and engine_type.capabilities.commands
+                 and _compat.front_end_takes_input()),
     )
     run = Run(RunSetup(
         spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],

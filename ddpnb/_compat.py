@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing.forkserver
 import multiprocessing.spawn
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -144,3 +145,12 @@ def ray_report_logger() -> object:
     from ray.train.v2._internal.execution import context
 
     return logging.getLogger(context.__file__)
+
+
+def front_end_takes_input() -> bool:
+    """Whether the cell running now can ask the front end for a line (`input()`): an IPython kernel whose
+    execute request allowed stdin (JupyterLab does; nbclient does not). Outside a kernel (a script), False."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    kernel = getattr(shell, "kernel", None)
+    return bool(getattr(kernel, "_allow_stdin", False))

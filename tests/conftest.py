@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ class Execution:
     error: dict | None = None
     outputs: list[dict] = field(default_factory=list)
     count: int | None = None  # the cell's N in In[N]
+    prompts: list[str] = field(default_factory=list)  # what the cell asked the front end (`input_request`)
 
     @property
     def text(self) -> str:
@@ -45,10 +46,14 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def execute(self, code: str, timeout: float = 120, cell_id: str | None = None) -> Execution:
-        """`cell_id`: the cell's ID in the request's metadata, as JupyterLab sends it (jupyter_client does not)."""
+    def execute(self, code: str, timeout: float = 120, cell_id: str | None = None,
+                answer: Callable[[str], str] | None = None) -> Execution:
+        """`cell_id`: the cell's ID in the request's metadata, as JupyterLab sends it (jupyter_client does not).
+        `answer`: the front end takes input, as JupyterLab's does: each prompt the cell asks on the stdin channel
+        (`input_request`) is answered with `answer(prompt)`, and kept in `Execution.prompts`; without it the
+        request allows no input, as nbclient's does."""
         if cell_id is None:
-            msg_id = self.client.execute(code)
+            msg_id = self.client.execute(code, allow_stdin=answer is not None)
         else:
             request = self.client.session.msg("execute_request", {
                 "code": code, "silent": False, "store_history": True, "user_expressions": {},
@@ -58,9 +63,20 @@ class Kernel:
         result = Execution()
         deadline = time.monotonic() + timeout
         while True:
+            if answer is not None:
+                try:
+                    request = self.client.get_stdin_msg(timeout=0.05)
+                except queue.Empty:
+                    request = None
+                if request is not None and request["msg_type"] == "input_request":
+                    result.prompts.append(request["content"]["prompt"])
+                    self.client.input(answer(request["content"]["prompt"]))
             try:
-                msg = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+                msg = self.client.get_iopub_msg(timeout=0.05 if answer is not None
+                                                else max(0.1, deadline - time.monotonic()))
             except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
                 raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}") from None
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue

@@ -9,6 +9,7 @@ policy's decision (`core.policy`), acted on by the run.
 from __future__ import annotations
 
 import enum
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -81,6 +82,8 @@ class Attempt:
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
+        self.prompts: queue.SimpleQueue[msg.Prompt] = queue.SimpleQueue()  # debugger prompts, for the waiting cell
+        self.prompting: set[int] = set()  # ranks at a debugger prompt: their waiting is no stall, nor timed
 
     # --- lifecycle, driven by the run -------------------------------------------------------------------------
     def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
@@ -92,7 +95,8 @@ class Attempt:
         if self.channel is not None:
             self.channel.engine = self.engine
         self.engine.start(events, AttemptStart(result_fd=self.result.fd, shipment=shipment,
-                                               commands=self.channel is not None, restarts=restarts))
+                                               commands=self.channel is not None or self.spec.prompts,
+                                               restarts=restarts))
         self.started = self.record.ranks[0].started  # the duration counts from the first rank's start
         self._running()
 
@@ -208,6 +212,10 @@ class Attempt:
                 self.channel.answered(message)  # released at the end of this read pass, after the output read with it
         elif isinstance(message, msg.Failed):
             self._failed(rank, message)
+        elif isinstance(message, msg.Prompt):
+            self.prompting.add(rank)
+            self.prompts.put(message)
+            self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
         self.record.ranks[rank].state = RankState.FAILED
@@ -258,7 +266,8 @@ class Attempt:
         asked = self._request.asked
         if asked and self._stop is None:
             self._begin_stop(*asked)
-        alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned, armed=self._stop is None)
+        alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
+                                    armed=self._stop is None, held=bool(self.prompting))
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
@@ -304,6 +313,11 @@ class Attempt:
                 kept.stack, kept.stalled_state = stack, kept.state
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if recorder else []
         return diagnose(self.record.ranks, stacks, self.watchdog.active, self._returned, recorded)
+
+    def answer(self, rank: int, line: str) -> None:
+        """The front end's answer to `rank`'s debugger prompt (from the waiting cell's thread)."""
+        self.prompting.discard(rank)
+        self.engine.send([rank], line.encode())
 
     def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}

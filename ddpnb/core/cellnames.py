@@ -18,6 +18,17 @@ def cell_names(traceback: str) -> str:
     return re.sub(r'File "([^"]+)", line (\d+)', cell, traceback)
 
 
+def pdb_cell_names(text: str) -> str:
+    """pdb's `> /tmp/ipykernel_7/2718.py(5)train()` as IPython names its own cells: `> Cell In[7], line 5, in
+    train()`."""
+
+    def cell(match: re.Match[str]) -> str:
+        name = cell_name(match.group(2))
+        return f"{match.group(1)}{name}, line {match.group(3)}, in {match.group(4)}" if name else match.group(0)
+
+    return re.sub(r"^(> |  )?(\S+)\((\d+)\)(\S+\(\))$", cell, text, flags=re.MULTILINE)
+
+
 def cell_name(filename: str) -> str:
     """'Cell In[7]' for the file IPython compiled cell 7 as, in this kernel; '' for any other file (or outside
     IPython)."""

@@ -155,10 +155,21 @@ class Reply:
     traceback: str = ""
 
 
-Message = Started | Metric | Progress | GpuMemory | StepTimes | Hardware | Returned | Failed | Imported | Stacks | Output | Placed | Reply
+@dataclass(frozen=True)
+class Prompt:
+    """The rank is at a debugger prompt (`breakpoint()`): what pdb wrote since its last prompt, the prompt last.
+    The rank waits for the answer (one line) on its command channel."""
+
+    rank: int
+    text: str
+
+
+Message = (Started | Metric | Progress | GpuMemory | StepTimes | Hardware | Returned | Failed | Imported | Stacks
+           | Output | Placed | Reply | Prompt)
 
 KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, StepTimes, Hardware,
-                                                          Returned, Failed, Imported, Stacks, Output, Placed, Reply)}
+                                                          Returned, Failed, Imported, Stacks, Output, Placed, Reply,
+                                                          Prompt)}
 
 
 class CommandKind(enum.Enum):

@@ -9,6 +9,7 @@ span all attempts; what is one attempt's (rank records, failures, logs, the stop
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 from ddpnb.core import hints, live, rundir
 from ddpnb.core.announce import Announcer
 from ddpnb.core.attempt import Attempt, Relay, StopRequest
-from ddpnb.core.cellnames import cell_names
+from ddpnb.core.cellnames import cell_names, pdb_cell_names
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import Capabilities, Engine
@@ -154,8 +155,10 @@ class Run:
         seen = 0
         try:
             while not self._done.is_set():
+                self._answer_prompts()
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._listeners:  # no view to feed: sleep until the end (Ctrl-C still wakes this wait)
+                if not self._listeners and not self.attempt.spec.prompts:  # no view to feed, no prompt to ask:
+                    # sleep until the end (Ctrl-C still wakes this wait)
                     self._done.wait(left)
                 else:  # feed the views whenever the reader has news
                     seen = self.watch(seen, TICK if left is None else min(TICK, left))
@@ -168,6 +171,24 @@ class Run:
         finally:
             self._notify(ending=True)
         return self.record
+
+    def _answer_prompts(self) -> None:
+        """Each rank's debugger prompt in turn, asked in the front end's input box (the waiting cell's thread holds
+        the kernel's stdin); a Ctrl-C there stops the run as any interrupt of `wait` does."""
+        while True:
+            try:
+                prompt = self.attempt.prompts.get_nowait()
+            except queue.Empty:
+                return
+            self._notify()  # the rank's output up to its breakpoint first
+            said, _, ask = prompt.text.rpartition("\n")
+            if said:
+                print(pdb_cell_names(said), flush=True)
+            try:
+                line = input(f"(rank {prompt.rank}) {ask}")
+            except EOFError:  # no more input: let the rank go on
+                line = "c"
+            self.attempt.answer(prompt.rank, line)
 
     def watch(self, seen: int, timeout: float) -> int:
         """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the

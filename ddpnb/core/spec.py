@@ -65,6 +65,7 @@ class WorkerSpec:
     checkpoint_dir: str = ""  # where this run's checkpoints go (under the run directory unless --checkpoint-dir)
     resume_dir: str = ""  # an earlier run's checkpoints, read while this run has none of its own (--resume)
     keep_checkpoints: int = 3  # complete checkpoints kept; older ones are deleted after each save
+    prompts: bool = False  # the front end answers a rank's debugger prompt (a foreground cell that takes input)
 
 
 def stall_seconds(stall: object) -> float | None:

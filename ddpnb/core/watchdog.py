@@ -43,6 +43,7 @@ class Watchdog:
         self._stalled_latest = 0.0  # the run's latest progress when the ongoing stall began
         self._radar_due = False
         self._radar_at = 0.0
+        self._held_at: float | None = None  # since when a rank has been at a debugger prompt
 
     def begin(self) -> None:
         """The ranks are up: the timeout counts from now, and their start was no quiet spell of theirs."""
@@ -63,11 +64,19 @@ class Watchdog:
             flag_stragglers(ranks)
 
     def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
-              armed: bool = True) -> Alarm | None:
+              armed: bool = True, held: bool = False) -> Alarm | None:
         """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (only the
-        stragglers are judged then)."""
+        stragglers are judged then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs
+        meanwhile nor is anyone's waiting a stall."""
         self.clock = now
         self.judge_stragglers(ranks, now)
+        if held:
+            self._held_at = self._held_at or now
+            self.stall.idle(now)
+            return None
+        if self._held_at is not None:
+            self.started += now - self._held_at
+            self._held_at = None
         if not armed:
             return None
         if self.timeout and now - self.started > self.timeout:

@@ -19,6 +19,12 @@ def register(sources: Mapping[str, Sequence[str]], names: Mapping[str, str]) -> 
         warnings.formatwarning = _format
 
 
+def location(filename: str, line: int) -> str:
+    """`Cell In[7], line 4` for a notebook cell's line, `File "x.py", line 4` for any other file's."""
+    name = _names.get(filename)
+    return f"{name}, line {line}" if name else f'File "{filename}", line {line}'
+
+
 def _format(message: Warning | str, category: type[Warning], filename: str, lineno: int,
             line: str | None = None) -> str:
     """Python's own format, the cell's name in place of its file: 'Cell In[7], line 4: UserWarning: ...'."""

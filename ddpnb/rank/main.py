@@ -14,7 +14,7 @@ from typing import Any
 from ddpnb.core import messages as msg
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_locals, user_traceback
-from ddpnb.rank import cells, checkpoint, data, group, progress, radar
+from ddpnb.rank import cells, checkpoint, data, debug, group, progress, radar
 from ddpnb.rank import context as ctx
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
@@ -47,6 +47,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         threading.Thread(target=radar.sample_hardware, args=(rank, context.device, context.send),
                          name="ddpnb-hardware", daemon=True).start()
         join_group(context, spec)
+        debug.install(context, spec.prompts)
         fn = _load_function(context, spec.fn_payload)
         value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))
         checkpoint.finish()  # an asynchronous save the function left being written completes before the result

@@ -1,0 +1,88 @@
+"""A debugger in the cell (issue 29): `breakpoint()` on a rank asks the front end through the kernel's stdin
+channel, as `input()` does in a cell; without a front end that takes input it is skipped with a note. Through a
+real kernel and real ranks: jupyter_client answers the `input_request`s as JupyterLab's input box would."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import Kernel, wait_gone
+
+pytestmark = pytest.mark.timeout(300)
+
+BREAKPOINT_CELL = '''%%ddp -n 2 --timeout 5 -o total
+def train(rank, world_size):
+    import torch, torch.distributed as dist
+    value = torch.ones(1) * (rank + 1)
+    if rank == 1:
+        {stop}
+    dist.all_reduce(value)
+    return value.item()
+'''
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = Kernel(env={"DDPNB_VIEW": "text"})  # the ranks' lines as the cell's own output
+    kernel.execute("%load_ext ddpnb\nimport time, ddpnb")
+    yield kernel
+    kernel.shutdown()
+
+
+def answers(*lines: str, wait_first: float = 0.0):
+    """The front end's answers, in turn; the first after `wait_first` seconds (a user reading the prompt)."""
+    import time
+
+    queue = list(lines)
+
+    def answer(prompt: str) -> str:
+        if wait_first and len(queue) == len(lines):
+            time.sleep(wait_first)
+        return queue.pop(0) if queue else "c"
+
+    return answer
+
+
+@pytest.mark.parametrize("stop", ["breakpoint()", "dist.breakpoint(rank=1)"])
+def test_a_breakpoint_on_rank_1_prompts_in_the_cell_and_neither_times_out_nor_stalls(kernel, stop):
+    """Issue 29, acceptance 1 and 2: the prompt names rank 1; `p rank` answers 1; 8 s at the prompt outlast
+    `--timeout 5`, yet after `c` the run succeeds, never marked stalled, and rank 0's result arrives."""
+    cell = BREAKPOINT_CELL.format(stop=stop)
+    if stop.startswith("dist."):  # torch's own: rank 1 stops, every rank meets at a barrier after it
+        cell = cell.replace(f"    if rank == 1:\n        {stop}\n", f"    {stop}\n")
+    run = kernel.execute(cell, timeout=120, answer=answers("p rank", "c", wait_first=8))
+    assert run.error is None, run.text + str(run.error)
+    assert run.prompts[:2] == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], run.prompts
+    assert re.search(r"^> Cell In\[\d+\], line \d+, in train\(\)$", run.stdout, re.MULTILINE), run.stdout
+    assert re.search(r"^1$", run.stdout, re.MULTILINE), run.stdout  # `p rank`'s answer, shown before the next prompt
+    after = kernel.execute("print(total, ddpnb.last_run().outcome.value, ddpnb.last_run().stall)")
+    assert after.stdout.split() == ["3.0", "succeeded", "None"], after.text
+
+
+def test_without_a_front_end_that_takes_input_a_breakpoint_is_skipped_with_a_note(kernel):
+    """Issue 29, acceptance 6: as under nbclient (no stdin), the cell finishes, with a note naming the rank and
+    its cell line."""
+    run = kernel.execute(BREAKPOINT_CELL.format(stop="breakpoint()"), timeout=120)
+    assert run.error is None, run.text
+    assert re.search(r"\[rank 1\] \[ddpnb\] breakpoint\(\) on rank 1 at Cell In\[\d+\], line 6 skipped: this front "
+                     r"end takes no input", run.stderr), run.stderr
+    assert kernel.execute("print(total)").stdout.strip() == "3.0"
+
+
+def test_an_interrupt_at_a_prompt_ends_the_run_and_leaves_nothing(kernel):
+    """Issue 29, acceptance 7: Ctrl-C (the kernel's interrupt) while the front end shows rank 1's prompt: the cell
+    ends as any interrupted run does, with every rank gone."""
+    interrupted = []
+
+    def interrupt(prompt: str) -> str:
+        kernel.manager.interrupt_kernel()
+        interrupted.append(prompt)
+        return ""  # never read: the interrupt ended the input
+
+    run = kernel.execute(BREAKPOINT_CELL.format(stop="breakpoint()"), timeout=60, answer=interrupt)
+    assert interrupted == ["(rank 1) (Pdb) "]
+    assert run.error is not None and run.error["ename"] == "RunInterrupted", run.text
+    pids = [int(pid) for pid in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, within=10) == []
