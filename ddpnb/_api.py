@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,15 +133,19 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     if planned.backend == "nccl" and engine_type.capabilities.shares_run_dir:  # dumped at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
     sources = pickling.notebook_sources()
+    # a rank's breakpoint() asks the front end: only a foreground cell's wait can, and only where it takes input
+    prompts = (foreground and not commands and engine_type.capabilities.commands
+               and _compat.front_end_takes_input())
+    if options.debug and not prompts:
+        print("[ddpnb] --debug needs a front end that takes input, in the foreground (Jupyter, not nbclient, a "
+              "script or --background): the run goes on without post-mortem prompts.", file=sys.stderr)
     spec = WorkerSpec(
         fn_payload=payload, args=args, call_style=CallStyle(options.call_style), world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, environ=environ, run_dir=str(run_dir),
         sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
         timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
-        # a rank's breakpoint() asks the front end: only a foreground cell's wait can, and only where it takes input
-        prompts=(foreground and not commands and engine_type.capabilities.commands
-                 and _compat.front_end_takes_input()),
+        prompts=prompts, debug=options.debug and prompts,
     )
     run = Run(RunSetup(
         spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],

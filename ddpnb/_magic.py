@@ -153,6 +153,9 @@ class DDPMagics(Magics):
     @argument("--tensorboard", metavar="DIR",
               help="write every rank's ddpnb.log metrics as TensorBoard event files in DIR/<run name>/rank<N> while "
                    "the run goes (pip install tensorboard); tensorboard --logdir DIR shows them.")
+    @argument("--debug", action="store_true",
+              help="when a rank raises, open a post-mortem prompt (pdb) at the raising line first, in the cell's "
+                   "input box; leaving it (q or c) ends the run with the usual report.")
     @argument("--fn", metavar="NAME",
               help="the function to run (default: the function the cell defines that nothing else in it uses).")
     @line_cell_magic
@@ -177,7 +180,8 @@ class DDPMagics(Magics):
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
         launch = _checked(args, timeout=args.timeout, view=args.view, max_restarts=args.max_restarts,
                           checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
-                          resume=args.resume, tensorboard=args.tensorboard)  # before the cell defines anything
+                          resume=args.resume, tensorboard=args.tensorboard,
+                          debug=args.debug)  # before the cell defines anything
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
         try:

@@ -40,7 +40,8 @@ class LaunchOptions:
     checkpoint_dir, keep_checkpoints, resume: where `ddpnb.save_checkpoint` writes, how many complete ones it
     keeps, and an earlier run ('last' or its directory) to continue from. fold: one copy of a line every rank
     prints. tensorboard: a directory for TensorBoard event files. stall: seconds without progress that mark the
-    run stalled (None: adapted to the run; 0: never).
+    run stalled (None: adapted to the run; 0: never). debug: the first rank that raises opens a post-mortem
+    prompt at the raising frame (a foreground cell whose front end takes input).
     """
 
     gpus: int | str | None = None
@@ -59,6 +60,7 @@ class LaunchOptions:
     fold: bool = True
     tensorboard: str | os.PathLike[str] | None = None
     stall: float | None = None
+    debug: bool = False
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # the engine's own, by name
 
     @classmethod

@@ -86,3 +86,32 @@ def test_an_interrupt_at_a_prompt_ends_the_run_and_leaves_nothing(kernel):
     assert run.error is not None and run.error["ename"] == "RunInterrupted", run.text
     pids = [int(pid) for pid in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
     assert len(pids) == 2 and wait_gone(pids, within=10) == []
+
+
+def test_debug_opens_a_post_mortem_at_the_raising_line_and_leaving_it_ends_the_run_failed(kernel):
+    """Issue 29, acceptance 3: with --debug, rank 1 raises: a post-mortem prompt at the raising line; `p` of a
+    local shows its value; `q` ends the run, failed, with the usual report; no rank is left."""
+    run = kernel.execute('''%%ddp -n 2 --debug
+def train(rank, world_size):
+    import torch, torch.distributed as dist
+    batch = torch.ones(3) * 7
+    if rank == 1:
+        raise ValueError("bad batch")
+    dist.all_reduce(batch)
+''', timeout=120, answer=answers("p batch", "q"))
+    assert run.prompts == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], run.prompts
+    assert re.search(r"^> Cell In\[\d+\], line 6, in train\(\)$", run.stdout, re.MULTILINE), run.stdout
+    assert "tensor([7., 7., 7.])" in run.stdout
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.text
+    assert "rank 1 of 2 failed first: ValueError: bad batch" in "\n".join(run.error["traceback"])
+    pids = [int(pid) for pid in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+    assert len(pids) == 2 and wait_gone(pids, within=10) == []
+
+
+def test_debug_without_a_front_end_that_takes_input_says_so_and_the_run_fails_as_usual(kernel):
+    run = kernel.execute('''%%ddp -n 2 --debug
+def train(rank):
+    raise ValueError("bad batch")
+''', timeout=120)
+    assert "[ddpnb] --debug needs a front end that takes input" in run.stderr, run.stderr
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.text

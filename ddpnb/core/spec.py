@@ -66,6 +66,7 @@ class WorkerSpec:
     resume_dir: str = ""  # an earlier run's checkpoints, read while this run has none of its own (--resume)
     keep_checkpoints: int = 3  # complete checkpoints kept; older ones are deleted after each save
     prompts: bool = False  # the front end answers a rank's debugger prompt (a foreground cell that takes input)
+    debug: bool = False  # --debug: a rank that raises opens a post-mortem prompt first (where `prompts`)
 
 
 def stall_seconds(stall: object) -> float | None:

@@ -58,6 +58,16 @@ class RankPdb(pdb.Pdb):
         self.prompt = "(Pdb) "
 
 
+def post_mortem(context: ctx.RankContext, exc: BaseException) -> None:
+    """pdb at the frame that raised `exc` (`--debug`), until the user leaves it (q, c)."""
+    debugger = RankPdb(context)
+    debugger.reset()
+    try:
+        debugger.interaction(None, exc.__traceback__)
+    except Exception:  # noqa: BLE001 - pdb's own quit (BdbQuit) or a broken channel: the report follows anyway
+        return
+
+
 def install(context: ctx.RankContext, prompts: bool) -> None:
     """Every way user code enters pdb, pointed at the notebook (`prompts`) or at a note that skips it."""
     def enter(frame: FrameType) -> None:

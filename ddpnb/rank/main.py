@@ -56,6 +56,8 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         _report(context, exc, message=repr(exc.code) if exc.code is not None else "")
         raise
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the user's failure: report it as data, exit non-zero
+        if context.spec is not None and context.spec.debug and not isinstance(exc, KeyboardInterrupt):
+            debug.post_mortem(context, exc)  # --debug: at the raising frame first, then the usual report
         _report(context, exc, message=str(exc))
         raise SystemExit(1) from None
 
