@@ -133,9 +133,9 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     if planned.backend == "nccl" and engine_type.capabilities.shares_run_dir:  # dumped at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
     sources = pickling.notebook_sources()
-    # a rank's breakpoint() asks the front end: only a foreground cell's wait can, and only where it takes input
-    prompts = (foreground and not commands and engine_type.capabilities.commands
-               and _compat.front_end_takes_input())
+    # a rank's breakpoint() asks the front end: only a cell that waits for the run (or a session's command) can,
+    # and only where it takes input
+    prompts = (foreground or commands) and engine_type.capabilities.commands and _compat.front_end_takes_input()
     if options.debug and not prompts:
         print("[ddpnb] --debug needs a front end that takes input, in the foreground (Jupyter, not nbclient, a "
               "script or --background): the run goes on without post-mortem prompts.", file=sys.stderr)

@@ -373,7 +373,7 @@ def parse_ranks(text: str) -> list[int]:
 
 @magics_class
 class SessionMagics(Magics):
-    """%ddp_start, %%ranks / %ranks, %ddp_restart and %ddp_stop: sugar over `ddpnb.session()`."""
+    """%ddp_start, %%ranks / %ranks, %ddp_restart, %ddp_debug and %ddp_stop: sugar over `ddpnb.session()`."""
 
     @magic_arguments("%ddp_start")
     @kwds(formatter_class=_Usage)
@@ -427,6 +427,22 @@ class SessionMagics(Magics):
         if session is None:
             raise UsageError("no session to restart: start one with %ddp_start -n 2.")
         session.restart()
+
+    @line_magic
+    def ddp_debug(self, line: str) -> None:
+        """`%ddp_debug [RANK]`: post-mortem on that rank's last failed `%%ranks` cell (default rank 0), in this
+        cell's input box; its namespace is intact, and the session goes on afterwards."""
+        session = _session.current_session()
+        if session is None:
+            raise UsageError("no session is running: %ddp_debug opens a session rank's last error.")
+        try:
+            rank = int(line.strip() or 0)
+        except ValueError:
+            raise UsageError(f"%ddp_debug takes a rank number, e.g. %ddp_debug 1, not {line.strip()!r}.") from None
+        try:
+            session.debug(rank)
+        except ValueError as exc:  # a rank outside the session
+            raise UsageError(str(exc)) from None
 
     @line_magic
     def ddp_stop(self, line: str) -> None:

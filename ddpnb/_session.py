@@ -162,6 +162,11 @@ class Session:
                                cell_name=cell_name(filename))
         return None if all(value is None for value in values) else values
 
+    def debug(self, rank: int = 0) -> None:
+        """Post-mortem on `rank`'s last failed command (`%ddp_debug RANK`): pdb at the frame that raised, in this
+        cell's input box, the rank's namespace intact; the session goes on once you leave it (q or c)."""
+        self._command(msg.CommandKind.DEBUG, [rank], None)
+
     def push(self, **values: Any) -> None:
         """Bind names in every rank's namespace: `s.push(lr=0.1, data=tensor)`."""
         self._command(msg.CommandKind.PUSH, None, None, values=values)
@@ -213,6 +218,7 @@ class Session:
         try:
             while len(answers) < len(selected):
                 try:  # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost
+                    run.answer_prompts()  # a rank at breakpoint(): this cell's input box answers it
                     try:
                         reply = channel.replies.get(timeout=0.1)
                     except queue.Empty:

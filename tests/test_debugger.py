@@ -115,3 +115,28 @@ def train(rank):
 ''', timeout=120)
     assert "[ddpnb] --debug needs a front end that takes input" in run.stderr, run.stderr
     assert run.error is not None and run.error["ename"] == "WorkerError", run.text
+
+
+def test_a_session_rank_debugs_its_last_error_and_a_breakpoint_in_a_cell_then_the_session_goes_on(kernel):
+    """Issue 29, acceptance 4: a `%%ranks` cell fails on rank 0; `%ddp_debug 0` opens post-mortem there, its
+    namespace intact; a breakpoint() in a later cell prompts too; the session still works afterwards."""
+    started = kernel.execute("%ddp_start -n 2", timeout=120, answer=answers())
+    assert started.error is None, started.text
+    try:
+        failed = kernel.execute('%%ranks\nsecret = 41 + rank\nif rank == 0:\n    raise ValueError("boom")\n',
+                                timeout=60, answer=answers())
+        assert failed.error is not None and "boom" in "\n".join(failed.error["traceback"]), failed.text
+        debugged = kernel.execute("%ddp_debug 0", timeout=60, answer=answers("p secret", "q"))
+        assert debugged.error is None, debugged.text
+        assert debugged.prompts == ["(rank 0) (Pdb) ", "(rank 0) (Pdb) "], debugged.prompts
+        assert re.search(r"^> Cell In\[\d+\], line 4, in <module>\(\)$", debugged.stdout, re.MULTILINE), \
+            debugged.stdout
+        assert re.search(r"^41$", debugged.stdout, re.MULTILINE), debugged.stdout
+        stepped = kernel.execute("%%ranks 1\nx = 5\nbreakpoint()\nx + 1\n", timeout=60, answer=answers("p x", "c"))
+        assert stepped.error is None, stepped.text
+        assert stepped.prompts[:1] == ["(rank 1) (Pdb) "] and re.search(r"^5$", stepped.stdout, re.MULTILINE)
+        assert "6" in "".join(stepped.results), stepped.text
+        after = kernel.execute("%ranks secret", timeout=60)
+        assert after.error is None and "41" in "".join(after.results) and "42" in "".join(after.results), after.text
+    finally:
+        kernel.execute("%ddp_stop", timeout=60)

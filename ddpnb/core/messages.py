@@ -180,6 +180,7 @@ class CommandKind(enum.Enum):
     PULL = "pull"  # the values of names
     CALL = "call"  # call a function with arguments
     STOP = "stop"  # end the session: the rank returns
+    DEBUG = "debug"  # post-mortem on the rank's last failed command (the kernel answers its prompts)
 
 
 @dataclass(frozen=True)

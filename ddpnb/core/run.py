@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -155,7 +156,7 @@ class Run:
         seen = 0
         try:
             while not self._done.is_set():
-                self._answer_prompts()
+                self.answer_prompts()
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not self._listeners and not self.attempt.spec.prompts:  # no view to feed, no prompt to ask:
                     # sleep until the end (Ctrl-C still wakes this wait)
@@ -172,9 +173,10 @@ class Run:
             self._notify(ending=True)
         return self.record
 
-    def _answer_prompts(self) -> None:
-        """Each rank's debugger prompt in turn, asked in the front end's input box (the waiting cell's thread holds
-        the kernel's stdin); a Ctrl-C there stops the run as any interrupt of `wait` does."""
+    def answer_prompts(self) -> None:
+        """Each rank's debugger prompt in turn, asked in the front end's input box (from the thread of the cell
+        that waits for the run, or for a session's command: it holds the kernel's stdin); a Ctrl-C there
+        interrupts that wait as anywhere else in it."""
         while True:
             try:
                 prompt = self.attempt.prompts.get_nowait()
@@ -186,7 +188,10 @@ class Run:
                 print(pdb_cell_names(said), flush=True)
             try:
                 line = input(f"(rank {prompt.rank}) {ask}")
-            except EOFError:  # no more input: let the rank go on
+            except (EOFError, NotImplementedError):  # no more input, or this cell's front end takes none (IPython's
+                # StdinNotImplementedError): the rank goes on
+                print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
+                      file=sys.stderr)
                 line = "c"
             self.attempt.answer(prompt.rank, line)
 

@@ -15,7 +15,7 @@ from typing import Any
 from ddpnb.core import messages as msg
 from ddpnb.core.pickling import dumps, unpicklable_path
 from ddpnb.core.stacks import user_traceback
-from ddpnb.rank import cells
+from ddpnb.rank import cells, debug
 from ddpnb.rank import context as ctx
 
 
@@ -45,7 +45,11 @@ def serve(rank: int, world_size: int) -> None:
         context.send(reply)
 
 
+_last_error: BaseException | None = None  # the latest command's error on this rank: what DEBUG opens
+
+
 def _answer(rank: int, command: msg.Command, namespace: dict[str, Any]) -> msg.Reply:
+    global _last_error
     try:
         value = _run(command, namespace)
         if value is None:
@@ -58,6 +62,8 @@ def _answer(rank: int, command: msg.Command, namespace: dict[str, Any]) -> msg.R
                             "and pull what can travel") from None
         return msg.Reply(rank=rank, command=command.number, payload=payload)
     except BaseException as exc:  # noqa: BLE001 - the user's error (KeyboardInterrupt, SystemExit too) is the answer
+        if command.kind is not msg.CommandKind.DEBUG:
+            _last_error = exc
         return msg.Reply(rank=rank, command=command.number, exc_type=type(exc).__qualname__, message=str(exc),
                          traceback=user_traceback(exc))
 
@@ -75,6 +81,12 @@ def _run(command: msg.Command, namespace: dict[str, Any]) -> Any:
             raise NameError(f"name {missing[0]!r} is not defined on this rank")
         values = tuple(namespace[name] for name in command.names)
         return values[0] if len(values) == 1 else values
+    if kind is msg.CommandKind.DEBUG:
+        context = ctx.current()
+        if _last_error is None or context is None:
+            raise RuntimeError("no command has failed on this rank yet: nothing to debug")
+        debug.post_mortem(context, _last_error)
+        return None
     assert kind is msg.CommandKind.CALL and command.call is not None
     fn, args, kwargs = command.call
     return fn(*args, **kwargs)
