@@ -930,7 +930,10 @@ def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str
         ("`ddpnb.session()` starts (local engine)", "local_start", " s", ""),
         ("session round trip on Ray, `s.execute('x = x + 1')`", "ray_trip", " ms", ""),
         ("session round trip, local engine", "local_trip", " ms", ""),
+        ("later `ddpnb.run(engine='ray', placement='spread')`, 2 nodes", "spread_later", " s",
+         "a `ray start` head and a second node on this machine (as tests/test_ray.py starts them), a rank on each"),
     ]
+    samples["spread_later"] = _two_node_round(settings, env)
     rows = []
     for label, name, unit, note in entries:
         found = samples[name]
@@ -948,6 +951,32 @@ def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str
     return (f"{title}\n\n" + table(["", "median", "n", "÷ local engine", "note"], rows)
             + f"\n\nOne fresh process per round plays the kernel, with a local Ray instance it starts (2 CPUs); "
               f"launches of the two engines interleave. Every later Ray launch got new rank PIDs: {fresh}.")
+
+
+def _two_node_round(settings: Settings, env: dict[str, str]) -> Samples:
+    """Later launches spread over a two-node Ray cluster on this machine, started as the suite starts its own."""
+    spread = Samples()
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from tests.test_ray import two_node_cluster
+    except ImportError as exc:  # the test extras are missing
+        spread.note = f"not measured: {exc}"
+        return spread
+    directory = Path(tempfile.mkdtemp(prefix="ddpnb-bench-ray-"))
+    token = directory / "token"
+    token.write_text(os.urandom(32).hex())
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    say("ray: starting a two-node cluster (ray start, twice)")
+    try:
+        with two_node_cluster(directory, auth) as (address, _):
+            data = attempt(spread, lambda: probe("ray", f"--warm={settings.ray_warm}", "--sessions=0",
+                                                 f"--address={address}", "--placement=spread",
+                                                 env={**env, **auth}, timeout=900))
+            if data:
+                spread.add(data["later"]["ray"])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return spread
 
 
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:

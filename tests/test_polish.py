@@ -80,7 +80,7 @@ def test_stacks_and_the_stall_summary_name_the_line_jupyterlab_shows(kernel):
         stacks = _value(kernel, "sleeper.stacks(wait=30)")
         for rank in (0, 1):
             shown = _value(kernel, f"ddpnb.core.cellnames.cell_names({stacks[rank]!r})")
-            assert f"{cell} in sleeper" in shown, shown
+            assert f"  {cell}, in sleeper\n    time.sleep(0.5)\n" in shown, shown  # as a traceback reads
     finally:
         kernel.execute("sleeper.stop()")
 
