@@ -18,6 +18,9 @@
 8. the slurm engine (issue 27): inside an allocation of the local two-node Slurm (tests/slurm_cluster.py), a later
    `--engine slurm` launch of the trivial workload on 2 ranks against a bare `srun -n2 python -c "import torch"`,
    `srun` of the same workload as a plain script, and the local engine's launch, in one run.
+9. the ray engine (issue 31): a fresh kernel's first and later `--engine ray` launches of the trivial workload on
+   its own local Ray instance, a Ray session's start and round trip, each beside the local engine's, then later
+   launches spread over a two-node `ray start` cluster on this machine.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
