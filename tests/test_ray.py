@@ -483,6 +483,20 @@ def test_a_lost_host_fails_its_ranks_with_rays_own_line_and_the_next_launch_gets
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_host_that_died_between_runs_is_replaced_at_the_next_launch(ray_kernel):
+    assert len(cell_value(ray_kernel, FRESH_CELL, "seen")) == 2  # this node's host is up
+    killed = ray_kernel.execute(
+        "import psutil, signal\n"
+        "hosts = [p for p in psutil.Process().children(recursive=True) if 'ray::Host' in ' '.join(p.cmdline())]\n"
+        "for p in hosts: p.send_signal(signal.SIGKILL)\n"
+        "print(len(psutil.wait_procs(hosts, timeout=30)[0]))")
+    assert killed.stdout.strip() == "1", killed.text
+    assert len(cell_value(ray_kernel, FRESH_CELL, "seen")) == 2
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_rank_waiting_for_a_rank_that_returned_fails_on_ray_too(ray_kernel):
     """Ray Train's workers outlive their rank, so each rank takes its group down when its function returns: a
     peer left in a collective it never joins fails (gloo) instead of waiting for the group's timeout."""

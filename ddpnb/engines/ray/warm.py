@@ -102,9 +102,7 @@ class WarmEngine:
 
         bundles = placement_group_table(self._group)["bundles_to_node_id"]
         nodes = list(dict.fromkeys(bundles[index] for index in range(self.spec.world_size)))
-        self._hosts = {node: _host(node) for node in nodes}
-        where = dict(zip(nodes, ray.get([self._hosts[node].where.remote() for node in nodes],
-                                        timeout=HOST_START), strict=True))
+        self._hosts, where = _hosts_on(nodes)
         gpus = _gpu_ids(self._group, self.spec.world_size) if self.spec.use_gpus else {}
         single = len(nodes) == 1
         first = self._hosts[nodes[0]]
@@ -237,6 +235,24 @@ class WarmEngine:
                 print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
                       "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+
+def _hosts_on(nodes: list[str]) -> tuple[dict[str, Any], dict[str, tuple[str, str, int]]]:
+    """Each node's host and where it runs (node id, ip, pid); a host that died since the last run (its process
+    killed, or the node's Ray restarted) is replaced by a new one."""
+    import ray
+
+    hosts = {node: _host(node) for node in nodes}
+    asked = {node: hosts[node].where.remote() for node in nodes}
+    where = {}
+    for node, ref in asked.items():
+        try:
+            where[node] = ray.get(ref, timeout=HOST_START)
+        except ray.exceptions.RayActorError:
+            _hosts.pop(node, None)
+            hosts[node] = _host(node)
+            where[node] = ray.get(hosts[node].where.remote(), timeout=HOST_START)
+    return hosts, where
 
 
 def _host(node: str) -> Any:
