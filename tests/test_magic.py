@@ -230,7 +230,7 @@ def test_help_documents_every_flag(kernel, magic, kind):
 
 
 def test_gpu_notebook_dry_runs_on_cpu_with_fallback_variable(kernel):
-    kernel.execute("os.environ['DDPNB_CPU_FALLBACK'] = '1'")
+    kernel.execute("import os, ddpnb\nos.environ['DDPNB_CPU_FALLBACK'] = '1'")  # its own imports: it stands alone
     run = kernel.execute("%%ddp --gpus 2\ndef f(rank):\n    return ddpnb.device()\n")
     kernel.execute("del os.environ['DDPNB_CPU_FALLBACK']")
     assert run.results == ["'cpu'"]
