@@ -39,6 +39,8 @@ COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadat
 CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
 SLURM = "tests/test_slurm.py::"
 RAY = "tests/test_ray.py::"
+DEBUGGER = "tests/test_debugger.py::"
+VIEWS = "tests/test_first_hour_views.py::"
 STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
@@ -289,6 +291,22 @@ MUTANTS = [
         "preload-never-reaches-the-hosts", "ddpnb/engines/ray/warm.py",
         (("self._commands, forkserver.preloaded(), versions())", "self._commands, [], versions())"),),
         (RAY + "test_a_module_preloaded_in_the_kernel_is_in_every_ray_rank_from_the_next_launch",),
+    ),
+    # --- the debugger in the cell and what a failure keeps (issues 28, 29) ----------------------------------------
+    Mutant(
+        "time-at-a-prompt-counts-toward-the-timeout", "ddpnb/core/watchdog.py",
+        (("        if held:\n            self._held_at", "        if False:\n            self._held_at"),),
+        (DEBUGGER + "test_a_breakpoint_on_rank_1_prompts_in_the_cell_and_neither_times_out_nor_stalls[breakpoint()]",),
+    ),
+    Mutant(
+        "failure-locals-dropped", "ddpnb/core/stacks.py",
+        (("    return tuple(frames[-LOCALS_FRAMES:])", "    return ()"),),
+        (VIEWS + "test_the_first_failures_locals_are_kept_in_the_record_and_shown_under_its_traceback",),
+    ),
+    Mutant(
+        "stacks-keep-ddpnbs-threads", "ddpnb/core/stacks.py",
+        (("        if all(_library(file) for file, _, _ in frames):\n            left += 1\n            continue\n", ""),),
+        (VIEWS + "test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source",),
     ),
 ]
 
