@@ -54,34 +54,34 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        "no-sigkill-escalation", "ddpnb/engines/local/engine.py",
+        "no-sigkill-escalation", "ddpnb/node/forked.py",
         (("                self._signal(rank, signal.SIGKILL)\n", "                pass\n"),),
         (FAULTS + "test_rank_ignoring_sigterm_is_killed_after_the_grace_period",),
     ),
     Mutant(
-        "kill-the-rank-not-its-group", "ddpnb/engines/local/engine.py",
+        "kill-the-rank-not-its-group", "ddpnb/node/forked.py",
         (("        os.killpg(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone",
           "        os.kill(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone"),
          ("            os.killpg(pid, sig)\n            return\n", "            os.kill(pid, sig)\n            return\n")),
         (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[stopped]"),
     ),
     Mutant(
-        "exited-ranks-group-left-running", "ddpnb/engines/local/engine.py",
+        "exited-ranks-group-left-running", "ddpnb/node/forked.py",
         (("        os.killpg(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone",
           "        return\n    except (ProcessLookupError, PermissionError):  # the group is gone"),),
         (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]"),
     ),
     Mutant(
         "authkey-in-every-ranks-environment", "ddpnb/node/rank.py",
-        (("    os.environ.update(_torchrun_env(rank, spec))\n",
-          ("    os.environ.update(_torchrun_env(rank, spec))\n"
+        (("    os.environ.update(_torchrun_env(seat, spec))\n",
+          ("    os.environ.update(_torchrun_env(seat, spec))\n"
            "    os.environ['DDPNB_KEY'] = bytes(__import__('multiprocessing').current_process().authkey).hex()\n")),),
         (FAULTS + "test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank",),
     ),
     Mutant(
         "spec-args-in-every-ranks-environment", "ddpnb/node/rank.py",
-        (("    os.environ.update(_torchrun_env(rank, spec))\n",
-          "    os.environ.update(_torchrun_env(rank, spec))\n    os.environ['DDPNB_ARGS'] = repr(spec.args)\n"),),
+        (("    os.environ.update(_torchrun_env(seat, spec))\n",
+          "    os.environ.update(_torchrun_env(seat, spec))\n    os.environ['DDPNB_ARGS'] = repr(spec.args)\n"),),
         (FAULTS + "test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank",),
     ),
     Mutant(
