@@ -54,6 +54,7 @@ class ForkedRanks:
         self._open_commands = False  # a session: each rank gets a pipe for the kernel's commands
         self._commands: dict[int, Any] = {}  # sessions: each rank's command pipe, the kernel's (write) end
         self._send_lock = threading.Lock()
+        self._poll_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()  # ends the reader's pause when a session command was sent
         os.set_blocking(self._wake_w, False)
 
@@ -96,6 +97,7 @@ class ForkedRanks:
         commands_r = None
         if self._open_commands:
             commands_r, commands_w = multiprocessing.Pipe(duplex=False)
+            _enlarge_pipe(commands_w.fileno())  # a command (or a debugger's answer) never waits for a busy rank
             self._commands[rank] = commands_w
         proc = context.Process(
             target=entry, args=(self.seats[rank], channel_w, lifeline_r, out_w, err_w, spec_payload, data,
@@ -203,7 +205,7 @@ class ForkedRanks:
         proc = self._procs[rank]
         _signal_group(proc.pid, signal.SIGKILL)  # whatever the rank started dies with it
         self._drain_channel(rank)
-        code = proc.exitcode
+        code = self._exitcode(rank)
         stopped = code is not None and code < 0 and -code in self._signalled.get(rank, ())
         self._events.exited(rank, code, stopped=stopped)
 
@@ -221,13 +223,13 @@ class ForkedRanks:
     # --- stopping ------------------------------------------------------------------------------------------------
     def stop(self, ranks: list[int]) -> float | None:
         for rank in self._here(ranks):
-            if self._procs[rank].exitcode is None:
+            if self._exitcode(rank) is None:
                 self._signal(rank, signal.SIGTERM)
         return STOP_GRACE
 
     def escalate(self) -> float | None:
-        for rank, proc in self._procs.items():
-            if proc.exitcode is None:
+        for rank in self._procs:
+            if self._exitcode(rank) is None:
                 self._signal(rank, signal.SIGKILL)
         return None
 
@@ -237,7 +239,7 @@ class ForkedRanks:
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """SIGUSR1 makes each rank's faulthandler write every thread's stack to its `rankN.stack` file."""
-        live = [rank for rank in self._here(ranks) if self._procs[rank].exitcode is None]
+        live = [rank for rank in self._here(ranks) if self._exitcode(rank) is None]
         stacks = {}
         for rank in live:
             _kill_group(self._procs[rank].pid, signal.SIGUSR1, group=False)
@@ -268,12 +270,12 @@ class ForkedRanks:
 
     def interrupt(self, ranks: list[int]) -> None:
         for rank in self._here(ranks):
-            if self._procs[rank].exitcode is None:
+            if self._exitcode(rank) is None:
                 _kill_group(self._procs[rank].pid, signal.SIGINT, group=False)  # the rank, not what it started
 
     def close(self) -> None:
-        for proc in self._procs.values():  # belt and braces: nothing of this run may outlive it
-            if proc.exitcode is None:
+        for rank, proc in self._procs.items():  # belt and braces: nothing of this run may outlive it
+            if self._exitcode(rank) is None:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.join(5)
         for end in [*self._kernel_ends, *self._conns, *self._commands.values()]:
@@ -283,10 +285,16 @@ class ForkedRanks:
             if fd >= 0:  # once: a second close() could close a descriptor the number was given to since
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        for proc in self._procs.values():
-            if proc.exitcode is not None:
+        for rank, proc in self._procs.items():
+            if self._exitcode(rank) is not None:
                 proc.close()  # its sentinel fds; the record keeps the exit code
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+    def _exitcode(self, rank: int) -> int | None:
+        """The rank's exit code, read under a lock: multiprocessing reads it from the forkserver's pipe once, and a
+        second thread reading at the same moment (a Ray host's stop beside its reader) would get 255 instead."""
+        with self._poll_lock:
+            return self._procs[rank].exitcode
 
     def _here(self, ranks: list[int]) -> list[int]:
         """Those of `ranks` forked here (a Ray node's host is asked about every rank of the run)."""

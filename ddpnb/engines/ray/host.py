@@ -27,6 +27,7 @@ from ddpnb.node.forked import ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat
 
 RECENT_COMMANDS = 4  # commands whose data's memory files stay open (the kernel keeps as many: data.KEEP_LAUNCHES)
+READER_WAIT = 10.0  # seconds `close` waits for the ranks' reader to see them all end before closing their pipes
 TURN_WAIT = 30.0  # seconds a command waits for the one the kernel sent before it (lost with a failed call)
 Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data) | ("message", rank, message)
 # | ("exited", rank, exitcode, stopped)
@@ -99,13 +100,16 @@ class HostedRun:
     commands: list[list[str]] = field(default_factory=list)  # the object ids each recent command used
     turn: threading.Condition = field(default_factory=threading.Condition)
     next_command: int = 0  # the number of the kernel's next command or interrupt (`in_turn`)
+    closed: bool = False  # `close` came (under `turn`): nothing is forked, sent or fetched any more
+    reader: threading.Thread | None = None
 
     def in_turn(self, number: int, call: Any) -> None:
         """Calls from the kernel in the order it made them: this threaded actor may start them in either."""
         with self.turn:
-            self.turn.wait_for(lambda: self.next_command >= number, timeout=TURN_WAIT)
+            self.turn.wait_for(lambda: self.next_command >= number or self.closed, timeout=TURN_WAIT)
             try:
-                call()
+                if not self.closed:
+                    call()
             finally:
                 self.next_command = max(self.next_command, number + 1)
                 self.turn.notify_all()
@@ -142,14 +146,20 @@ class Host:
         relay = Relay()
         hosted = HostedRun(ForkedRanks(seats), relay, scratch)
         self._runs[run] = hosted
-        data = self._files(hosted, refs)
         if warning := version_warning(kernel_versions):
             for seat in seats:
                 relay.output(seat.rank, Stream.STDERR, f"{warning}\n".encode())
-        with forkserver.lock:  # `preload` must not restart the forkserver while ranks are forked from it
-            hosted.ranks.start(relay, forkserver.context_held(), spec_payload, data, self._stores.pop(run, None),
-                               None, commands)
-        threading.Thread(target=self._serve, args=(hosted,), name=f"ddpnb-host-{run}", daemon=True).start()
+        # under `turn`: a `close` that comes meanwhile (the kernel gave up waiting) waits, then finds them forked
+        with hosted.turn:
+            if hosted.closed:
+                return notes
+            data = self._files(hosted, refs)
+            with forkserver.lock:  # `preload` must not restart the forkserver while ranks are forked from it
+                hosted.ranks.start(relay, forkserver.context_held(), spec_payload, data,
+                                   self._stores.pop(run, None), None, commands)
+            hosted.reader = threading.Thread(target=self._serve, args=(hosted,), name=f"ddpnb-host-{run}",
+                                             daemon=True)
+            hosted.reader.start()
         return notes
 
     def _serve(self, hosted: HostedRun) -> None:
@@ -195,21 +205,31 @@ class Host:
         sock = self._stores.pop(run, None)
         if sock is not None:
             sock.close()
-        hosted = self._runs.pop(run, None)
+        hosted = self._runs.get(run)
         if hosted is None:
             return
+        with hosted.turn:  # after a `start` or command in progress; none after this
+            hosted.closed = True
+            hosted.turn.notify_all()
+        hosted.ranks.escalate()  # whatever still runs: SIGKILL, so the reader sees every rank end
+        if hosted.reader is not None:
+            hosted.reader.join(READER_WAIT)
         hosted.ranks.close()
         for fd in hosted.files.values():
             os.close(fd)
+        hosted.files.clear()
         shutil.rmtree(hosted.scratch, ignore_errors=True)
+        self._runs.pop(run, None)
 
     def _files(self, hosted: HostedRun, refs: dict[int, Any]) -> dict[int, tuple[int, ...]]:
         """The objects `refs` name, each fetched once into a memory file (reused while it stays in the latest
         commands' data); the files of objects no recent command used are closed (ranks mapped them already)."""
         import ray
 
-        wanted = {key: ref for key, ref in refs.items() if ref.hex() not in hosted.files}
-        for (key, ref), value in zip(wanted.items(), ray.get(list(wanted.values())), strict=True):
+        if not refs:  # a command without data (a debugger's answer, STOP) keeps what earlier ones mapped
+            return {}
+        wanted = [ref for ref in refs.values() if ref.hex() not in hosted.files]
+        for ref, value in zip(wanted, ray.get(wanted), strict=True):
             hosted.files[ref.hex()] = _memory_file(value)
         hosted.commands = [*hosted.commands, [ref.hex() for ref in refs.values()]][-RECENT_COMMANDS:]
         recent = {name for used in hosted.commands for name in used}

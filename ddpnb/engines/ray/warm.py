@@ -79,6 +79,8 @@ class WarmEngine:
             if self._placed():
                 self._launch()
                 self._relay()
+        except _Stopped:  # while the ranks were being forked: the `finally` says so, `close` ends them
+            pass
         except Exception as exc:  # noqa: BLE001 - Ray failed under us (the cluster went away): end the run, saying why
             self._lose(list(range(self.spec.world_size)), f"lost the Ray run: {type(exc).__name__}: {exc}")
         finally:
@@ -112,7 +114,7 @@ class WarmEngine:
         rank = 0
         for node_rank, node in enumerate(nodes):
             mine = [index for index in range(self.spec.world_size) if bundles[index] == node]
-            visible = sorted({gpus[index] for index in mine}) if gpus else []
+            visible = [gpus[index] for index in mine]  # in local-rank order: each rank's device is its LOCAL_RANK
             # the node's ranks see all of its run's GPUs, each using its own (NCCL's peer-to-peer paths need both)
             environ = {"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {}
             seats[node] = []
@@ -121,15 +123,29 @@ class WarmEngine:
                                         visible.index(gpus[index]) if gpus else None, environ))
                 self._nodes[rank] = (node, where[node][1])
                 rank += 1
-        notes = ray.get([self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
-                                                        self._commands, forkserver.preloaded(), versions())
-                         for node in nodes], timeout=CALL_WAIT)
+        notes = self._wait([self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
+                                                           self._commands, forkserver.preloaded(), versions())
+                            for node in nodes])
         for note in itertools.chain(*notes):
             print(note, file=sys.stderr)
         with self._lock:
             early, self._early, self._launched = self._early, [], True
         for call in early:
             call()
+
+    def _wait(self, refs: list[Any]) -> list[Any]:
+        """The hosts' answers to a slow call (a new host's first fork waits for its `import torch`; a preload
+        restarts its forkserver; notebook data is fetched), checking the run meanwhile: a stop or the timeout
+        ends the wait (the hosts' `close` then takes whatever they forked)."""
+        import ray
+
+        assert self._events is not None
+        deadline = time.monotonic() + HOST_START
+        while len(ray.wait(refs, num_returns=len(refs), timeout=TICK)[0]) < len(refs):
+            self._events.tick()
+            if self._stopping or time.monotonic() > deadline:
+                raise _Stopped
+        return ray.get(refs)
 
     def _relay(self) -> None:
         """Every host's news as it comes (one long poll per host), until every host's ranks have ended."""
@@ -191,12 +207,17 @@ class WarmEngine:
         return None
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each host's ranks' stacks; a host that does not answer in time (or died) gives none."""
         import ray
 
+        refs = [host.collect_stacks.remote(self._run, ranks) for host in self._hosts.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STACK_WAIT + CALL_WAIT)
         stacks: dict[int, str] = {}
-        for found in ray.get([host.collect_stacks.remote(self._run, ranks) for host in self._hosts.values()],
-                             timeout=STACK_WAIT + CALL_WAIT):
-            stacks.update(found)
+        for ref in ready:
+            try:
+                stacks.update(ray.get(ref))
+            except ray.exceptions.RayError:  # that host is gone: its ranks' end says so
+                continue
         return stacks
 
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
@@ -235,6 +256,10 @@ class WarmEngine:
                 print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
                       "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
+
+
+class _Stopped(Exception):
+    """The run was stopped while its ranks were being forked."""
 
 
 def _hosts_on(nodes: list[str]) -> tuple[dict[str, Any], dict[str, tuple[str, str, int]]]:
