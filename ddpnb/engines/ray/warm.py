@@ -114,7 +114,8 @@ class WarmEngine:
         rank = 0
         for node_rank, node in enumerate(nodes):
             mine = [index for index in range(self.spec.world_size) if bundles[index] == node]
-            visible = [gpus[index] for index in mine]  # in local-rank order: each rank's device is its LOCAL_RANK
+            # in local-rank order: each rank's device is its LOCAL_RANK
+            visible = [gpus[index] for index in mine] if gpus else []
             # the node's ranks see all of its run's GPUs, each using its own (NCCL's peer-to-peer paths need both)
             environ = {"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {}
             seats[node] = []
