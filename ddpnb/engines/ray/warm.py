@@ -32,8 +32,7 @@ CALL_WAIT = 30.0  # seconds a host may take to answer a call that should take mi
 REMOVE_WAIT = 1.0  # seconds `close` waits for Ray to count the run's CPUs as free (others may take them first)
 HOST_START = 600.0  # seconds a new host may take to start (its node imports ddpnb)
 
-_hosts: dict[str, Any] = {}  # node id -> its host actor, for this kernel's Ray connection (`_hosts_job`)
-_hosts_job: str | None = None
+_hosts: dict[str, Any] = {}  # node id -> its host actor
 
 
 class WarmEngine:
@@ -246,9 +245,7 @@ class WarmEngine:
 
         try:
             ray.get([host.close.remote(self._run) for host in self._hosts.values()], timeout=CALL_WAIT)
-        except ray.exceptions.RayError:  # a host is gone, and its ranks with it
-            pass
-        except Exception:  # noqa: BLE001 - Ray already shut down (the kernel is exiting): the hosts went with it
+        except Exception:  # noqa: BLE001 - a host is gone (its ranks with it), or Ray is (the kernel is exiting)
             pass
         if self._group is not None:
             try:
@@ -282,17 +279,13 @@ def _hosts_on(nodes: list[str]) -> tuple[dict[str, Any], dict[str, tuple[str, st
 
 
 def _host(node: str) -> Any:
-    """The node's host actor, started on the node the first time a run needs it (for this Ray connection)."""
-    global _hosts_job
+    """The node's host actor, started on the node the first time a run needs it. A node of another cluster, or of
+    Ray restarted, has another id; a host that died is replaced (`_hosts_on`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ddpnb.engines.ray.host import Host
 
-    job = ray.get_runtime_context().get_job_id()
-    if job != _hosts_job:  # Ray restarted, or another cluster: the hosts known went with the old connection
-        _hosts.clear()
-        _hosts_job = job
     if node not in _hosts:
         _hosts[node] = ray.remote(Host).options(
             num_cpus=0, max_concurrency=64,
