@@ -1,2 +1,2 @@
-"""The local engine: ranks forked from a pre-warmed forkserver on this machine (engine.py and forkserver.py in
-the kernel, rank.py in each rank)."""
+"""The local engine: ranks forked from a pre-warmed forkserver on this machine (engine.py in the kernel; the
+forking itself, and each rank's side, are `ddpnb.node`'s)."""
