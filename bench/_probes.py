@@ -683,7 +683,7 @@ def probe_data(args: argparse.Namespace) -> None:
         return
 
     import ddpnb
-    from ddpnb.engines.local import shared
+    from ddpnb.node import shared
 
     if args.via == "pickle":  # ddpnb as it was before issue 16: every rank unpickles its own copy
         shared.MIN_BYTES = 1 << 62  # the local engine's threshold for what goes into memory files

@@ -193,18 +193,18 @@ MUTANTS = [
         (CUDA_DEVICE + "[cuda:1]",),
     ),
     Mutant(  # nearly equivalent before: the next launch's `keep` drops dead sources too; the test looks before one
-        "released-tensors-copy-kept-until-the-next-launch", "ddpnb/engines/local/shared.py",
+        "released-tensors-copy-kept-until-the-next-launch", "ddpnb/node/shared.py",
         (("            ref = weakref.ref(source, lambda ref, key=key, target=self.store: target.forget(key, ref))\n",
           "            ref = weakref.ref(source)\n"),),
         (DATA + "test_a_released_tensors_copy_goes_away_and_nothing_is_left_after_a_failed_pickle",),
     ),
     Mutant(
-        "unchanged-data-written-again", "ddpnb/engines/local/shared.py",
+        "unchanged-data-written-again", "ddpnb/node/shared.py",
         (("        block = self.store.find(key, source)\n", "        block = None\n"),),
         (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
     ),
     Mutant(
-        "tensor-changed-in-place-not-sent-again", "ddpnb/engines/local/shared.py",
+        "tensor-changed-in-place-not-sent-again", "ddpnb/node/shared.py",
         (("(block.version == version if version is not None", "(True if version is not None"),),
         (DATA + "test_unchanged_data_is_not_written_again_and_a_change_in_the_notebook_is",),
     ),

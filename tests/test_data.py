@@ -1,4 +1,4 @@
-"""Notebook data reaching the ranks once, through shared memory mapped copy-on-write (`ddpnb/engines/local/shared.py`).
+"""Notebook data reaching the ranks once, through shared memory mapped copy-on-write (`ddpnb/node/shared.py`).
 
 Each function is defined inside its test, so that it travels by value with what it closes over, as a notebook
 cell's does. Every rank also says whether its tensor's bytes are pages of one of ddpnb's memory files
@@ -22,7 +22,7 @@ import torch
 
 import ddpnb
 from ddpnb.core import data as notebook_data
-from ddpnb.engines.local import shared
+from ddpnb.node import shared
 from ddpnb.node import mapped
 from ddpnb.rank import data as rank_data
 

@@ -12,7 +12,7 @@ import torch
 
 import ddpnb
 from ddpnb.node import mapped as rank_side
-from ddpnb.engines.local import shared
+from ddpnb.node import shared
 from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
 from tests.conftest import private_runs_dir
 

@@ -27,7 +27,8 @@ from tests.test_faults import Cell
 from tests.test_notebooks import run_notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-RANK_MODULE = "ddpnb.engines.slurm.rank"
+HOST_MODULE = "ddpnb.engines.slurm.host"
+FORKSERVER = "multiprocessing.forkserver"
 CELL_TIMEOUT = 300
 
 
@@ -57,13 +58,19 @@ def slurm_kernel(cluster):
 
 
 def ranks_left(within: float = 10.0) -> list[str]:
-    """The slurm ranks still alive on this machine (both nodes are this host) after `within` seconds."""
+    """The slurm engine's processes still alive on this machine (both nodes are this host) after `within` seconds:
+    a node's host, its forkserver and the ranks forked from it (which carry the step's SLURM_STEP_ID; the
+    kernel's own forkserver, for the local engine, does not)."""
     deadline = time.monotonic() + within
     while True:
         left = []
         for process in psutil.process_iter(["cmdline", "status"]):
             cmdline = " ".join(process.info["cmdline"] or [])
-            if RANK_MODULE in cmdline and process.info["status"] != psutil.STATUS_ZOMBIE:
+            try:
+                ours = HOST_MODULE in cmdline or (FORKSERVER in cmdline and "SLURM_STEP_ID" in process.environ())
+            except psutil.Error:
+                continue
+            if ours and process.info["status"] != psutil.STATUS_ZOMBIE:
                 left.append(f"{process.pid} {cmdline}")
         if not left or time.monotonic() > deadline:
             return left
@@ -486,3 +493,77 @@ def spins(rank):
     assert ranks_left() == [] and steps_left(cluster) == []
     assert wait_gone(children, within=10) == []
     assert slurm_kernel.execute("print(6 * 7)").stdout.strip() == "42"
+
+
+def test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy(slurm_kernel, cluster):
+    """A closure over 64 MB, and a session push of 32 MB: each node's host receives the bytes once into a memory
+    file, and the node's ranks map that one file (the same inode on a node, another on the other node); every rank
+    reads the notebook's values, and a rank's write stays its own."""
+    out = slurm_kernel.execute('''
+import torch
+big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
+def reads(rank, world_size):
+    import torch.distributed as dist
+    files = sorted({line.split()[4] for line in open("/proc/self/maps") if "ddpnb-slurm-data" in line})
+    total = float(big.sum())
+    big[0] = 1e9  # this rank's page only
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (os.environ["SLURMD_NODENAME"], files, total, float(big[1])))
+    return seen
+seen = ddpnb.run(reads, engine="slurm", nprocs=4, nodes=2, view="none")
+print(seen)
+print(float(big.sum()), float(big[0]))
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.text
+    seen = eval(out.stdout.splitlines()[0])  # noqa: S307 - our own cell's repr of plain values
+    expected = float(sum(range(16 << 20)))
+    assert [node for node, *_ in seen] == ["n1", "n1", "n2", "n2"], seen
+    assert all(abs(total - expected) / expected < 1e-6 and second == 1.0 for _, _, total, second in seen), seen
+    inodes = [files for _, files, *_ in seen]
+    assert all(len(files) == 1 for files in inodes), inodes  # mapped from a memory file, not unpickled
+    assert inodes[0] == inodes[1] and inodes[2] == inodes[3] and inodes[0] != inodes[2], inodes
+    kernel_total, first = map(float, out.stdout.splitlines()[1].split())
+    assert abs(kernel_total - expected) / expected < 1e-6 and first == 0.0  # the notebook's tensor is untouched
+    started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2", timeout=CELL_TIMEOUT)
+    assert started.error is None, started.text
+    try:
+        pushed = slurm_kernel.execute("s = ddpnb._session.current_session()\n"
+                                      "s.push(pushed=torch.ones(8 << 20))\n"
+                                      "print(s.execute('float(pushed.sum())'))", timeout=CELL_TIMEOUT)
+        assert pushed.error is None and pushed.stdout.strip() == f"[{float(8 << 20)}, {float(8 << 20)}]", pushed.text
+    finally:
+        slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def host_on(node: str) -> int:
+    """The PID of the slurm engine's host on `node` (both nodes are this machine: told apart by SLURMD_NODENAME)."""
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if HOST_MODULE in " ".join(process.info["cmdline"] or []) \
+                    and process.environ().get("SLURMD_NODENAME") == node:
+                return process.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no slurm host on {node}")
+
+
+def test_a_node_lost_mid_run_is_named_as_the_root_cause_and_nothing_is_left(slurm_kernel, cluster):
+    """Node n2's host killed outright, as when the node dies: its ranks go with it (their lifeline), the first
+    failure names the node, the ranks on n1 are stopped, and nothing of the run is left on either node."""
+    cell = Cell(slurm_kernel, '''%%ddp --engine slurm -n 4 --nodes 2
+def waits(rank):
+    import torch.distributed as dist
+    dist.barrier()
+    print(f"rank {rank} up", flush=True)
+    time.sleep(300)
+''')
+    cell.read_until(lambda out: out.text.count(" up") == 4, timeout=CELL_TIMEOUT)
+    os.kill(host_on("n2"), 9)
+    result = cell.finish(timeout=CELL_TIMEOUT)
+    assert result.error is not None and result.error["ename"] == "WorkerError", result.text
+    shown = "\n".join(result.error["traceback"])
+    assert re.search(r"rank [23] of 4 failed first: its Slurm node n2 was lost", shown), shown
+    states = slurm_kernel.execute("print(*[r.state.value for r in ddpnb.last_run().ranks])").stdout.split()
+    assert states[:2] == ["stopped", "stopped"] and "failed" in states[2:], states
+    assert ranks_left() == [] and steps_left(cluster) == []

@@ -1,7 +1,7 @@
 """Notebook data for the ranks, engine-neutral: the shipment the pickler hands big tensors and arrays to, the
 store of what earlier launches sent, and how a launch says what it sent.
 
-Each engine brings its own shipment (local: shared memory the ranks map, `engines.local.shared`; ray: Ray's object
+Each engine brings its own shipment (local: shared memory the ranks map, `node.shared`; ray: Ray's object
 store, `engines.ray.data`); the pickler (`pickling.dumps(..., shared=)`) asks it about every tensor and array it
 meets, and the API commits it once every rank has what the pickle refers to.
 """

@@ -186,7 +186,7 @@ class Stall:
 
 @dataclass(frozen=True)
 class DataSent:
-    """What a launch sent the ranks through shared memory (`engines.local.shared`) or Ray's object store rather than in a
+    """What a launch sent the ranks through shared memory (`node.shared`) or Ray's object store rather than in a
     pickle."""
 
     written: int  # bytes written into memory files at this launch

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, WorkerSpec, local_gpu_count
-from ddpnb.engines.local.shared import Shipment
+from ddpnb.node.shared import Shipment
 from ddpnb.node import forkserver
 from ddpnb.node.forked import COALESCE, STACK_WAIT, STOP_GRACE, ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat

@@ -1,7 +1,7 @@
 """Notebook data for Ray ranks through Ray's object store: put once by the kernel, fetched by every rank.
 
 Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulted by the pickler as
-`engines.local.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
+`node.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
 the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
 the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
 from, so that the next launch reuses what did not change instead of putting it again. Rank side (`fetched`): `rebuild_tensor`
@@ -55,7 +55,7 @@ class RefStore(notebook_data.BySource[Held]):
                 self.entries, self.connection = {}, connection
 
     def keep(self, used: Iterable[Held]) -> None:
-        """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `engines.local.shared.Store` does),
+        """Hold what a launch used next to what the KEEP_LAUNCHES before it used (as `node.shared.Store` does),
         while the notebook still holds each source; the rest is let go, so the object store does not grow run
         after run."""
         with self.lock:

@@ -19,74 +19,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddpnb.core.channel import EAGER
 from ddpnb.core.spec import Stream
 from ddpnb.engines.ray import version_warning
 from ddpnb.node import forkserver
 from ddpnb.node.forked import ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat
+from ddpnb.node.relay import Event, Relay
 
 RECENT_COMMANDS = 4  # commands whose data's memory files stay open (the kernel keeps as many: data.KEEP_LAUNCHES)
 READER_WAIT = 10.0  # seconds `close` waits for the ranks' reader to see them all end before closing their pipes
 TURN_WAIT = 30.0  # seconds a command waits for the one the kernel sent before it (lost with a failed call)
-Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data) | ("message", rank, message)
-# | ("exited", rank, exitcode, stopped)
-
-
-class Relay:
-    """The forked ranks' events (`RunEvents`), queued for the kernel's next `drain`. Events become visible at the
-    end of each read pass (`tick`), as the local engine announces them: an answer never overtakes the output its
-    rank wrote before it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()
-        self._reading: list[Event] = []  # this read pass's events
-        self._ready: list[Event] = []  # passes over, not drained yet
-        self.done = False
-        self.commanded = 0.0  # when the kernel last sent a command: answers are awaited
-
-    def placed(self, rank: int, pid: int | None, node: str = "") -> None:
-        self._put(("placed", rank, pid))
-
-    def message(self, rank: int, message: Any) -> None:
-        self._put(("message", rank, message))
-
-    def output(self, rank: int, stream: Stream, data: bytes) -> None:
-        self._put(("output", rank, stream, data))
-
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
-        self._put(("exited", rank, exitcode, stopped))
-
-    def restarted(self) -> None:
-        """Forked ranks are never restarted by their engine: a restart is the run's new attempt."""
-
-    def tick(self) -> None:
-        with self.lock:
-            if self._reading:
-                self._ready += self._reading
-                self._reading = []
-                self.lock.notify_all()
-
-    def quiet(self) -> bool:
-        return time.monotonic() - self.commanded > EAGER
-
-    def finish(self) -> None:
-        with self.lock:
-            self._ready += self._reading
-            self._reading, self.done = [], True
-            self.lock.notify_all()
-
-    def take(self, wait: float) -> tuple[list[Event], bool]:
-        """What is ready, once something is or after `wait` seconds; and whether the ranks' reader is done."""
-        with self.lock:
-            self.lock.wait_for(lambda: self._ready or self.done, timeout=wait)
-            batch, self._ready = self._ready, []
-            return batch, self.done and not self._reading
-
-    def _put(self, event: Event) -> None:
-        with self.lock:
-            self._reading.append(event)
 
 
 @dataclass

@@ -1,48 +1,63 @@
-"""What the kernel and a Slurm rank say to each other over the run's TCP channel (both sides import this).
+"""What the kernel and a Slurm node's host say to each other over the run's TCP channel (both sides import this).
 
 The step's stdin carries one line to every task (srun broadcasts it): the kernel's address and the run's secret,
-so the secret is never in a rank's argv or environment, and nodes need no shared filesystem to learn it. A rank
+so the secret is never in a host's argv or environment, and nodes need no shared filesystem to learn it. A host
 then connects with `multiprocessing.connection.Client(authkey=secret)`: both sides prove the secret by HMAC
-challenge before a byte of the run travels, and a connection that cannot is dropped. Frames are
-multiprocessing's (`core.messages.header`): the rank's first is its `Hello`, then core messages (`msg.encode`);
-the kernel's are `(Control, value)` pairs.
+challenge before a byte of the run travels, and a connection that cannot is dropped. Frames are multiprocessing's:
+the host's first is its `Hello`, then `(Report, value)` pairs; the kernel's are `(Control, value)` pairs. Notebook
+data follows the frame that announces it (`SETUP`, `COMMAND`) as raw bytes, each memory file's in turn (`Layout`),
+sent with `sendfile` and received straight into the host's own memory files: one copy per node.
 """
 
 from __future__ import annotations
 
 import enum
+import mmap
 import os
+import socket
 from dataclasses import dataclass
+from typing import Any
 
-# what a rank writes on its stdout and stderr just before it sends a session answer (`Link.flush`): the kernel
-# delivers the answer once both marks came through srun, so the output printed before it is shown first
-FLUSHED = b"\x1b]ddpnb;flushed\x07"
+from ddpnb.node.rank import Seat
+
+Layout = dict[int, tuple[int, ...]]  # notebook data: segment id -> the sizes of its memory files, sent in this order
+CHUNK = 64 << 20  # bytes moved per call while notebook data crosses
 
 
 class Control(enum.Enum):
-    SETUP = "setup"  # value: `Setup`; the first thing a rank receives
-    STACKS = "stacks"  # send your training thread's stack (`msg.Stacks`)
-    COMMAND = "command"  # value: a session command's bytes (`Link.receive`)
-    INTERRUPT = "interrupt"  # KeyboardInterrupt in the session command that is running
+    SETUP = "setup"  # value: `Setup`; the first thing a host receives, then the data its `layout` names
+    STOP = "stop"  # value: ranks; SIGTERM to those on this node
+    ESCALATE = "escalate"  # SIGKILL to every rank on this node
+    STACKS = "stacks"  # value: ranks; the host answers `Report.STACKS`
+    COMMAND = "command"  # value: (ranks, command bytes, layout), then the data: a session command
+    INTERRUPT = "interrupt"  # value: ranks; KeyboardInterrupt in the session command that is running
+
+
+class Report(enum.Enum):
+    EVENTS = "events"  # value: a batch of `node.relay` events, in the order this node's reader saw them
+    STACKS = "stacks"  # value: {rank: stack text}
+    DONE = "done"  # every rank on this node ended and was reported
 
 
 @dataclass(frozen=True)
 class Hello:
-    """A rank's first frame: who and where it is. Rank 0 also says where its TCPStore listens."""
+    """A host's first frame: which node of the step it is, and where. Node 0's also says where rank 0's TCPStore
+    will listen (a socket it bound, port 0, handed to rank 0 when it is forked)."""
 
-    rank: int
+    node_index: int  # SLURM_NODEID: this host's place in the step
     node: str  # SLURMD_NODENAME
-    host: str  # the address this rank reaches the kernel from (what its peers reach it at)
+    host: str  # the address this node reaches the kernel from (and its peers reach it at)
     pid: int
     step: str  # JOBID.STEPID, for scancel
-    store_port: int = 0  # rank 0: its bound store socket's port
+    store_port: int = 0  # node 0: its bound store socket's port
 
 
 @dataclass(frozen=True)
 class Setup:
     spec_payload: bytes
-    master_addr: str
-    master_port: int
+    seats: list[Seat]  # this node's ranks
+    layout: Layout
+    commands: bool  # a session: each rank gets a pipe for the kernel's commands
 
 
 def invitation(host: str, port: int, secret: bytes) -> bytes:
@@ -59,3 +74,69 @@ def read_invitation(fd: int = 0) -> tuple[tuple[str, int], bytes]:
         line += chunk
     host, port, secret = line.decode().split()
     return (host, int(port)), bytes.fromhex(secret)
+
+
+def layout(files: dict[int, tuple[int, ...]]) -> Layout:
+    """The layout of the kernel's memory files `files` (segment id -> fds)."""
+    return {segment: tuple(os.fstat(fd).st_size for fd in fds) for segment, fds in files.items()}
+
+
+def send_data(sock: int, files: dict[int, tuple[int, ...]]) -> None:
+    """Every memory file's bytes, in `layout` order, on the connection's socket (the caller holds its lock)."""
+    for fds in files.values():
+        for fd in fds:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:
+                offset += os.sendfile(sock, fd, offset, min(CHUNK, size - offset))
+
+
+def receive_data(sock: int, shape: Layout) -> dict[int, tuple[int, ...]]:
+    """The bytes `send_data` sent, each file's into a memory file of this process: segment id -> its fds."""
+    files: dict[int, tuple[int, ...]] = {}
+    try:
+        for segment, sizes in shape.items():
+            fds = []
+            for size in sizes:
+                fd = os.memfd_create(f"ddpnb-slurm-data-{segment}", os.MFD_CLOEXEC)
+                fds.append(fd)
+                os.ftruncate(fd, size)
+                _receive_into(sock, fd, size)
+            files[segment] = tuple(fds)
+    except BaseException:
+        close_files({**files, -1: tuple(fds)})
+        raise
+    return files
+
+
+def _receive_into(sock: int, fd: int, size: int) -> None:
+    if not size:
+        return
+    with mmap.mmap(fd, size) as mapping, socket.socket(fileno=os.dup(sock)) as raw:
+        view, got = memoryview(mapping), 0
+        try:
+            while got < size:
+                read = raw.recv_into(view[got:got + CHUNK])
+                if not read:
+                    raise EOFError("the kernel's connection closed while notebook data was arriving")
+                got += read
+        finally:
+            view.release()
+
+
+def close_files(files: dict[int, tuple[int, ...]]) -> None:
+    for fds in files.values():
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                continue
+
+
+def keepalive(sock: Any) -> None:
+    """TCP keepalive on the channel: a node that vanishes without a word (power, network) is noticed in about 20
+    s, where Slurm's own node timeout may take minutes."""
+    with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # a duplicate: the option is the socket's own
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                raw.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
