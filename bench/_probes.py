@@ -752,7 +752,73 @@ def probe_slurm(args: argparse.Namespace) -> None:
     for _ in range(args.warm):
         for engine, times in later.items():
             times.append(launch(engine))
-    emit({"first": first, "later": later})
+    emit({"first": first, "later": later, **(_slurm_data(args.data_bytes) if args.data_bytes else {})})
+
+
+def _slurm_data(nbytes: int) -> dict[str, Any]:
+    """Notebook data on Slurm: 4 ranks on 2 nodes, a function closing over `nbytes` (first launch: written into the
+    kernel's memory files and sent; later: unchanged, only sent), against the same function over a small tensor;
+    and the floor: the same bytes sent once to each of 2 receiving processes over loopback TCP, in parallel, each
+    receiving into a memory file, as a node's host does."""
+    import torch
+
+    import ddpnb
+
+    def timed(value: Any) -> float:
+        def reads(rank: int) -> float:
+            return float(value[-1])
+
+        started = time.perf_counter()
+        assert ddpnb.run(reads, nprocs=4, engine="slurm", nodes=2, view="none") == 1.0
+        return time.perf_counter() - started
+
+    small = torch.ones(4)
+    big = torch.ones(nbytes // 4, dtype=torch.float32)
+    bare = [timed(small) for _ in range(2)]
+    first = timed(big)
+    later = [timed(big) for _ in range(2)]
+    floor = [_send_to_two(memoryview(big.numpy()).cast("B")) for _ in range(2)]
+    return {"data": {"bytes": big.nbytes, "bare": min(bare), "first": first, "later": min(later),
+                     "floor": min(floor)}}
+
+
+def _send_to_two(data: memoryview) -> float:
+    """Seconds to send `data` to two receivers (forked processes) at once, over loopback TCP."""
+    import mmap
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    children = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # a receiver: into a memory file, as a host receives notebook data
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                fd = os.memfd_create("floor")
+                os.ftruncate(fd, len(data))
+                with mmap.mmap(fd, len(data)) as mapping:
+                    view, got = memoryview(mapping), 0
+                    while got < len(data):
+                        got += conn.recv_into(view[got:])
+                    view.release()
+                conn.sendall(b"k")
+            os._exit(0)
+        children.append(pid)
+    conns = [listener.accept()[0] for _ in children]
+    started = time.perf_counter()
+    senders = [threading.Thread(target=conn.sendall, args=(data,)) for conn in conns]
+    for sender in senders:
+        sender.start()
+    for sender, conn in zip(senders, conns):
+        sender.join()
+        conn.recv(1)
+    elapsed = time.perf_counter() - started
+    for conn in conns:
+        conn.close()
+    listener.close()
+    for pid in children:
+        os.waitpid(pid, 0)
+    return elapsed
 
 
 def probe_ray(args: argparse.Namespace) -> None:
@@ -834,6 +900,7 @@ def main() -> None:
     p.add_argument("--restarts", type=int, default=5, help="restarts, each paired with a later launch")
     p = sub.add_parser("ray")
     p.add_argument("--warm", type=int, default=5, help="later launches of each engine")
+    p.add_argument("--data-bytes", type=int, default=0, help="also: notebook data of this size on 4 ranks")
     p.add_argument("--sessions", type=int, default=2, help="sessions of each engine")
     p.add_argument("--cells", type=int, default=20, help="timed round trips per session")
     p.add_argument("--warmup", type=int, default=5, help="untimed round trips first")
@@ -864,6 +931,7 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=3)
     p = sub.add_parser("slurm")
     p.add_argument("--warm", type=int, default=5, help="later launches of each engine")
+    p.add_argument("--data-bytes", type=int, default=0, help="also: notebook data of this size on 4 ranks")
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()

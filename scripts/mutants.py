@@ -262,8 +262,19 @@ MUTANTS = [
     # --- the slurm engine (test_slurm.py: a real two-node Slurm) -----------------------------------------------------
     Mutant(
         "slurm-rank-named-without-its-node", "ddpnb/engines/slurm/engine.py",
-        (('            cause = f"{describe_exit(code)} (on Slurm node {hello.node})"\n', '            cause = ""\n'),),
+        (('cause = f"{describe_exit(code)} (on Slurm node {node.name})" if code', 'cause = "" if code'),),
         (SLURM + "test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone",),
+    ),
+    Mutant(
+        "lost-slurm-node-not-named", "ddpnb/engines/slurm/engine.py",
+        (('f"its Slurm node {node.name} was lost (ddpnb\'s host there ended{how})")',
+          'f"ended ({how})")'),),
+        (SLURM + "test_a_node_lost_mid_run_is_named_as_the_root_cause_and_nothing_is_left",),
+    ),
+    Mutant(
+        "slurm-data-pickled-for-every-rank", "ddpnb/engines/slurm/engine.py",
+        (("        return Shipment()  # memory files in the kernel", "        return None  # memory files in the kernel"),),
+        (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
