@@ -784,7 +784,6 @@ def _slurm_data(nbytes: int) -> dict[str, Any]:
 
 def _send_to_two(data: memoryview) -> float:
     """Seconds to send `data` to two receivers (forked processes) at once, over loopback TCP."""
-    import mmap
     import threading
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -796,11 +795,13 @@ def _send_to_two(data: memoryview) -> float:
             with socket.create_connection(("127.0.0.1", port)) as conn:
                 fd = os.memfd_create("floor")
                 os.ftruncate(fd, len(data))
-                with mmap.mmap(fd, len(data)) as mapping:
-                    view, got = memoryview(mapping), 0
-                    while got < len(data):
-                        got += conn.recv_into(view[got:])
-                    view.release()
+                buffer, got = memoryview(bytearray(16 << 20)), 0  # as `wire.receive_data`: the fastest way here
+                while got < len(data):
+                    read = conn.recv_into(buffer[:min(len(buffer), len(data) - got)])
+                    written = 0
+                    while written < read:
+                        written += os.pwrite(fd, buffer[written:read], got + written)
+                    got += read
                 conn.sendall(b"k")
             os._exit(0)
         children.append(pid)

@@ -609,3 +609,41 @@ def test_a_slurm_run_restarts_from_its_checkpoint_on_a_new_step_and_resume_conti
     assert check.error is None, check.error
     assert check.stdout.split() == ["20", "None", "40", "True"], check.stdout
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+STALLS = '''%%ddp --engine slurm -n 3 --nodes 2 --stall 3
+def computes_then_stalls(rank, world_size):
+    import torch, torch.distributed as dist
+    for step in range(12):
+        spent = time.thread_time() + (0.2 if rank == 2 else 0.05)  # CPU time: rank 2 computes 4x as long
+        while time.thread_time() < spent:
+            pass
+        dist.all_reduce(torch.ones(4))
+        ddpnb.log(step=step)
+    if rank == 1:
+        time.sleep(7)
+    dist.all_reduce(torch.ones(1))
+'''
+
+
+def test_the_stall_doctor_the_straggler_radar_and_hardware_columns_work_on_slurm(slurm_kernel, cluster):
+    """The views read what every engine's ranks send: on Slurm too, a stall names the rank that holds the others
+    (its line in the cell) and where they wait; the rank with four times the compute is the one straggler; each
+    rank's CPU and memory are sampled."""
+    run = slurm_kernel.execute(STALLS, timeout=CELL_TIMEOUT)
+    assert run.error is None, "\n".join(run.error["traceback"]) + run.text
+    cell = f"Cell In[{run.count}]"
+    stalled = [line for line in run.stdout.splitlines() if line.startswith("[ddpnb] stalled:")]
+    # (on this 2-core box the ranks' start may be a quiet spell of its own: "ranks 0, 1, 2 are not in your code")
+    assert stalled and stalled[-1].endswith(
+        f"rank 1 is in time.sleep ({cell}, line 11); ranks 0, 2 wait in all_reduce ({cell}, line 12)"), run.stdout
+    assert all(re.search(r"(is|are) (still starting|not in your code)$", line) for line in stalled[:-1]), run.stdout
+    assert "[ddpnb] progress resumed" in run.stdout
+    check = slurm_kernel.execute(
+        "from ddpnb.core.report import straggler_text\n"
+        "r = ddpnb.last_run()\n"
+        "print([bool(straggler_text(rank)) for rank in r.ranks], [bool(rank.hardware) for rank in r.ranks],\n"
+        "      [rank.node for rank in r.ranks])")
+    assert check.error is None, check.error
+    assert check.stdout.strip() == "[False, False, True] [True, True, True] ['n1', 'n1', 'n2']", check.stdout
+    assert ranks_left() == [] and steps_left(cluster) == []

@@ -78,6 +78,7 @@ class Attempt:
         self.started = time.time()
         self._request = stop_request
         self._returned: set[int] = set()
+        self._placed: set[int] = set()  # ranks whose process exists
         self._stopping: dict[int, float] = {}  # rank -> when the engine was first asked to stop it (time.time())
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
@@ -167,6 +168,9 @@ class Attempt:
         record = self.record.ranks[rank]
         record.pid, record.started = pid, time.time()
         record.node = node or record.node
+        self._placed.add(rank)
+        if len(self._placed) == len(self.record.ranks):
+            self.watchdog.all_placed()
         self.announcer.mark()
 
     def output(self, rank: int, stream: Stream, data: bytes) -> None:

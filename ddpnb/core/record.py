@@ -158,6 +158,7 @@ class RankWhere:
     call: str = ""  # outside one: the call on its line ("time.sleep"), where the line says
     at: str = ""  # its line: "Cell In[4], line 6" or 'File "train.py", line 6'; "" where no stack came
     ended: str = ""  # a rank no longer in its function: "returned", "finished", "failed", "stopped"
+    starting: bool = False  # no line of the user's on its stack, and it has not said it started
 
 
 @dataclass

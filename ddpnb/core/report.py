@@ -96,15 +96,18 @@ def where_phrase(where: RankWhere, plural: bool = False) -> str:
         return f"{'wait' if plural else 'waits'} in {where.waits_in}{at}"
     if where.call:
         return f"{'are' if plural else 'is'} in {where.call}{at}"
-    return f"{'are' if plural else 'is'} at {where.at}" if where.at else "sent no stack"
+    if where.at:
+        return f"{'are' if plural else 'is'} at {where.at}"
+    # no line of the user's: a stack of ddpnb's or a library's only (the group's rendezvous), or none came
+    return f"{'are' if plural else 'is'} {'still starting' if where.starting else 'not in your code'}"
 
 
 def diagnosis_summary(diagnosis: Diagnosis) -> str:
     """One line, ranks grouped by where they are, those not waiting first: 'rank 1 is in time.sleep (Cell In[4],
     line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'."""
-    groups: dict[tuple[str, str, str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str, str, bool], list[int]] = {}
     for where in diagnosis.ranks:
-        groups.setdefault((where.ended, where.waits_in, where.call, where.at), []).append(where.rank)
+        groups.setdefault((where.ended, where.waits_in, where.call, where.at, where.starting), []).append(where.rank)
     first = {where.rank: where for where in diagnosis.ranks}
     order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
     return "; ".join(f"{named(ranks)} {where_phrase(first[ranks[0]], len(ranks) > 1)}" for _, ranks in order)

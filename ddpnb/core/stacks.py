@@ -161,7 +161,8 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 def _library(filename: str) -> bool:
     """A frame of ddpnb, the standard library or an installed package: not where the user's code is."""
     parts = filename.split(os.sep)
-    return is_plumbing(filename) or filename.startswith(_STDLIB) or "site-packages" in parts or "dist-packages" in parts
+    return (is_plumbing(filename) or filename.startswith((_STDLIB, "<frozen ")) or "site-packages" in parts
+            or "dist-packages" in parts)
 
 
 _STDLIB = os.path.dirname(threading.__file__) + os.sep

@@ -65,8 +65,8 @@ def locate(record: RankRecord, stack: str, quiet: float, returned: bool) -> Rank
         return RankWhere(record.rank, quiet, ended=ended)
     frames = frames_of(stack)
     users = [frame for frame in frames if not is_library(frame[0])]
-    if not users:
-        return RankWhere(record.rank, quiet)
+    if not users:  # no line of the user's: before its function (ddpnb's setup, the group's rendezvous)
+        return RankWhere(record.rank, quiet, starting=record.state is RankState.STARTING)
     file, line, _ = users[-1]
     at = cell_names(f'File "{file}", line {line}')
     waits = [name for _, _, name in frames if name in WAITS]

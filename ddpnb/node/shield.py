@@ -4,8 +4,12 @@ Jupyter interrupts a kernel by signalling its whole process group, which holds t
 multiprocessing's forkserver ignores SIGINT only once its preloading is done, so an interrupt during a kernel's
 first launch killed it halfway through `import torch`, and the next launch found it dead. Ranks get Python's own
 SIGINT handler back as they start (`rank.entry`).
+
+SIGUSR1 asks a rank for its stacks; ignored from the fork until the rank's faulthandler takes it over (`rank._setup`),
+so a request that comes while a rank still starts finds no stack rather than killing it (its default action).
 """
 
 import signal
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)

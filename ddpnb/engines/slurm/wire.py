@@ -12,7 +12,6 @@ sent with `sendfile` and received straight into the host's own memory files: one
 from __future__ import annotations
 
 import enum
-import mmap
 import os
 import socket
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from typing import Any
 from ddpnb.node.rank import Seat
 
 Layout = dict[int, tuple[int, ...]]  # notebook data: segment id -> the sizes of its memory files, sent in this order
-CHUNK = 64 << 20  # bytes moved per call while notebook data crosses
+CHUNK = 64 << 20  # bytes sent per call while notebook data crosses
+BUFFER = 16 << 20  # bytes received at a time
 
 
 class Control(enum.Enum):
@@ -109,18 +109,19 @@ def receive_data(sock: int, shape: Layout) -> dict[int, tuple[int, ...]]:
 
 
 def _receive_into(sock: int, fd: int, size: int) -> None:
-    if not size:
-        return
-    with mmap.mmap(fd, size) as mapping, socket.socket(fileno=os.dup(sock)) as raw:
-        view, got = memoryview(mapping), 0
-        try:
-            while got < size:
-                read = raw.recv_into(view[got:got + CHUNK])
-                if not read:
-                    raise EOFError("the kernel's connection closed while notebook data was arriving")
-                got += read
-        finally:
-            view.release()
+    """Through one buffer, written with `pwrite`: a fresh memory file mapped and received into faults in every
+    page, which took 40% more CPU (bench/RESULTS.md, section 8)."""
+    buffer = memoryview(bytearray(min(size, BUFFER)))
+    with socket.socket(fileno=os.dup(sock)) as raw:
+        got = 0
+        while got < size:
+            read = raw.recv_into(buffer[:min(BUFFER, size - got)])
+            if not read:
+                raise EOFError("the kernel's connection closed while notebook data was arriving")
+            written = 0
+            while written < read:
+                written += os.pwrite(fd, buffer[written:read], got + written)
+            got += read
 
 
 def close_files(files: dict[int, tuple[int, ...]]) -> None:
