@@ -778,8 +778,18 @@ def _slurm_data(nbytes: int) -> dict[str, Any]:
     first = timed(big)
     later = [timed(big) for _ in range(2)]
     floor = [_send_to_two(memoryview(big.numpy()).cast("B")) for _ in range(2)]
+    session = ddpnb.session(engine="slurm", nprocs=4, nodes=2)  # ranks up: no import beside the data
+    try:
+        pushes = []
+        for value in (big, big):  # a new tensor, then the same one unchanged (reused in the kernel)
+            started = time.perf_counter()
+            session.push(pushed=value)
+            pushes.append(time.perf_counter() - started)
+            assert session.execute("float(pushed[-1])") == [1.0] * 4
+    finally:
+        session.stop()
     return {"data": {"bytes": big.nbytes, "bare": min(bare), "first": first, "later": min(later),
-                     "floor": min(floor)}}
+                     "floor": min(floor), "push": pushes[0], "push_again": pushes[1]}}
 
 
 def _send_to_two(data: memoryview) -> float:

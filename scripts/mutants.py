@@ -277,6 +277,12 @@ MUTANTS = [
         (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(
+        "slurm-unchanged-push-sent-again", "ddpnb/engines/slurm/engine.py",
+        (("lacking = {segment: files[segment] for segment in node.holdings.lacks(files)}",
+          "lacking = dict(files)"),),
+        (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
+    ),
+    Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
         (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
         (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),

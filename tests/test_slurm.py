@@ -527,10 +527,22 @@ print(float(big.sum()), float(big[0]))
     started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2", timeout=CELL_TIMEOUT)
     assert started.error is None, started.text
     try:
+        files = "sorted({line.split()[4] for line in open('/proc/self/maps') if 'ddpnb-slurm-data' in line})"
         pushed = slurm_kernel.execute("s = ddpnb._session.current_session()\n"
-                                      "s.push(pushed=torch.ones(8 << 20))\n"
-                                      "print(s.execute('float(pushed.sum())'))", timeout=CELL_TIMEOUT)
-        assert pushed.error is None and pushed.stdout.strip() == f"[{float(8 << 20)}, {float(8 << 20)}]", pushed.text
+                                      "ones = torch.ones(8 << 20)\n"
+                                      "s.push(pushed=ones)\n"
+                                      "print(s.execute('float(pushed.sum())'))\n"
+                                      f"print(s.execute({files!r}))\n"
+                                      "s.push(pushed=ones)\n"  # unchanged: its hosts hold it, nothing is sent
+                                      f"print(s.execute({files!r}))\n"
+                                      "ones[0] = 5\n"  # changed: sent again
+                                      "s.push(pushed=ones)\n"
+                                      "print(s.execute('float(pushed[0])'))", timeout=CELL_TIMEOUT)
+        assert pushed.error is None, pushed.text
+        total, first, again, changed = pushed.stdout.splitlines()
+        assert total == f"[{float(8 << 20)}, {float(8 << 20)}]", pushed.text
+        assert first == again, pushed.text  # the same memory file on each node: the push was not sent again
+        assert changed == "[5.0, 5.0]", pushed.text
     finally:
         slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
     assert ranks_left() == [] and steps_left(cluster) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from ddpnb.core.record import Outcome, RankRecord, RankState
 from ddpnb.core.report import diagnosis_summary, where_phrase
 from ddpnb.core.spec import LaunchError
 from ddpnb.core.stall import FACTOR, FLOOR, StallWatch, call_on, locate
+from ddpnb.core.watchdog import Alarm, Watchdog
+from ddpnb.node import forkserver
 
 HERE = Path(__file__).resolve()
 
@@ -226,6 +229,34 @@ def test_adaptive_threshold_is_the_floor_until_a_long_quiet_spell_raises_it():
     assert StallWatch(2, 5.0).threshold() == 5.0 and not StallWatch(2, 0.0).enabled
 
 
+def test_the_wait_for_the_last_rank_to_be_placed_is_no_stall_of_the_ranks_but_counts_for_the_timeout():
+    """On a cluster each node forks its ranks once it imported torch: the quiet until the last is placed is the
+    launch's. The stall clock starts again then; the timeout's does not."""
+    ranks = [RankRecord(rank) for rank in range(2)]
+    watch = Watchdog(2, timeout=20.0, stall=3.0)
+    start = watch.started
+    assert watch.check(start + 5.0, ranks, None, set()) is Alarm.STALL  # without a placement: a stall
+    watch = Watchdog(2, timeout=20.0, stall=3.0)
+    watch.all_placed(start + 5.0)
+    assert watch.check(start + 7.0, ranks, None, set()) is None
+    assert watch.check(start + 8.5, ranks, None, set()) is Alarm.STALL  # 3.5 s after the last was placed
+    assert watch.check(start + 21.0, ranks, None, set()) is Alarm.TIMEOUT  # counted from the start
+
+
+def test_a_process_forked_from_the_forkserver_survives_a_stack_request_before_its_faulthandler_is_set():
+    """SIGUSR1 asks a rank for its stacks, and its default action ends the process: the forkserver ignores it, so
+    a rank asked while it still starts (no faulthandler yet) is not killed."""
+    sleeper = forkserver.context().Process(target=time.sleep, args=(30,))
+    sleeper.start()
+    try:
+        os.kill(sleeper.pid, signal.SIGUSR1)
+        sleeper.join(1.0)
+        assert sleeper.exitcode is None, f"the stack request ended it: exit code {sleeper.exitcode}"
+    finally:
+        sleeper.kill()
+        sleeper.join()
+
+
 def test_a_wait_in_cpp_called_from_the_users_line_counts_as_a_wait(tmp_path):
     source = tmp_path / "loop.py"
     source.write_text("def step(work, store):\n    work.wait()\n    store.get('ready')\n    total = sum(x)\n")
@@ -239,6 +270,9 @@ def test_a_wait_in_cpp_called_from_the_users_line_counts_as_a_wait(tmp_path):
     outside = locate(running, stack(4), 1.0, False)
     assert (outside.waits_in, outside.call, outside.at) == ("", "sum", f'File "{source}", line 4')
     assert where_phrase(locate(running, "", 2.0, True)) == "has returned"
+    # no line of the user's on a rank's stack: before it said it started, it is starting; after, it is elsewhere
+    assert where_phrase(locate(RankRecord(rank=1), "", 2.0, False)) == "is still starting"
+    assert where_phrase(locate(running, "", 2.0, False)) == "is not in your code"
     assert call_on("    if rank == 1: time.sleep(30)\n") == "time.sleep" and call_on("    return (a,\n") == ""
 
 

@@ -170,7 +170,7 @@ class Attempt:
         record.node = node or record.node
         self._placed.add(rank)
         if len(self._placed) == len(self.record.ranks):
-            self.watchdog.all_placed()
+            self.watchdog.all_placed(time.monotonic())
         self.announcer.mark()
 
     def output(self, rank: int, stream: Stream, data: bytes) -> None:

@@ -50,10 +50,10 @@ class Watchdog:
         self.started = time.monotonic()
         self.stall.idle(self.started)
 
-    def all_placed(self) -> None:
+    def all_placed(self, now: float) -> None:
         """Every rank's process exists (on a cluster: forked once its node had imported torch, one node after
         another): waiting for the last was the launch's, no rank's stall. The timeout still counts from `begin`."""
-        self.stall.idle(time.monotonic())
+        self.stall.idle(now)
 
     def stamp(self, rank: int) -> None:
         """The rank made progress (output, a metric, a progress tick, an answer)."""

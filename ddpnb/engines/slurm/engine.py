@@ -41,7 +41,8 @@ from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
 from ddpnb.engines.slurm import allocation, submit
 from ddpnb.engines.slurm.options import SlurmOptions
-from ddpnb.engines.slurm.wire import Control, Hello, Report, Setup, invitation, keepalive, layout, send_data
+from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, invitation, keepalive, layout, \
+    send_data
 from ddpnb.node import forked
 from ddpnb.node.rank import Seat
 from ddpnb.node.shared import Shipment
@@ -141,6 +142,7 @@ class _Node:
         self.done = False  # the host said every rank here ended
         self.closed_at: float | None = None  # its connection ended
         self.srun_said: tuple[str, float] | None = None  # srun's account of the host task's end, and when
+        self.holdings = Holdings(())  # the data its host holds (the host's own account, kept alike): `send`
 
     @property
     def name(self) -> str:
@@ -193,6 +195,7 @@ class SlurmEngine:
             first = 0
             for index, count in enumerate(counts):
                 node = _Node(index, list(range(first, first + count)))
+                node.holdings = Holdings(self._data)
                 self._nodes.append(node)
                 self._node_of.update(dict.fromkeys(node.ranks, node))
                 first += count
@@ -537,12 +540,24 @@ class SlurmEngine:
 
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
         """A session's command to each of `ranks`, through its node's host, with the notebook data its pickle
-        refers to (once per node)."""
+        refers to that the host does not hold yet (once per node)."""
         files = shipment.fds() if isinstance(shipment, Shipment) else {}
+        senders = []
         for node in self._nodes:
             mine = [rank for rank in ranks if rank in node.ranks]
             if mine:
-                self._control(node, Control.COMMAND, (mine, command, layout(files)), files)
+                lacking = {segment: files[segment] for segment in node.holdings.lacks(files)}
+                if files:
+                    node.holdings.used(files)
+                value = (mine, command, layout(lacking), list(files))
+                if not lacking:
+                    self._control(node, Control.COMMAND, value)
+                    continue
+                senders.append(threading.Thread(target=self._control, args=(node, Control.COMMAND, value, lacking),
+                                                name=f"ddpnb-slurm-send-{node.index}", daemon=True))
+                senders[-1].start()  # every node's data at once
+        for sender in senders:
+            sender.join()
         self._wake()  # the reader reads at once, not after its pause: the answer may be quick
 
     def interrupt(self, ranks: list[int]) -> None:

@@ -25,15 +25,14 @@ from dataclasses import replace
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from ddpnb.engines.slurm.wire import Control, Hello, Report, Setup, close_files, keepalive, read_invitation, \
-    receive_data
+from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, close_files, keepalive, \
+    read_invitation, receive_data
 from ddpnb.node import forkserver
 from ddpnb.node.forked import ForkedRanks, bind_store_socket
 from ddpnb.node.relay import Relay
 
 HOLD = 0.5  # seconds the sender waits for events before it looks again
 READER_WAIT = 10.0  # seconds the host waits for its reader to see every rank end before it closes their pipes
-RECENT_COMMANDS = 4  # session commands whose data's memory files stay open (ranks map them as they take each)
 
 
 class Host:
@@ -49,12 +48,13 @@ class Host:
         seats = [replace(seat, stack_dir=self.scratch, environ={**environ, **threads, **seat.environ})
                  for seat in setup.seats]
         self.ranks = ForkedRanks(seats)
-        self.files = [files]  # the launch's data, then each recent command's
+        self.files = dict(files)  # segment id -> this host's memory files of it, while `holdings` holds it
+        self.holdings = Holdings(files)
         self.reader: threading.Thread | None = None
 
     def start(self, setup: Setup, store: socket.socket | None) -> None:
         with forkserver.lock:
-            self.ranks.start(self.relay, forkserver.context_held(), setup.spec_payload, self.files[0], store, None,
+            self.ranks.start(self.relay, forkserver.context_held(), setup.spec_payload, self.files, store, None,
                              setup.commands)
         self.reader = threading.Thread(target=self._serve, name="ddpnb-slurm-reader", daemon=True)
         self.reader.start()
@@ -94,14 +94,14 @@ class Host:
             elif kind is Control.STACKS:  # takes a second (the ranks write their stacks): not in this loop
                 threading.Thread(target=lambda ranks=value: self.report(Report.STACKS, self.ranks.collect_stacks(
                     ranks)), name="ddpnb-slurm-stacks", daemon=True).start()
-            elif kind is Control.COMMAND:
-                ranks, command, shape = value
-                files = receive_data(self.conn.fileno(), shape) if shape else {}
+            elif kind is Control.COMMAND:  # with the segments this host lacks; the others it holds
+                ranks, command, shape, ids = value
+                self.files.update(receive_data(self.conn.fileno(), shape) if shape else {})
                 self.relay.commanded = time.monotonic()
-                self.ranks.send(ranks, command, files)
-                self.files.append(files)
-                if len(self.files) > 1 + RECENT_COMMANDS:  # the launch's data, and the latest commands'
-                    close_files(self.files.pop(1))
+                self.ranks.send(ranks, command, {segment: self.files[segment] for segment in ids})
+                if ids:
+                    for segment in self.holdings.used(ids):
+                        close_files({segment: self.files.pop(segment)})
             elif kind is Control.INTERRUPT:
                 self.ranks.interrupt(value)
 
@@ -111,8 +111,7 @@ class Host:
         if self.reader is not None:
             self.reader.join(READER_WAIT)
         self.ranks.close()
-        for files in self.files:
-            close_files(files)
+        close_files(self.files)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import enum
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpnb.node.rank import Seat
 
 Layout = dict[int, tuple[int, ...]]  # notebook data: segment id -> the sizes of its memory files, sent in this order
+RECENT_COMMANDS = 4  # session commands whose data a host keeps (its ranks map it as each takes its command)
 CHUNK = 64 << 20  # bytes sent per call while notebook data crosses
 BUFFER = 16 << 20  # bytes received at a time
 
@@ -29,7 +31,7 @@ class Control(enum.Enum):
     STOP = "stop"  # value: ranks; SIGTERM to those on this node
     ESCALATE = "escalate"  # SIGKILL to every rank on this node
     STACKS = "stacks"  # value: ranks; the host answers `Report.STACKS`
-    COMMAND = "command"  # value: (ranks, command bytes, layout), then the data: a session command
+    COMMAND = "command"  # value: (ranks, command bytes, layout, segment ids), then the data: a session command
     INTERRUPT = "interrupt"  # value: ranks; KeyboardInterrupt in the session command that is running
 
 
@@ -58,6 +60,30 @@ class Setup:
     seats: list[Seat]  # this node's ranks
     layout: Layout
     commands: bool  # a session: each rank gets a pipe for the kernel's commands
+
+
+class Holdings:
+    """The notebook data a node's host holds, by segment id: the launch's, and what the latest RECENT_COMMANDS
+    commands with data used. The host keeps its memory files by this account; the kernel keeps the same account
+    for each node, and so sends a command only the segments its host lacks: a session's push of data that did
+    not change costs nothing on the wire."""
+
+    def __init__(self, launch: Iterable[int]) -> None:
+        self.launch = set(launch)
+        self.recent: list[set[int]] = []
+
+    def held(self) -> set[int]:
+        return self.launch.union(*self.recent)
+
+    def lacks(self, ids: Iterable[int]) -> list[int]:
+        held = self.held()
+        return [segment for segment in ids if segment not in held]
+
+    def used(self, ids: Iterable[int]) -> set[int]:
+        """A command with data used `ids`: what is no longer held since."""
+        before = self.held()
+        self.recent = [*self.recent, set(ids)][-RECENT_COMMANDS:]
+        return before - self.held()
 
 
 def invitation(host: str, port: int, secret: bytes) -> bytes:
