@@ -412,11 +412,9 @@ class SlurmEngine:
 
     def _hang_up(self, node: _Node) -> None:
         assert node.conn is not None
-        with node.lock:
-            self._selector.unregister(node.conn.fileno())
-            del self._by_fd[node.conn.fileno()]
-            node.conn.close()
-            node.closed_at = time.monotonic()
+        self._selector.unregister(node.conn.fileno())
+        del self._by_fd[node.conn.fileno()]
+        _disconnect(node)
 
     def _replay(self, node: _Node, batch: list[tuple[Any, ...]]) -> None:
         assert self._events is not None
@@ -572,10 +570,7 @@ class SlurmEngine:
         cancelled if anything of it is left."""
         self._closing = True
         for node in self._nodes:
-            with node.lock:
-                if node.conn is not None and node.closed_at is None:
-                    node.conn.close()
-                    node.closed_at = time.monotonic()
+            _disconnect(node)
         srun = self._srun
         if srun is not None and srun.poll() is None:
             try:
@@ -618,6 +613,23 @@ def _send(node: _Node, kind: Control, value: Any, files: dict[int, tuple[int, ..
             send_data(node.conn.fileno(), files)
         except OSError:  # the host is gone: its connection's end says so
             return
+
+
+def _disconnect(node: _Node) -> None:
+    """Close the host's connection, once: shut down first, so that a send in progress (a gigabyte of data) fails
+    at once, then closed under the send lock, so no sender can write to its number after it was given to another
+    file."""
+    with node.lock:
+        if node.conn is None or node.closed_at is not None:
+            return
+        node.closed_at = time.monotonic()
+    try:
+        with socket.socket(fileno=os.dup(node.conn.fileno())) as raw:
+            raw.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected any more
+        pass
+    with node.send_lock:
+        node.conn.close()
 
 
 def _task_ids(text: str) -> list[int]:
