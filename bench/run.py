@@ -863,7 +863,7 @@ def bench_slurm(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
          "MASTER_ADDR/PORT set by hand, RANK from SLURM_PROCID: what a batch script does"),
         ("ddpnb.run(engine='slurm'), the kernel's first launch", slurm_first, "a fresh kernel inside the allocation"),
         ("ddpnb.run(engine='slurm'), later launches", slurm_later,
-         "a new step each: srun, every rank imports torch, connects back, joins the group"),
+         "a new step each: srun, a host per node imports torch once and forks its ranks"),
         ("ddpnb.run (local engine), later launches", local_later,
          "the same kernel; ranks forked from the warm forkserver"),
     ]
@@ -890,7 +890,7 @@ def bench_slurm(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
                            fmt(sent[key], " s"), fmt(sent[key] / sent["floor"], "×"), note]
                           for when, key, note in (
                               ("new", "push", "written into the kernel's memory files, sent once to each node"),
-                              ("same", "push_again", "unchanged: reused in the kernel, sent once to each node"))]
+                              ("same", "push_again", "unchanged: every node's host holds it, nothing is sent"))]
         worst = max(costs.values()) / sent["floor"]
         goals.append(Goal(f"slurm (issue 27): a {sent['bytes'] / 2**30:.2f} GiB closure on 2 nodes × 2 ranks ≤ 1.5× "
                           "sending it once to each node", fmt(worst, "×"), worst <= 1.5))
