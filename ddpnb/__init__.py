@@ -49,4 +49,26 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DDPMagics, SessionMagics)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
     atexit.register(stop_all)
+    kernel = getattr(ipython, "kernel", None)
+    if kernel is not None and callable(getattr(kernel, "do_shutdown", None)):
+        _end_first_at_shutdown(kernel, stop_all, forkserver.shut_down)
     forkserver.warm_up_in_background()
+
+
+def _end_first_at_shutdown(kernel: Any, *ends: Any) -> None:
+    """Runs, sessions and the forkserver end as the kernel's shutdown begins (its `do_shutdown`), before ipykernel
+    signals the processes it finds in its process group, which waits for the ones that ignore SIGTERM."""
+    original = kernel.do_shutdown
+    if getattr(original, "ddpnb_ends", False):  # `%load_ext` again (`%reload_ext`)
+        return
+
+    def do_shutdown(restart: bool) -> Any:
+        for end in ends:
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - the shutdown goes on: ipykernel's own signals end what is left
+                continue
+        return original(restart)
+
+    do_shutdown.ddpnb_ends = True  # type: ignore[attr-defined]
+    kernel.do_shutdown = do_shutdown

@@ -279,6 +279,10 @@ def test_a_record_of_a_long_run_prints_as_one_short_line_and_its_ranks_too():
     assert repr(record) == ("<RunRecord train on local: succeeded, 4 ranks (gloo), attempt 0, 12.5 s, "
                             "/tmp/ddpnb-runs/run-1>")
     assert repr(ranks[3]) == "<RankRecord rank 3 finished exit=0 pid=103 device=cpu lines=0 metrics (loss: 5000)>"
+    shown = record._repr_html_()  # a notebook's display: the line, and a short row per rank
+    assert shown.startswith("<div class='ddpnb-record'><code>&lt;RunRecord train on local: succeeded")
+    assert shown.count("<tr><td>") == 4 and "<td>3</td><td></td><td>finished</td><td>0</td><td>0</td>" in shown
+    assert len(shown) < 1000
 
 
 def test_outcomes_and_states_print_as_words():

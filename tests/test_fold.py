@@ -49,6 +49,19 @@ def test_a_line_every_rank_printed_shows_once_at_once():
     assert folder.waiting == 0
 
 
+def test_a_torch_warning_every_rank_printed_folds_without_its_rank_prefix_and_time():
+    """torch's C++ warnings carry `[rankN]:` and a time to the nanosecond: one warning from two ranks is one line."""
+    warning = "reducer.cpp:1400] Warning: find_unused_parameters=True was specified in DDP constructor"
+    folder = Folder(2)
+    ready = folder.add([_line(1, 0, f"[rank0]:[W1201 19:22:41.862542944 {warning}"),
+                        _line(2, 1, f"[rank1]:[W1201 19:22:41.863001112 {warning}")], now=0.0)
+    assert _shown(ready) == [f"[ranks 0,1] [W1201 19:22:41.862542944 {warning}"]
+    # another rank's prefix is the line's own text (a rank printing a peer's log), kept as printed
+    alone = Folder(2)
+    alone.add([_line(4, 0, "[rank1]:x")], now=0.0)
+    assert _shown(alone.flush()) == ["[rank 0] [rank1]:x"]
+
+
 def test_a_line_some_ranks_print_waits_only_for_the_window():
     folder = Folder(4)
     assert folder.add([_line(1, 0, "loss 0.3"), _line(2, 2, "loss 0.3")], now=10.0) == []

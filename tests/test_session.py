@@ -201,3 +201,27 @@ def test_a_pushed_big_tensor_reaches_every_rank_through_shared_memory_copy_on_wr
         session.push(big=big)  # unchanged since: not written again
         assert session.data.written == 0 and session.data.reused == big.nbytes
         assert session.execute("big[:2].tolist()") == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_a_kernel_with_a_session_and_a_background_run_shuts_down_ending_them_first_and_leaving_nothing():
+    """A JupyterLab restart: the kernel's shutdown request ends ddpnb's runs, its session, its forkserver and
+    multiprocessing's resource tracker first (`ddpnb._end_first_at_shutdown`), so ipykernel finds no child of
+    its own left to signal; nothing is left. (How long it takes is measured in bench/run.py, section 10.)"""
+    import psutil
+
+    kernel = Kernel()
+    try:
+        kernel.execute("%load_ext ddpnb")
+        assert kernel.execute("%ddp_start -n 2", timeout=180).error is None
+        kernel.execute("import time\ndef sleeps(rank):\n    time.sleep(300)\n"
+                       "bg = ddpnb.launch(sleeps, nprocs=2, view='none')\n"
+                       "while len([r for r in bg.record.ranks if r.pid]) < 2:\n    time.sleep(0.05)", timeout=180)
+        children = psutil.Process(kernel.pid).children(recursive=True)
+        names = " ".join(" ".join(child.cmdline()) for child in children)
+        assert "multiprocessing.forkserver" in names and "multiprocessing.resource_tracker" in names, names
+        process = kernel.manager.provisioner.process
+        kernel.manager.shutdown_kernel(now=False)
+        assert process.returncode == 0  # it exited by itself, not killed by jupyter_client
+    finally:
+        kernel.client.stop_channels()
+    assert wait_gone([child.pid for child in children], within=10) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from html import escape
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -231,6 +232,15 @@ class RunRecord:
         return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
                 f"{f', rank {first.rank} failed first' if first else ''}, {self.world_size} ranks ({self.backend}), "
                 f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}>")
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the one line, and a row per rank (where it ran, its state and exit); the rest is in the
+        fields."""
+        rows = "".join(f"<tr><td>{r.rank}</td><td>{escape(r.node or '')}</td><td>{r.state.value}</td>"
+                       f"<td>{'' if r.exitcode is None else r.exitcode}</td><td>{r.lines}</td></tr>" for r in self.ranks)
+        return (f"<div class='ddpnb-record'><code>{escape(repr(self))}</code><table><thead><tr><th>rank</th>"
+                f"<th>node</th><th>state</th><th>exit</th><th>lines</th></tr></thead><tbody>{rows}</tbody></table>"
+                "</div>")
 
     def add_launch_note(self, note: str) -> None:
         """One more thing about the launch for the headers (information, not a warning on stderr)."""

@@ -168,6 +168,16 @@ def _stop() -> None:
         _compat.forget_forkserver()  # restarting a dead forkserver is multiprocessing's own path
 
 
+def shut_down() -> None:
+    """The kernel is shutting down: end the forkserver and multiprocessing's resource tracker now. ipykernel ends
+    the children in its process group with SIGTERM, retried with growing pauses, and the resource tracker ignores
+    SIGTERM: left to that, a kernel that loaded ddpnb took 2.6 s to shut down instead of 0.5 s."""
+    from multiprocessing import resource_tracker
+
+    _stop()
+    resource_tracker._resource_tracker._stop()  # closes its pipe: it exits at once, and is waited for
+
+
 def _kill() -> None:
     pid = _compat.forkserver_pid()
     if pid is not None:

@@ -6,6 +6,7 @@ Shared by the text view, the dashboard's all-ranks log and a session's output. P
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -14,6 +15,11 @@ from ddpnb.core.record import OutputLine
 from ddpnb.core.spec import Stream
 
 FOLD_WINDOW = 0.5  # seconds a line waits for the other ranks to print it too (the reader passes every 0.2 s)
+# torch's C++ log lines: "[rank1]:[W1201 19:22:41.862542944 reducer.cpp:1400] Warning: ...". The rank prefix says
+# what ddpnb's tag says already, and the time differs from rank to rank: neither may keep a warning that every rank
+# printed from folding.
+TORCH_RANK = re.compile(r"\[rank(\d+)\]:")
+GLOG_TIME = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d(?:\.\d+)? ")
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -52,6 +58,12 @@ def single(line: OutputLine) -> FoldedLine:
     return FoldedLine(line.seq, [line.rank], line.stream, line.text)
 
 
+def own_text(line: OutputLine) -> str:
+    """The line without torch's `[rankN]:` prefix where N is the rank that printed it (ddpnb's tag says it)."""
+    prefix = TORCH_RANK.match(line.text)
+    return line.text[prefix.end():] if prefix and int(prefix.group(1)) == line.rank else line.text
+
+
 class _Same:
     """The pending lines of one text, oldest first, and for each rank the first of them it may still join: a rank
     joins the oldest open line it is not in, so the lines it is in come before that one."""
@@ -82,10 +94,11 @@ class Folder:
         if not self.enabled:
             return [single(line) for line in lines]
         for line in lines:
-            key = (line.stream, line.text)
+            text = own_text(line)
+            key = (line.stream, GLOG_TIME.sub(r"[\1 ", text))
             same = self._open.get(key)
             if same is None:  # a text not waiting already: the usual case, made short
-                folded = FoldedLine(line.seq, [line.rank], line.stream, line.text, now)
+                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now)
                 same = self._open[key] = _Same()
                 same.lines.append(folded)
                 same.next_for[line.rank] = 1
@@ -97,7 +110,7 @@ class Folder:
             if number - same.first < len(same.lines):
                 same.lines[number - same.first].ranks.append(line.rank)
             else:
-                folded = FoldedLine(line.seq, [line.rank], line.stream, line.text, now)
+                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now)
                 same.lines.append(folded)
                 self._pending.append(folded)
                 number = same.first + len(same.lines) - 1
@@ -120,7 +133,7 @@ class Folder:
     def _release(self, count: int) -> list[FoldedLine]:
         released, self._pending = self._pending[:count], self._pending[count:]
         for folded in released:  # a text's lines are released in their order: each is its text's oldest
-            key = (folded.stream, folded.text)
+            key = (folded.stream, GLOG_TIME.sub(r"[\1 ", folded.text))
             same = self._open[key]
             same.lines.popleft()
             same.first += 1
