@@ -280,9 +280,7 @@ class Session:
         interrupted = all(reply.exc_type == "KeyboardInterrupt" for reply in failed.values())
         parts = [f"ddpnb: {'interrupted on' if interrupted else 'failed on'} {_named(failed)} of {len(selected)}: "
                  f"{first.exc_type}: {first.message}".rstrip(": ")]
-        for rank, reply in sorted(failed.items()):
-            shown = cell_names(reply.traceback).rstrip() or f"{reply.exc_type}: {reply.message}"
-            parts.append(f"\n--- rank {rank} ---\n{shown}")
+        parts += _tracebacks(failed)
         parts.append("\nThe session and every rank's namespace are as the command left them; run the next cell.")
         raise SessionError(f"rank {min(failed)}: {first.exc_type}: {first.message}", "\n".join(parts))
 
@@ -292,19 +290,23 @@ class Session:
         assert self.run is not None
         stuck = [rank for rank in selected if rank not in answers]
         stacks = self.run.collect_stacks(stuck, STACK_WAIT)
-        lines = [(f"ddpnb: {_named(stuck)} did not come back ({why}), so the session was stopped: a process "
-                  "group with a rank stuck in it cannot be trusted.")]
+        failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
+        lines = []
+        if failed:  # the root cause first, as a run's error leads with the rank that failed first
+            first = failed[min(failed)]
+            lines.append(f"ddpnb: rank {min(failed)} of {len(selected)} failed first: {first.exc_type}: "
+                         f"{first.message}".rstrip(": "))
+        lines.append(f"{'' if failed else 'ddpnb: '}{_named(stuck)} did not come back ({why}), so the session was "
+                     "stopped: a process group with a rank stuck in it cannot be trusted.")
         for rank in stuck:
             lines.append(f"  rank {rank} is stuck {cell_names(where(stacks.get(rank, '')))}")
-        failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
-        for rank, reply in sorted(failed.items()):
-            shown = cell_names(reply.traceback).rstrip() or f"{reply.exc_type}: {reply.message}"
-            lines.append(f"\n--- rank {rank} ---\n{shown}")
+        lines += _tracebacks(failed)
         self.run.stop(Outcome.STOPPED, f"{_named(stuck)} stuck")
         self.state = SessionState.BROKEN
         lines.append(f"\nNo rank is left running. %ddp_restart (or .restart()) starts {self.world_size} fresh ranks "
                      "with the same flags; their namespaces start empty.")
-        raise SessionBroken(f"{_named(stuck)} stuck", "\n".join(lines)) from None
+        short = f"rank {min(failed)}: {failed[min(failed)].exc_type}" if failed else f"{_named(stuck)} stuck"
+        raise SessionBroken(short, "\n".join(lines)) from None
 
     def _died(self, run: Run) -> None:
         self.state = SessionState.BROKEN
@@ -318,6 +320,15 @@ class Session:
 
     def _say(self, text: str) -> None:
         print(f"[ddpnb] {text}")
+
+
+def _tracebacks(failed: dict[int, msg.Reply]) -> list[str]:
+    """Each failed rank's traceback, once for the ranks whose tracebacks read the same ('--- ranks 0, 1 ---')."""
+    shown: dict[str, list[int]] = {}
+    for rank, reply in sorted(failed.items()):
+        text = cell_names(reply.traceback).rstrip() or f"{reply.exc_type}: {reply.message}"
+        shown.setdefault(text, []).append(rank)
+    return [f"\n--- {_named(ranks)} ---\n{text}" for text, ranks in shown.items()]
 
 
 def _ranks(ranks: Iterable[int]) -> str:

@@ -97,6 +97,8 @@ def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives
     shown = "\n".join(stuck.error["traceback"])
     assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 5", shown), shown
     assert "RuntimeError: rank 1 gives up" in shown and "%ddp_restart" in shown
+    # the root cause first, then the rank it left stuck
+    assert shown.index("rank 1 of 2 failed first: RuntimeError: rank 1 gives up") < shown.index("did not come back")
     assert wait_gone(before, within=15) == []
     refused = session_kernel.execute("%ranks 1 + 1")
     assert refused.error is not None and "broken" in "\n".join(refused.error["traceback"])
@@ -122,6 +124,8 @@ def test_interrupting_a_cell_raises_keyboard_interrupt_in_the_ranks_and_keeps_th
     assert result.error is not None and result.error["ename"] == "SessionError", result.text
     shown = "\n".join(result.error["traceback"])
     assert "interrupted on ranks 0, 1 of 2" in shown and "KeyboardInterrupt" in shown
+    # both ranks were at the same line: one traceback, for both
+    assert "--- ranks 0, 1 ---" in shown and "--- rank 0 ---" not in shown, shown
     kept = session_kernel.execute("%ranks state")
     assert kept.results == ["[rank 0] [0]\n[rank 1] [1]"], kept.text
 
