@@ -858,3 +858,25 @@ print(handle.record.data.written, handle.record.data.blocks, len(handle.spec.fn_
     assert seen == "[(True, 0.0), (True, 1.0)]", run.stdout
     assert sent.split() == [str(64 << 20), "1", "True", "0.0"], run.stdout  # put once; the pickle stays small
     assert run_actors_left([ray_kernel.pid]) == []
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_breakpoint_on_a_ray_rank_prompts_in_the_cell_and_the_run_goes_on(ray_kernel):
+    """The debugger in the cell (issue 29) on Ray: rank 1 stops at `breakpoint()` on a rank its node's host forked;
+    the prompt comes to the cell through the kernel's stdin channel and the answers go back through the host."""
+    from tests.test_debugger import answers
+
+    run = ray_kernel.execute('''%%ddp --engine ray -n 2 -o total
+def train(rank, world_size):
+    value = torch.ones(1) * (rank + 1)
+    if rank == 1:
+        breakpoint()
+    dist.all_reduce(value)
+    return value.item()
+''', timeout=CELL_TIMEOUT, answer=answers("p rank * 100", "c"))
+    assert run.error is None, run.text + str(run.error)
+    assert run.prompts[:2] == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], run.prompts
+    assert re.search(r"^100$", run.stdout, re.MULTILINE), run.stdout
+    assert ray_kernel.execute("print(total)").stdout.strip() == "3.0"

@@ -659,3 +659,25 @@ def test_the_stall_doctor_the_straggler_radar_and_hardware_columns_work_on_slurm
     assert check.error is None, check.error
     assert check.stdout.strip() == "[False, False, True] [True, True, True] ['n1', 'n1', 'n2']", check.stdout
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_breakpoint_on_a_rank_on_node_2_prompts_in_the_cell_and_the_run_goes_on(slurm_kernel, cluster):
+    """The debugger in the cell (issue 29) on Slurm: rank 3, on n2, stops at `breakpoint()`; the prompt comes to
+    the cell through the kernel's stdin channel, its answers go back through the node's host; after `c` the run
+    succeeds."""
+    from tests.test_debugger import answers
+
+    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2 -o total
+def train(rank, world_size):
+    import torch, torch.distributed as dist
+    value = torch.ones(1) * (rank + 1)
+    if rank == 3:
+        breakpoint()
+    dist.all_reduce(value)
+    return value.item()
+''', timeout=CELL_TIMEOUT, answer=answers("p rank, __import__('os').environ['SLURMD_NODENAME']", "c"))
+    assert run.error is None, run.text + str(run.error)
+    assert run.prompts[:2] == ["(rank 3) (Pdb) ", "(rank 3) (Pdb) "], run.prompts
+    assert "(3, 'n2')" in run.stdout, run.stdout
+    assert slurm_kernel.execute("print(total)").stdout.strip() == "10.0"
+    assert ranks_left() == [] and steps_left(cluster) == []
