@@ -681,3 +681,24 @@ def train(rank, world_size):
     assert "(3, 'n2')" in run.stdout, run.stdout
     assert slurm_kernel.execute("print(total)").stdout.strip() == "10.0"
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left(slurm_kernel, cluster):
+    """Stopped while srun starts the hosts, while they connect, while they take their setup, or once the ranks
+    run: every time the run ends within its stop's own wait, and no host, rank or step is left. (A host that had
+    said hello but got no setup once waited for it forever, and the run with it.)"""
+    out = slurm_kernel.execute('''
+def sleeps(rank):
+    time.sleep(300)
+
+ended = []
+for delay in (0.0, 0.3, 0.8, 1.5, 3.0, 6.0):
+    run = ddpnb.launch(sleeps, engine="slurm", nprocs=4, nodes=2, view="none")
+    time.sleep(delay)
+    run.stop()
+    ended.append((run.done, run.outcome.value))
+print(ended)
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.text
+    assert out.stdout.strip() == str([(True, "stopped")] * 6), out.text
+    assert ranks_left() == [] and steps_left(cluster) == []

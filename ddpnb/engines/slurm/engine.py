@@ -138,7 +138,7 @@ class _Node:
         self.lock = threading.Lock()  # `ready`, `queued`, `closed_at`
         self.send_lock = threading.Lock()  # one frame (and the data after it) at a time on the connection
         self.ready = False  # its setup was sent: controls go out at once
-        self.queued: list[tuple[Control, Any, dict[int, tuple[int, ...]]]] = []  # controls sent before that
+        self.queued: list[tuple[Control, Any, dict[int, tuple[int, ...]], Any]] = []  # controls sent before that
         self.done = False  # the host said every rank here ended
         self.closed_at: float | None = None  # its connection ended
         self.srun_said: tuple[str, float] | None = None  # srun's account of the host task's end, and when
@@ -164,6 +164,7 @@ class SlurmEngine:
         self._arrivals: queue.SimpleQueue[tuple[Connection, Hello]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # a wake-up is never written to the pipe's number once it is closed
         self._selector = selectors.DefaultSelector()
         self._nodes: list[_Node] = []
         self._node_of: dict[int, _Node] = {}  # rank -> its node
@@ -178,6 +179,8 @@ class SlurmEngine:
         self._ended: set[int] = set()
         self._stacks: dict[int, str] = {}
         self._stack_answers = 0
+        self._stack_request = 0  # the number of the latest stacks request: a late answer to an earlier one is dropped
+        self._cancelled = False  # the step was cancelled (`_cancel_step`, once)
         self._srun_done_at: float | None = None
         self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
 
@@ -187,9 +190,9 @@ class SlurmEngine:
         self._commands = start.commands
         spec = self.spec
         srun = allocation.srun_path()
-        self._payload = pickling.dump_spec(spec, start.shipment)  # before anything starts: args that cannot be sent
-        self._data = start.shipment.fds() if isinstance(start.shipment, Shipment) else {}
         try:
+            self._payload = pickling.dump_spec(spec, start.shipment)  # first: args that cannot be sent
+            self._data = start.shipment.fds() if isinstance(start.shipment, Shipment) else {}
             job = allocation.current() if allocation.inside() else self._ask_for_job()
             counts = self._spread(self._node_count(job))
             first = 0
@@ -282,6 +285,9 @@ class SlurmEngine:
                 conn.close()
                 self._refused(listener.last_accepted, exc)
                 continue
+            if self._closing:
+                conn.close()
+                return
             self._arrivals.put((conn, hello))
             self._wake()
 
@@ -296,11 +302,12 @@ class SlurmEngine:
             return
 
     def _wake(self) -> None:
-        try:
-            if self._wake_w >= 0:
-                os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # wake-ups pending already, or the run is over
-            pass
+        with self._wake_lock:
+            try:
+                if self._wake_w >= 0:
+                    os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):  # wake-ups pending already
+                pass
 
     def _welcome(self, fd: int) -> None:
         os.read(fd, 4096)
@@ -342,9 +349,10 @@ class SlurmEngine:
         setup = Setup(self._payload, seats, layout(self._data), self._commands)
 
         def send() -> None:
-            queued: list[tuple[Control, Any, dict[int, tuple[int, ...]]]] = [(Control.SETUP, setup, self._data)]
+            queued: list[tuple[Control, Any, dict[int, tuple[int, ...]], Any]] = [
+                (Control.SETUP, setup, self._data, None)]
             while queued:
-                for kind, value, files in queued:
+                for kind, value, files, _ in queued:
                     _send(node, kind, value, files)
                 with node.lock:  # what came meanwhile, in order; then `_control` sends directly
                     queued, node.queued = node.queued, []
@@ -353,13 +361,14 @@ class SlurmEngine:
         threading.Thread(target=send, name=f"ddpnb-slurm-setup-{node.index}", daemon=True).start()
 
     def _control(self, node: _Node, kind: Control, value: Any = None,
-                 files: dict[int, tuple[int, ...]] | None = None) -> None:
-        """To the node's host once it has its setup; until then queued behind it."""
+                 files: dict[int, tuple[int, ...]] | None = None, keep: Any = None) -> None:
+        """To the node's host once it has its setup; until then queued behind it (`keep`: what must live till it
+        is sent, a session command's shipment)."""
         with node.lock:
             if node.closed_at is not None:  # its host is gone: its ranks' end says so
                 return
             if not node.ready:  # its host has not come yet, or its setup is on the way
-                node.queued.append((kind, value, files or {}))
+                node.queued.append((kind, value, files or {}, keep))
                 return
         _send(node, kind, value, files or {})
 
@@ -403,17 +412,24 @@ class SlurmEngine:
             if kind is Report.EVENTS:
                 self._replay(node, value)
             elif kind is Report.STACKS:
-                self._stacks.update(value)
-                self._stack_answers += 1
+                number, stacks = value
+                if number == self._stack_request:  # not a late answer to an earlier request
+                    self._stacks.update(stacks)
+                    self._stack_answers += 1
             elif kind is Report.DONE:
                 node.done = True
                 self._hang_up(node)  # the host ends its part once its connection closes
                 return
 
     def _hang_up(self, node: _Node) -> None:
+        """Stop reading the host's connection and close it (from the reader thread): the host ends its ranks and
+        exits; `_settle` reports whatever of them it did not."""
         assert node.conn is not None
-        self._selector.unregister(node.conn.fileno())
-        del self._by_fd[node.conn.fileno()]
+        if node.closed_at is None:
+            fd = node.conn.fileno()
+            if fd in self._by_fd:
+                self._selector.unregister(fd)
+                del self._by_fd[fd]
         _disconnect(node)
 
     def _replay(self, node: _Node, batch: list[tuple[Any, ...]]) -> None:
@@ -504,17 +520,32 @@ class SlurmEngine:
 
     # --- stopping, stacks and commands ------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
+        """SIGTERM from each host to its ranks. A host that has not got its setup forked nothing: it is hung up
+        (it exits, and its ranks end as stopped); one busy receiving a session's data is left to `escalate`."""
         self._stopping = True
         for node in self._nodes:
-            self._control(node, Control.STOP, [rank for rank in ranks if rank in node.ranks])
+            if not node.ready:
+                if node.conn is not None and node.closed_at is None:
+                    self._hang_up(node)
+                continue
+            _send(node, Control.STOP, [rank for rank in ranks if rank in node.ranks], wait=False)
         return STOP_GRACE
 
     def escalate(self) -> float | None:
+        """SIGKILL from each host to its ranks; a host that cannot be told at once is hung up, which ends its ranks
+        (their lifeline); hosts that never came are ended with the step."""
         for node in self._nodes:
-            self._control(node, Control.ESCALATE)
+            if node.conn is not None and node.closed_at is None and \
+                    not (node.ready and _send(node, Control.ESCALATE, wait=False)):
+                self._hang_up(node)
+        if any(node.hello is None for node in self._nodes):
+            self._cancel_step()
         return None
 
     def _cancel_step(self) -> None:
+        if self._cancelled:
+            return
+        self._cancelled = True
         step = next((node.hello.step for node in self._nodes
                      if node.hello is not None and not node.hello.step.endswith(".")), "")
         if step:
@@ -525,12 +556,12 @@ class SlurmEngine:
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Each rank's stack, written by its faulthandler when its host asked (SIGUSR1), and sent back."""
         self._stacks, self._stack_answers = {}, 0
+        self._stack_request += 1
         asked = 0
         for node in self._nodes:
             mine = [rank for rank in ranks if rank in node.ranks and rank not in self._ended]
-            if mine and node.ready and node.closed_at is None:
-                self._control(node, Control.STACKS, mine)
-                asked += 1
+            if mine and node.ready and _send(node, Control.STACKS, (mine, self._stack_request), wait=False):
+                asked += 1  # (a node busy receiving a session's data gives none this time)
         deadline = time.monotonic() + STACK_WAIT
         while time.monotonic() < deadline and self._stack_answers < asked:
             self._read_ready(0.05)
@@ -543,17 +574,16 @@ class SlurmEngine:
         senders = []
         for node in self._nodes:
             mine = [rank for rank in ranks if rank in node.ranks]
-            if mine:
-                lacking = {segment: files[segment] for segment in node.holdings.lacks(files)}
-                if files:
-                    node.holdings.used(files)
-                value = (mine, command, layout(lacking), list(files))
-                if not lacking:
-                    self._control(node, Control.COMMAND, value)
-                    continue
-                senders.append(threading.Thread(target=self._control, args=(node, Control.COMMAND, value, lacking),
-                                                name=f"ddpnb-slurm-send-{node.index}", daemon=True))
-                senders[-1].start()  # every node's data at once
+            if not mine:
+                continue
+            if not files:
+                self._control(node, Control.COMMAND, (mine, command), files, shipment)
+                continue
+            # every node's data at once; each sender holds the shipment, whose files it reads, till it is done
+            senders.append(threading.Thread(target=self._control,
+                                            args=(node, Control.COMMAND, (mine, command), files, shipment),
+                                            name=f"ddpnb-slurm-send-{node.index}", daemon=True))
+            senders[-1].start()
         for sender in senders:
             sender.join()
         self._wake()  # the reader reads at once, not after its pause: the answer may be quick
@@ -592,10 +622,11 @@ class SlurmEngine:
             self._listener = None
         while not self._arrivals.empty():
             self._arrivals.get_nowait()[0].close()
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
         self._selector.close()
         if self._own_job is not None:  # the step is gone: the job asked for it goes back
             self._own_job.release()
@@ -603,16 +634,44 @@ class SlurmEngine:
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
 
 
-def _send(node: _Node, kind: Control, value: Any, files: dict[int, tuple[int, ...]]) -> None:
-    """One frame to a node's host, and the notebook data it announces."""
-    with node.send_lock:
+def _send(node: _Node, kind: Control, value: Any = None, files: dict[int, tuple[int, ...]] | None = None,
+          wait: bool = True) -> bool:
+    """One frame to a node's host, and the notebook data it announces; False where it was not sent (the host is
+    gone, or, not `wait`ing, the connection is busy with another send). A session command's data is what the host
+    lacks, by the account host and kernel keep alike, kept here, in the order the wire takes. A send that fails
+    once bytes went out (or is interrupted) ends the connection: the host must never read what follows as data."""
+    if not node.send_lock.acquire(blocking=wait):
+        return False
+    try:
         if node.conn is None or node.closed_at is not None:
-            return
+            return False
+        files = files or {}
+        if kind is Control.COMMAND:
+            ranks, command = value
+            lacking = {segment: files[segment] for segment in node.holdings.lacks(files)}
+            if files:
+                node.holdings.used(files)
+            value, files = (ranks, command, layout(lacking), list(files)), lacking
+        frame = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            node.conn.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
+            node.conn.send_bytes(frame)
             send_data(node.conn.fileno(), files)
-        except OSError:  # the host is gone: its connection's end says so
-            return
+        except BaseException as exc:
+            _shut(node.conn)  # the reader sees the host hang up; the host sees the kernel go
+            if isinstance(exc, OSError):
+                return False
+            raise
+        return True
+    finally:
+        node.send_lock.release()
+
+
+def _shut(conn: Connection) -> None:
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as raw:
+            raw.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected any more
+        pass
 
 
 def _disconnect(node: _Node) -> None:
@@ -623,11 +682,7 @@ def _disconnect(node: _Node) -> None:
         if node.conn is None or node.closed_at is not None:
             return
         node.closed_at = time.monotonic()
-    try:
-        with socket.socket(fileno=os.dup(node.conn.fileno())) as raw:
-            raw.shutdown(socket.SHUT_RDWR)
-    except OSError:  # not connected any more
-        pass
+    _shut(node.conn)
     with node.send_lock:
         node.conn.close()
 

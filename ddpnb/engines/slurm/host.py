@@ -92,8 +92,9 @@ class Host:
             elif kind is Control.ESCALATE:
                 self.ranks.escalate()
             elif kind is Control.STACKS:  # takes a second (the ranks write their stacks): not in this loop
-                threading.Thread(target=lambda ranks=value: self.report(Report.STACKS, self.ranks.collect_stacks(
-                    ranks)), name="ddpnb-slurm-stacks", daemon=True).start()
+                ranks, number = value
+                threading.Thread(target=lambda: self.report(Report.STACKS, (number, self.ranks.collect_stacks(
+                    ranks))), name="ddpnb-slurm-stacks", daemon=True).start()
             elif kind is Control.COMMAND:  # with the segments this host lacks; the others it holds
                 ranks, command, shape, ids = value
                 self.files.update(receive_data(self.conn.fileno(), shape) if shape else {})

@@ -30,14 +30,14 @@ class Control(enum.Enum):
     SETUP = "setup"  # value: `Setup`; the first thing a host receives, then the data its `layout` names
     STOP = "stop"  # value: ranks; SIGTERM to those on this node
     ESCALATE = "escalate"  # SIGKILL to every rank on this node
-    STACKS = "stacks"  # value: ranks; the host answers `Report.STACKS`
+    STACKS = "stacks"  # value: (ranks, request number); the host answers `Report.STACKS`
     COMMAND = "command"  # value: (ranks, command bytes, layout, segment ids), then the data: a session command
     INTERRUPT = "interrupt"  # value: ranks; KeyboardInterrupt in the session command that is running
 
 
 class Report(enum.Enum):
     EVENTS = "events"  # value: a batch of `node.relay` events, in the order this node's reader saw them
-    STACKS = "stacks"  # value: {rank: stack text}
+    STACKS = "stacks"  # value: (request number, {rank: stack text})
     DONE = "done"  # every rank on this node ended and was reported
 
 
@@ -161,9 +161,11 @@ def close_files(files: dict[int, tuple[int, ...]]) -> None:
 
 def keepalive(sock: Any) -> None:
     """TCP keepalive on the channel: a node that vanishes without a word (power, network) is noticed in about 20
-    s, where Slurm's own node timeout may take minutes."""
+    s, where Slurm's own node timeout may take minutes; and a send to one (data unacknowledged, where keepalive
+    does not probe) gives up after 2 min rather than TCP's 15 minutes of retries."""
     with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # a duplicate: the option is the socket's own
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3),
+                              ("TCP_USER_TIMEOUT", 120_000)):
             if hasattr(socket, option):
                 raw.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
