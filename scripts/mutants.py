@@ -283,6 +283,17 @@ MUTANTS = [
         (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(
+        "slurm-host-without-setup-waits-forever", "ddpnb/engines/slurm/engine.py",
+        (("            if not node.ready:\n                if node.conn is not None and node.closed_at is None:\n"
+          "                    self._hang_up(node)\n                continue\n",
+          "            if not node.ready:\n                continue\n"),
+         ("            if node.conn is not None and node.closed_at is None and \\\n"
+          "                    not (node.ready and _send(node, Control.ESCALATE, wait=False)):\n"
+          "                self._hang_up(node)\n",
+          "            if node.ready:\n                _send(node, Control.ESCALATE, wait=False)\n")),
+        (SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left",),
+    ),
+    Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
         (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
         (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),
