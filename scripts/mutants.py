@@ -290,8 +290,10 @@ MUTANTS = [
          ("            if node.conn is not None and node.closed_at is None and \\\n"
           "                    not (node.ready and _send(node, Control.ESCALATE, wait=False)):\n"
           "                self._hang_up(node)\n",
-          "            if node.ready:\n                _send(node, Control.ESCALATE, wait=False)\n")),
-        (SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left",),
+          "            if node.ready:\n                _send(node, Control.ESCALATE, wait=False)\n"),
+         ("        if any(node.hello is None for node in self._nodes):\n            self._cancel_step()\n", "")),
+        (SLURM + "test_a_run_stopped_while_node_0s_host_is_late_ends_with_nothing_left",
+         SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left"),
     ),
     Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",

@@ -702,3 +702,29 @@ print(ended)
     assert out.error is None, out.text
     assert out.stdout.strip() == str([(True, "stopped")] * 6), out.text
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_a_run_stopped_while_node_0s_host_is_late_ends_with_nothing_left(slurm_kernel, cluster, tmp_path):
+    """Node 0's host starts 4 s late (a task prolog sleeps there), so node 1's host has said hello and waits for a
+    setup that needs node 0 (rank 0's store): a stop then hangs it up and ends the step, and the run ends."""
+    prolog = tmp_path / "late-node-0.sh"
+    prolog.write_text('#!/bin/sh\n[ "$SLURM_NODEID" = "0" ] && sleep 4\nexit 0\n')
+    prolog.chmod(0o755)
+    out = slurm_kernel.execute(f'''
+def sleeps(rank):
+    time.sleep(300)
+
+run = ddpnb.launch(sleeps, engine="slurm", nprocs=4, nodes=2, view="none", srun_args="--task-prolog={prolog}")
+import psutil
+def hosts_up():
+    return [p for p in psutil.process_iter(["cmdline"]) if "ddpnb.engines.slurm.host" in " ".join(p.info["cmdline"] or [])]
+deadline = time.monotonic() + 60
+while len(hosts_up()) < 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(1.0)  # node 1's host has connected; node 0's still sleeps in its prolog
+run.stop()
+print(run.done, run.outcome.value)
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.text
+    assert out.stdout.strip() == "True stopped", out.text
+    assert ranks_left() == [] and steps_left(cluster) == []
