@@ -167,7 +167,6 @@ class SlurmEngine:
         self._wake_lock = threading.Lock()  # a wake-up is never written to the pipe's number once it is closed
         self._selector = selectors.DefaultSelector()
         self._nodes: list[_Node] = []
-        self._node_of: dict[int, _Node] = {}  # rank -> its node
         self._by_fd: dict[int, _Node] = {}
         self._master: tuple[str, int] | None = None  # rank 0's TCPStore, once node 0's host said where
         self._payload = b""
@@ -200,7 +199,6 @@ class SlurmEngine:
                 node = _Node(index, list(range(first, first + count)))
                 node.holdings = Holdings(self._data)
                 self._nodes.append(node)
-                self._node_of.update(dict.fromkeys(node.ranks, node))
                 first += count
             secret = secrets.token_bytes(32)
             host = allocation.reachable_address(job.nodes[0])
