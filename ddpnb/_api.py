@@ -130,8 +130,9 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         raise
     planned = launch.plan
     environ = {key: str(value) for key, value in engine_type.environment(dict(options.env)).items()}
+    environ = {**flight.radar_environment(), **environ}  # the user's own settings win
     if planned.backend == "nccl" and engine_type.capabilities.shares_run_dir:  # dumped at a stall or timeout
-        environ = {**flight.environment(run_dir), **environ}  # the user's own settings win
+        environ = {**flight.environment(run_dir), **environ}
     sources = pickling.notebook_sources()
     # a rank's breakpoint() asks the front end: only a cell that waits for the run (or a session's command) can,
     # and only where it takes input

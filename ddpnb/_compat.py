@@ -73,6 +73,26 @@ def has_backward_hooks(tensor: Any) -> bool:
     return bool(tensor._backward_hooks)
 
 
+def collective_arrivals(backend: str) -> list[tuple[str, int, int]] | None:
+    """The collectives in torch's Flight Recorder ring (it records one where TORCH_FR_BUFFER_SIZE, or NCCL's
+    TORCH_NCCL_TRACE_BUFFER_SIZE, was set before the process group was made), oldest first, each as (process
+    group, its collective number in that group, when this rank issued it in ns since the epoch); None where this
+    torch keeps no record for `backend` (gloo's since torch 2.7)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        dump = c10d._dump_nccl_trace if backend == "nccl" else c10d._dump_fr_trace
+        entries = pickle.loads(dump(True, False, False)).get("entries", [])  # collectives, no stacks, all states
+    except (AttributeError, ImportError, RuntimeError, dist.DistError):
+        return None
+    return [(str(e["process_group"][0]), int(e["collective_seq_id"]), int(e["time_created_ns"])) for e in entries
+            if not e.get("is_p2p")]
+
+
 def in_bad_fork() -> bool:
     """torch's own flag: this process was forked after CUDA was initialised in its parent."""
     import torch

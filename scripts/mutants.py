@@ -338,6 +338,17 @@ MUTANTS = [
         (("        if all(_library(file) for file, _, _ in frames):\n            left += 1\n            continue\n", ""),),
         (VIEWS + "test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source",),
     ),
+    # --- the straggler radar: who the others wait for (issue 28) -------------------------------------------------
+    Mutant(
+        "straggler-reports-on-unshared-steps", "ddpnb/rank/radar.py",
+        (("        if step % self.every and step - self.step < 4 * self.every:\n", "        if False:\n"),),
+        ("tests/test_radar.py::test_the_rank_the_others_wait_for_is_the_only_straggler[sleep-250]",),
+    ),
+    Mutant(
+        "straggler-lateness-counts-itself", "ddpnb/core/stragglers.py",
+        (("t for r, t in times.items() if r != rank)", "times.values())"),),
+        ("tests/test_radar.py::test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of_the_step",),
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

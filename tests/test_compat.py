@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import multiprocessing.spawn
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,24 @@ def _store_kind():
 
 def test_c10d_default_store_is_reachable_in_a_rank():
     assert ddpnb.run(_store_kind, nprocs=1, view="none").endswith("Store")
+
+
+def _arrivals_after_two_all_reduces(rank: int) -> tuple[list, int]:
+    import torch
+    import torch.distributed as dist
+
+    from ddpnb import _compat
+
+    for _ in range(2):
+        dist.all_reduce(torch.ones(1))
+    return _compat.collective_arrivals("gloo"), time.time_ns()
+
+
+def test_flight_recorder_gives_each_collectives_group_number_and_wall_clock_time_on_gloo():
+    arrivals, now = ddpnb.run(_arrivals_after_two_all_reduces, nprocs=2, view="none")
+    assert arrivals is not None, "torch keeps no Flight Recorder for gloo"
+    assert [(group, number) for group, number, _ in arrivals[-2:]] == [("0", 1), ("0", 2)], arrivals
+    assert all(0 < now - ns < 60e9 for _, _, ns in arrivals[-2:]), (arrivals, now)  # the epoch's ns, as time_ns
 
 
 def test_argparse_parser_options_are_every_flag_in_order():

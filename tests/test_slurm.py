@@ -626,7 +626,7 @@ def test_a_slurm_run_restarts_from_its_checkpoint_on_a_new_step_and_resume_conti
 STALLS = '''%%ddp --engine slurm -n 3 --nodes 2 --stall 3
 def computes_then_stalls(rank, world_size):
     import torch, torch.distributed as dist
-    for step in range(12):
+    for step in range(20):
         spent = time.thread_time() + (0.2 if rank == 2 else 0.05)  # CPU time: rank 2 computes 4x as long
         while time.thread_time() < spent:
             pass
@@ -640,7 +640,8 @@ def computes_then_stalls(rank, world_size):
 
 def test_the_stall_doctor_the_straggler_radar_and_hardware_columns_work_on_slurm(slurm_kernel, cluster):
     """The views read what every engine's ranks send: on Slurm too, a stall names the rank that holds the others
-    (its line in the cell) and where they wait; the rank with four times the compute is the one straggler; each
+    (its line in the cell) and where they wait; the rank with four times the compute, which the others wait for at
+    each all_reduce, is the one straggler; each
     rank's CPU and memory are sampled."""
     run = slurm_kernel.execute(STALLS, timeout=CELL_TIMEOUT)
     assert run.error is None, "\n".join(run.error["traceback"]) + run.text

@@ -197,7 +197,7 @@ class Attempt:
             record.gpu_memory = (message.reserved, message.peak)
         elif isinstance(message, msg.StepTimes):
             record.step_times.append(message)
-            self.watchdog.compute_reported()
+            self.watchdog.step_reported(self.record.ranks, message)
         elif isinstance(message, msg.Hardware):
             record.hardware.append(message)
         elif isinstance(message, msg.Imported):

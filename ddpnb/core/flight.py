@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENTRIES = 2000  # collectives each rank keeps: a few steps of a large model, a few hundred KiB of memory
+ENTRIES = 128  # collectives each rank keeps: its latest ones say who is behind; the radar reads the ring at each
+# step report, and a dump costs about 5 µs an entry (2000 entries: 17 ms)
 STEM = "nccl_trace_rank"  # in the run directory: nccl_trace_rank0 (the dump), nccl_trace_rank0.pipe
 DUMP_WAIT = 3.0  # seconds the ranks get to write their dumps (torch's monitor reads its pipe once a second)
 
@@ -32,6 +33,12 @@ def environment(run_dir: str | os.PathLike[str]) -> dict[str, str]:
     neutral = {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_FR_DUMP_TEMP_FILE": stem,
                "TORCH_FR_DEBUG_INFO_PIPE_FILE": stem}
     return {**nccl, **neutral}
+
+
+def radar_environment() -> dict[str, str]:
+    """What every run's ranks need in their environment for torch to keep their collectives' arrival times, which
+    the straggler radar reads (`rank/radar.py`); gloo's ring since torch 2.7. NCCL runs get `environment` too."""
+    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES)}
 
 
 def request(run_dir: str | os.PathLike[str], ranks: list[int]) -> float:

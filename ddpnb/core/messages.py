@@ -60,12 +60,16 @@ class GpuMemory:
 class StepTimes:
     """The rank's own compute over its latest `steps` (counted by `ddpnb.log(step=...)`), a few times a second:
     `wall` seconds went by, of which its thread was busy `compute` (on a CPU, or ready and waiting for one);
-    the rest it slept, which is where it waits in collectives (`rank.radar`)."""
+    the rest it slept, which is where it waits in collectives (`rank.radar`). `arrivals`: the collectives of the
+    reported `step` as (process group, number, ns since the epoch when the rank issued it), from torch's Flight
+    Recorder; every rank reports the same steps, so the kernel sees who came last to each."""
 
     rank: int
     steps: int
     wall: float
     compute: float
+    step: int = 0
+    arrivals: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class RankRecord:
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
     step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))
-    slower_by: float | None = None  # a straggler: its compute per step over the others' median, less one (0.38)
+    late: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))  # per reported step: seconds
+    # it came to that step's collectives after the other ranks (`core.stragglers`)
+    holds_others: float | None = None  # a straggler: seconds a step the others typically wait for it
     hardware: deque[Hardware] = field(default_factory=lambda: deque(maxlen=HARDWARE_HISTORY))
 
     def __repr__(self) -> str:  # a short line: the full dataclass repr runs to thousands of characters
@@ -106,6 +108,13 @@ class RankRecord:
         times = list(self.step_times)
         steps = sum(t.steps for t in times)
         return sum(t.compute for t in times) / steps if steps >= MIN_STEPS else None
+
+    @property
+    def step_time(self) -> float | None:
+        """Seconds a step took over the rank's recent reports (None before MIN_STEPS)."""
+        times = list(self.step_times)
+        steps = sum(t.steps for t in times)
+        return sum(t.wall for t in times) / steps if steps >= MIN_STEPS else None
 
     @property
     def duration(self) -> float:

@@ -55,8 +55,11 @@ def _compute_text(rank: RankRecord) -> str:
 
 
 def straggler_text(rank: RankRecord) -> str:
-    """'38% slower compute' for a rank the radar flagged, else ''."""
-    return f"{rank.slower_by:.0%} slower compute" if rank.slower_by is not None else ""
+    """'others wait 18 ms a step for it' for a rank the radar flagged, else ''."""
+    held = rank.holds_others
+    if held is None:
+        return ""
+    return f"others wait {held * 1000:.0f} ms a step for it" if held < 1 else f"others wait {format_duration(held)} a step for it"
 
 
 def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:

@@ -1,26 +1,73 @@
-"""The straggler radar's verdict, kernel side: which ranks spend markedly more compute per step than the others
-(`rank/radar.py` measures it on the ranks)."""
+"""The straggler radar's verdict, kernel side: the rank the others wait for.
+
+Every rank reports the same steps (`rank/radar.py`), each with the collectives it issued in that step and when,
+from torch's Flight Recorder. At each collective, a rank that arrives after the others makes them wait: its
+lateness is its arrival less the median of the other ranks' arrivals, and a step's is its largest over the step's
+collectives (DDP's buckets of one backward pass are all late by the same delay: counted once). A rank is flagged
+when its typical lateness over the recent steps is both over an absolute floor and a share of the step.
+"""
 
 from __future__ import annotations
 
 import statistics
 
+from ddpnb.core.messages import StepTimes
 from ddpnb.core.record import RankRecord
 
-STRAGGLER_RATIO = 1.25  # compute per step, against the median of the other ranks', that flags a rank
+MIN_SAMPLES = 3  # steps every rank reported before anyone is judged
+FLOOR = 0.005  # seconds a step the others wait for a rank, below which it is not flagged (noise)
+SHARE = 0.10  # of the rank's step time, below which it is not flagged either
+PENDING_STEPS = 64  # reported steps kept while the other ranks' reports of them are on their way
+
+
+class Arrivals:
+    """Each reported step's collectives, kept until every rank's report of that step has come; then each rank's
+    lateness at it goes to its record (`RankRecord.late`)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, dict[int, tuple[tuple[str, int, int], ...]]] = {}
+
+    def add(self, ranks: list[RankRecord], report: StepTimes) -> None:
+        if not report.arrivals:
+            return
+        reports = self.pending.setdefault(report.step, {})
+        reports[report.rank] = report.arrivals
+        if len(reports) < len(ranks):
+            while len(self.pending) > PENDING_STEPS:
+                del self.pending[min(self.pending)]
+            return
+        # each rank reports its steps in order: an earlier step some rank left out will not complete now
+        for step in [step for step in self.pending if step <= report.step]:
+            del self.pending[step]
+        for rank, late in lateness(reports).items():
+            ranks[rank].late.append(late)
+
+
+def lateness(reports: dict[int, tuple[tuple[str, int, int], ...]]) -> dict[int, float]:
+    """Seconds each rank came after the median of the others, at worst over the collectives every rank reported
+    (a subgroup's, or one cut off a report, are left out); no entry where no collective was common to all."""
+    issued: dict[tuple[str, int], dict[int, int]] = {}
+    for rank, arrivals in reports.items():
+        for group, number, ns in arrivals:
+            issued.setdefault((group, number), {})[rank] = ns
+    late: dict[int, float] = {}
+    for times in issued.values():
+        if len(times) < len(reports):
+            continue
+        for rank, ns in times.items():
+            others = statistics.median(t for r, t in times.items() if r != rank)
+            late[rank] = max(late.get(rank, 0.0), (ns - others) / 1e9)
+    return late
 
 
 def flag_stragglers(ranks: list[RankRecord]) -> None:
-    """Flag each rank whose compute per step is at least STRAGGLER_RATIO times the median of the other ranks'."""
-    computes = {r.rank: c for r in ranks if (c := r.compute_per_step) is not None}
-    ordered = sorted(computes.values())
+    """Flag each rank the others wait for at least FLOOR seconds and SHARE of a step, typically (the median over
+    its recent reported steps)."""
     for rank in ranks:
-        mine = computes.get(rank.rank)
-        rank.slower_by = None
-        if mine is None or len(ordered) < 2:
+        rank.holds_others = None
+        late, step = list(rank.late), rank.step_time
+        if len(ranks) < 2 or len(late) < MIN_SAMPLES or step is None:
             continue
-        others = list(ordered)
-        others.remove(mine)
-        median = statistics.median(others)
-        if median > 0 and mine >= STRAGGLER_RATIO * median:
-            rank.slower_by = mine / median - 1
+        held = statistics.median(late)
+        if held >= FLOOR and held >= SHARE * step:
+            rank.holds_others = held

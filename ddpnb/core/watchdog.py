@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from ddpnb.core.record import RankRecord, RankState, Stall
 from ddpnb.core.stall import StallWatch
-from ddpnb.core.stragglers import flag_stragglers
+from ddpnb.core.messages import StepTimes
+from ddpnb.core.stragglers import Arrivals, flag_stragglers
 
 RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
@@ -42,6 +43,7 @@ class Watchdog:
         self.quiet = 0.0  # seconds without progress when the latest STALL was found
         self._stalled_latest = 0.0  # the run's latest progress when the ongoing stall began
         self._radar_due = False
+        self._arrivals = Arrivals()
         self._radar_at = 0.0
         self._held_at: float | None = None  # since when a rank has been at a debugger prompt
 
@@ -59,8 +61,10 @@ class Watchdog:
         """The rank made progress (output, a metric, a progress tick, an answer)."""
         self.active[rank] = self.clock
 
-    def compute_reported(self) -> None:
-        """A rank reported its compute per step: judged at the next check, at most once a RADAR_INTERVAL."""
+    def step_reported(self, ranks: list[RankRecord], report: StepTimes) -> None:
+        """A rank reported a step (its compute, its collectives): judged at the next check, at most once a
+        RADAR_INTERVAL."""
+        self._arrivals.add(ranks, report)
         self._radar_due = True
 
     def judge_stragglers(self, ranks: list[RankRecord], now: float, at_once: bool = False) -> None:

@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core.messages import Hardware, Message, StepTimes
 
-STEP_REPORT_INTERVAL = 0.5  # seconds between two StepTimes messages from a rank, at most
+STEP_REPORT_INTERVAL = 0.5  # seconds between two StepTimes messages from a rank, at least
 HARDWARE_INTERVAL = 1.0  # seconds between two hardware samples of a rank
+ARRIVALS_KEPT = 64  # a report's collectives at most: one step's, for the kernel to see who came last
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -36,27 +38,56 @@ def thread_busy() -> float:
     return (int(on_cpu) + int(waiting)) / 1e9
 
 
-class StepClock:
-    """Turns `ddpnb.log(step=...)` calls into a `StepTimes` message at most every STEP_REPORT_INTERVAL: one clock
-    read per call, one scheduler read per report."""
+def step_arrivals(since_ns: int) -> tuple[tuple[str, int, int], ...]:
+    """The collectives this rank issued after `since_ns` (the previous `ddpnb.log`: the step just ended), as
+    (process group, number, ns); none without a process group or where torch keeps no record."""
+    import torch.distributed as dist
 
-    def __init__(self) -> None:
-        self.step: int | None = None
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()
+    arrivals = _compat.collective_arrivals(str(dist.get_backend()))
+    return tuple([a for a in arrivals or () if a[2] > since_ns][-ARRIVALS_KEPT:])
+
+
+class StepClock:
+    """Turns `ddpnb.log(step=...)` calls into a `StepTimes` message about every STEP_REPORT_INTERVAL: two clock
+    reads per call; at a report, one scheduler read and the step's collectives from torch's Flight Recorder.
+
+    Reports fall on steps every rank shares: a multiple of a power of two steps, sized from the rank's own pace,
+    which DDP keeps the same on every rank. So the kernel gets every rank's arrivals at the same collectives."""
+
+    def __init__(self, arrivals: Callable[[int], tuple[tuple[str, int, int], ...]] = step_arrivals) -> None:
+        self.arrivals = arrivals
+        self.step: int | None = None  # at the latest report
         self.at = 0.0
         self.busy = 0.0
         self.thread = 0
+        self.every = 1  # steps between two reports: a power of two
+        self.previous_ns = 0  # the latest call's wall clock: where this step's collectives begin
 
     def tick(self, rank: int, step: int) -> StepTimes | None:
         """The report due at this step, if one is."""
-        now = time.monotonic()
-        if self.step is not None and now - self.at < STEP_REPORT_INTERVAL:
-            return None
-        busy, thread = thread_busy(), threading.get_ident()
-        due = None
+        previous, self.previous_ns = self.previous_ns, time.time_ns()
+        thread = threading.get_ident()
         # a step counted down (a new epoch from 0) or another thread logging: start again rather than mix clocks
-        if self.step is not None and step > self.step and thread == self.thread:
-            due = StepTimes(rank=rank, steps=step - self.step, wall=now - self.at, compute=busy - self.busy)
-        self.step, self.at, self.busy, self.thread = step, now, busy, thread
+        if self.step is None or step <= self.step or thread != self.thread:
+            self.step, self.at, self.busy, self.thread = step, time.monotonic(), thread_busy(), thread
+            return None
+        # steps that never fall on a multiple (all odd) still report, unaligned
+        if step % self.every and step - self.step < 4 * self.every:
+            return None
+        now = time.monotonic()
+        if now - self.at < STEP_REPORT_INTERVAL / 2:  # faster than planned: report half as often
+            self.every *= 2
+            return None
+        busy, steps, wall = thread_busy(), step - self.step, now - self.at
+        while self.every > 1 and wall / steps * self.every / 2 >= STEP_REPORT_INTERVAL:
+            self.every //= 2
+        while wall / steps * self.every < STEP_REPORT_INTERVAL:
+            self.every *= 2
+        due = StepTimes(rank=rank, steps=steps, wall=wall, compute=busy - self.busy, step=step,
+                        arrivals=self.arrivals(previous))
+        self.step, self.at, self.busy = step, now, busy
         return due
 
 

@@ -189,7 +189,7 @@ def ranks_html(record: RunRecord) -> str:
         colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
         weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
-        straggler = f' data-straggler="{straggler_text(rank)}"' if rank.slower_by is not None else ""
+        straggler = f' data-straggler="{straggler_text(rank)}"' if rank.holds_others is not None else ""
         last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
         swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
                   f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
