@@ -342,7 +342,8 @@ MUTANTS = [
     Mutant(
         "straggler-reports-on-unshared-steps", "ddpnb/rank/radar.py",
         (("        if step % self.every and step - self.step < 4 * self.every:\n", "        if False:\n"),),
-        ("tests/test_radar.py::test_the_rank_the_others_wait_for_is_the_only_straggler[sleep-250]",),
+        # ranks in DDP's lockstep mostly cross a time threshold at the same step too: the clock's own test pins it
+        ("tests/test_radar.py::test_step_clock_reports_on_steps_every_rank_shares_and_restarts_on_a_new_count",),
     ),
     Mutant(
         "straggler-lateness-counts-itself", "ddpnb/core/stragglers.py",
