@@ -18,6 +18,7 @@ from ddpnb.core.cellnames import cell_names_of
 from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
+from ddpnb.core.stacks import the_callers
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,
     CallStyle,
@@ -235,8 +236,8 @@ def log(step: int | None = None, **scalars: float) -> None:
                 values[name] = float(value)
             except (TypeError, ValueError):
                 shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-                raise TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
-                                f"{type(value).__name__}{shape}: {value!r:.80}") from None
+                raise the_callers(TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
+                                            f"{type(value).__name__}{shape}: {value!r:.80}")) from None
         context.send_metric(step, values)
 
 

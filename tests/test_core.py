@@ -322,10 +322,27 @@ def _logs_a_vector(rank):
     ddpnb.log(step=0, loss=torch.tensor([1.0, 2.0]))
 
 
-def test_logging_something_that_is_not_a_number_names_it():
+def test_logging_something_that_is_not_a_number_names_it_raised_on_the_users_line():
     with pytest.raises(ddpnb.WorkerError) as failure:
         ddpnb.run(_logs_a_vector, nprocs=2)
     assert "ddpnb.log: loss must be a number or a one-element tensor, not Tensor of shape (2,)" in str(failure.value)
+    traceback = failure.value.record.first_failure.traceback.splitlines()
+    # as a built-in's error would: the innermost frame is the user's call, not ddpnb's own code below it
+    assert traceback[-3:-1] == [f'  File "{__file__}", line {_logs_a_vector.__code__.co_firstlineno + 3}, in '
+                                "_logs_a_vector", "    ddpnb.log(step=0, loss=torch.tensor([1.0, 2.0]))"], traceback
+    assert "ddpnb" + os.sep not in "\n".join(traceback).replace(__file__, "")
+
+
+def _saves_a_list(rank):
+    ddpnb.save_checkpoint([1, 2], step=0)
+
+
+def test_a_checkpoint_of_something_that_is_not_a_dict_is_refused_on_the_users_line():
+    with pytest.raises(ddpnb.WorkerError) as failure:
+        ddpnb.run(_saves_a_list, nprocs=2)
+    assert "ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': opt}, not list." in str(
+        failure.value)
+    assert failure.value.record.first_failure.traceback.splitlines()[-2] == "    ddpnb.save_checkpoint([1, 2], step=0)"
 
 
 def _returns_tensors(rank):

@@ -22,15 +22,29 @@ def is_plumbing(filename: str) -> bool:
     return ray is not None and filename.startswith(os.path.dirname(getattr(ray, "__file__", None) or "\0"))
 
 
+def the_callers(exc: BaseException) -> BaseException:
+    """Marks an error ddpnb's API raises about how it was called (`ddpnb.log(loss=[1, 2])`): its traceback ends on
+    the user's line, as a built-in's would, without ddpnb's frames below it."""
+    exc.__ddpnb_callers__ = True  # type: ignore[attr-defined]
+    return exc
+
+
 def user_traceback(exc: BaseException) -> str:
-    """The traceback without ddpnb's own frames at the top, so it starts at the user's function; "" when ddpnb
-    itself raised it (a result it cannot send: the message says it all)."""
+    """The traceback without ddpnb's own frames at the top, so it starts at the user's function, nor below the
+    user's line for an error about the user's call (`the_callers`); "" when ddpnb itself raised it (a result it
+    cannot send: the message says it all)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     if tb is None:
         return ""
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    if not getattr(exc, "__ddpnb_callers__", False):
+        return "".join(traceback.format_exception(type(exc), exc, tb))
+    frames = traceback.extract_tb(tb)
+    while len(frames) > 1 and frames[-1].filename.startswith(PACKAGE_DIR):
+        frames.pop()
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(exc), exc)])
 
 
 def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel") -> str:

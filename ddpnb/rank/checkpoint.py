@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpnb.core.checkpoints import COMPLETE, PARTIAL_SUFFIX, latest, step_dir
+from ddpnb.core.stacks import the_callers
 from ddpnb.rank import context as ctx
 
 
@@ -54,7 +55,7 @@ def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = Fa
 
     spec = _spec("save_checkpoint")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise TypeError(f"ddpnb.save_checkpoint: step must be an int of 0 or more, not {step!r}.")
+        raise the_callers(TypeError(f"ddpnb.save_checkpoint: step must be an int of 0 or more, not {step!r}."))
     finish()  # the save before this one, if it was asynchronous
     root = Path(spec.checkpoint_dir)
     final = root / step_dir(step)
@@ -170,8 +171,8 @@ def _state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if not isinstance(state, Mapping):
-        raise TypeError("ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': opt}, not "
-                        f"{type(state).__name__}.")
+        raise the_callers(TypeError("ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': "
+                                    f"opt}}, not {type(state).__name__}."))
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.nn.Module):
@@ -208,8 +209,8 @@ def _model_of(optimizer: Any, state: Mapping[str, Any], key: str) -> Any:
     for value in state.values():
         if isinstance(value, torch.nn.Module) and any(id(p) in params for p in value.parameters()):
             return value
-    raise ValueError(f"ddpnb checkpoints: the optimizer {key!r} trains no model in the same dict; put its model "
-                     f"next to it, e.g. {{'model': model, {key!r}: {key}}}.")
+    raise the_callers(ValueError(f"ddpnb checkpoints: the optimizer {key!r} trains no model in the same dict; put "
+                                 f"its model next to it, e.g. {{'model': model, {key!r}: {key}}}."))
 
 
 def _prune(root: Path, keep: int) -> None:
