@@ -126,10 +126,13 @@ def test_a_segfault_keeps_the_ranks_own_last_line_and_names_the_crash_frame(exec
     assert re.search(rf"^ddpnb: rank 1 of 2 failed first: {frame}$", error, re.MULTILINE)
     assert "Fatal Python error: Segmentation fault" in error and re.search(r"Cell In\[\d+\], line \d+ in crash", error)
     assert "_watch_kernel" not in error and "ddpnb/" not in error  # the user's thread and frames only
+    assert "threading.py" not in error  # nor ddpnb's hardware thread, whose own frames went
     for html in (_dashboards(executed)["crash"], _summary(executed.cells[2])):
         assert re.search(frame, html)  # the error panel names the crash frame
         row = _row(html, 1)
         assert "about to crash" in row and "Extension modules" not in row
+        # the report shows once, in the error: the output log has its first line, pointing there
+        assert "Current thread" not in html and "Fatal Python error: Segmentation fault (where: in the error" in html
 
 
 BACKGROUND_CELL = '''%%ddp -n 2 --background -o job

@@ -17,7 +17,7 @@ from ddpnb.core.failures import Failure
 from ddpnb.core.output import LineBuffer, LineDecoder, last_text
 from ddpnb.core.record import RankRecord, RankState
 from ddpnb.core.spec import Stream
-from ddpnb.core.stacks import CrashDump
+from ddpnb.core.stacks import FATAL_ERROR, CrashDump
 from ddpnb.core.words import describe_exit
 
 
@@ -54,15 +54,16 @@ class RankLogs:
 
     def _add(self, rank: int, stream: Stream, lines: list[str]) -> bool:
         record = self._ranks[rank]
-        self._lines.add(rank, stream, lines)
-        record.lines += len(lines)
-        own, explained = lines, False
+        record.lines += len(lines)  # the log file has every line
+        own, shown, explained = lines, lines, False
         if stream is Stream.STDERR:  # a fatal error's report is not the rank's last line: it says where it died
             crash = self._crashes.get(rank) or CrashDump()
             own = crash.own_lines(lines)
             if crash.lines:
                 self._crashes[rank] = crash
                 explained = self.explain_crash(rank)
+                shown = _shown(lines, own)
+        self._lines.add(rank, stream, shown)
         if own:
             record.last_line = own[-1]
             # a rank with tqdm bars writes each bar's final state as a line; the dashboard shows the bar already
@@ -122,3 +123,17 @@ class RankLogs:
         for log in self._logs:
             log.close()
         self._logs = []
+
+
+def _shown(lines: list[str], own: list[str]) -> list[str]:
+    """What views show of lines holding a fatal error's report: the rank's own lines, and the report's first line
+    pointing to the rest, which the failure holds (shown once, in the error) and the log file keeps."""
+    shown, mine = [], iter(own)
+    next_own = next(mine, None)
+    for line in lines:
+        if line is next_own:
+            shown.append(line)
+            next_own = next(mine, None)
+        elif line.startswith(FATAL_ERROR):
+            shown.append(f"{line} (where: in the error below; the whole report: in the rank's log)")
+    return shown

@@ -54,7 +54,9 @@ def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel") -> str:
     for block in dump.strip().split("\n\n"):
         lines = block.splitlines()
         frames = [line for line in lines[1:] if not _dumped_plumbing(line)]
-        if lines and skip_thread not in block and frames:
+        # one of ddpnb's threads (the hardware sampler): its own frames gone, only threading's start is left
+        ours = len(frames) < len(lines) - 1 and all(f'"{threading.__file__}"' in line for line in frames)
+        if lines and skip_thread not in block and frames and not ours:
             threads.append("\n".join([lines[0], *frames]))
     return "\n\n".join(threads)
 
