@@ -42,11 +42,12 @@ def load_ipython_extension(ipython: Any) -> None:
     from ddpnb.core.spec import check_platform
 
     check_platform()  # before anything Linux-only starts (the forkserver's warm-up)
-    from ddpnb._magic import DDPMagics, SessionMagics
+    from ddpnb._magic import DDPMagics, SessionMagics, point_debug_at_the_ranks
     from ddpnb.core.live import stop_all
     from ddpnb.node import forkserver
 
     ipython.register_magics(DDPMagics, SessionMagics)
+    point_debug_at_the_ranks(ipython)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
     atexit.register(stop_all)
     kernel = getattr(ipython, "kernel", None)

@@ -30,6 +30,7 @@ from ddpnb import _api, _compat, _session, engines
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome
+from ddpnb.core.report import WorkerError
 from ddpnb.core.run import Run
 from ddpnb.core.spec import DEFAULT_CPU_RANKS, ViewKind
 from ddpnb.core.words import format_duration, size_text
@@ -451,3 +452,37 @@ class SessionMagics(Magics):
         if session is None:
             raise UsageError("no session is running.")
         session.stop()
+
+
+def point_debug_at_the_ranks(ipython: Any) -> None:
+    """`%debug` right after a failed run or `%%ranks` cell would open pdb in ddpnb's own frames in the kernel, not
+    the rank's (its process is gone, or elsewhere): it says how to reach the rank's frames instead. Anything else,
+    and `%debug` with arguments, is IPython's own."""
+    original = ipython.find_magic("debug")
+    if original is None or getattr(original, "ddpnb_points", False):  # no such magic, or `%reload_ext`
+        return
+
+    def debug(line: str = "", cell: str | None = None) -> Any:
+        error = getattr(sys, "last_value", None)
+        if line.strip() or cell is not None or not isinstance(error, (WorkerError, _session.SessionError)):
+            return original(line, cell) if cell is not None else original(line)
+        print(_debug_pointer(error))
+        return None
+
+    debug.ddpnb_points = True  # type: ignore[attr-defined]
+    debug.__doc__ = original.__doc__
+    ipython.register_magic_function(debug, "line_cell", "debug")
+
+
+def _debug_pointer(error: BaseException) -> str:
+    if isinstance(error, _session.SessionError):
+        return ("[ddpnb] The error came from the session's ranks, whose namespaces are intact: `%ddp_debug RANK` "
+                "opens pdb post-mortem where that rank's cell raised (`%ddp_debug 0`). %debug here would open "
+                "ddpnb's own frames in the kernel.")
+    first = error.record.first_failure if isinstance(error, WorkerError) else None
+    who = f"rank {first.rank}'s process" if first is not None else "the ranks' processes"
+    kept = ("; its locals where it raised are kept in `ddpnb.last_run().first_failure.frames`"
+            if first is not None and first.frames else "")
+    return (f"[ddpnb] The error came from {who}, which has ended{kept}. To debug it on the rank, run the cell "
+            "again with `%%ddp --debug`: the rank that raises opens pdb post-mortem at the raising line, in this "
+            "cell's input box. %debug here would open ddpnb's own frames in the kernel.")

@@ -254,6 +254,38 @@ def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
 
 
 
+BREAKPOINT_CELL = '''%%ddp -n 2
+def train(rank, world_size):
+    import torch, torch.distributed as dist
+    total = torch.ones(1) * (rank + 1)
+    if rank == 1:
+        breakpoint()
+    dist.all_reduce(total)
+    return total.item()
+'''
+
+
+def test_a_rank_at_a_breakpoint_reads_so_in_the_dashboard_until_it_continues(lab, page):
+    """Issue 29: while rank 1 waits at its pdb prompt (JupyterLab's input box under the cell), its row and the
+    run's state say it is at a breakpoint, and where; after `c` the run finishes."""
+    cells = _open(page, lab, "breakpoint.ipynb", ["%load_ext ddpnb", BREAKPOINT_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+    stdin = output.locator(".jp-Stdin-input")
+    stdin.wait_for(timeout=120_000)
+    assert "(rank 1) (Pdb)" in output.locator(".jp-Stdin").inner_text()
+    output.locator(".ddpnb .ddpnb-pill[data-state='at a breakpoint']").wait_for(timeout=30_000)
+    row = output.locator(".ddpnb tr[data-rank='1']").inner_text()
+    # pdb stops before the statement after breakpoint(): the all_reduce, line 7
+    assert re.search(r"at a breakpoint: Cell In\[\d+\], line 7, in train", row), row
+    assert "at a breakpoint" not in output.locator(".ddpnb tr[data-rank='0']").inner_text()
+    stdin.fill("c")
+    stdin.press("Enter")
+    output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=60_000)
+    assert "at a breakpoint" not in output.locator("[data-ddpnb-summary]").inner_text()
+
+
 SAVED_CELL = '''%%ddp -n 2 --view widget
 def train(rank, world_size):
     import ddpnb

@@ -140,3 +140,34 @@ def test_a_session_rank_debugs_its_last_error_and_a_breakpoint_in_a_cell_then_th
         assert after.error is None and "41" in "".join(after.results) and "42" in "".join(after.results), after.text
     finally:
         kernel.execute("%ddp_stop", timeout=60)
+
+
+def test_debug_in_the_kernel_after_a_failed_run_points_at_the_ranks_frames(kernel):
+    """Issue 29: `%debug` right after a failed `%%ddp` cell would open pdb in ddpnb's frames in the kernel; it says
+    how to reach the rank's frames instead, and asks nothing. After any other error it is IPython's own."""
+    failed = kernel.execute('''%%ddp -n 2
+def train(rank, world_size):
+    batch = list(range(3))
+    if rank == 1:
+        raise ValueError("bad batch")
+''', timeout=120)
+    assert failed.error is not None and failed.error["ename"] == "WorkerError", failed.text
+    pointed = kernel.execute("%debug", answer=answers("q"))
+    assert pointed.prompts == [], pointed.prompts  # no pdb opened in the kernel
+    assert pointed.stdout.startswith("[ddpnb] The error came from rank 1's process, which has ended; its locals "
+                                     "where it raised are kept in `ddpnb.last_run().first_failure.frames`. To debug "
+                                     "it on the rank, run the cell again with `%%ddp --debug`"), pointed.stdout
+    plain = kernel.execute("1 / 0")
+    assert plain.error is not None and plain.error["ename"] == "ZeroDivisionError"
+    own = kernel.execute("%debug", answer=answers("q"))
+    assert own.prompts and "ipdb>" in own.prompts[0], own.prompts  # IPython's post-mortem of the kernel's error
+    kernel.execute("%ddp_start -n 2", timeout=120)
+    try:
+        ranks = kernel.execute("%%ranks\nraise KeyError(rank)", timeout=60)
+        assert ranks.error is not None, ranks.text
+        session = kernel.execute("%debug", answer=answers("q"))
+        assert session.prompts == [] and session.stdout.startswith(
+            "[ddpnb] The error came from the session's ranks, whose namespaces are intact: `%ddp_debug RANK`"), (
+            session.stdout)
+    finally:
+        kernel.execute("%ddp_stop", timeout=60)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ddpnb.core import flight, hints
 from ddpnb.core import messages as msg
 from ddpnb.core.announce import Announcer
+from ddpnb.core.cellnames import pdb_where
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
@@ -218,6 +219,7 @@ class Attempt:
             self._failed(rank, message)
         elif isinstance(message, msg.Prompt):
             self.prompting.add(rank)
+            record.breakpoint_at = pdb_where(message.text) or "its debugger prompt"
             self.prompts.put(message)
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
@@ -321,6 +323,7 @@ class Attempt:
     def answer(self, rank: int, line: str) -> None:
         """The front end's answer to `rank`'s debugger prompt (from the waiting cell's thread)."""
         self.prompting.discard(rank)
+        self.record.ranks[rank].breakpoint_at = ""
         self.engine.send([rank], line.encode())
 
     def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:

@@ -29,6 +29,16 @@ def pdb_cell_names(text: str) -> str:
     return re.sub(r"^(> |  )?(\S+)\((\d+)\)(\S+\(\))$", cell, text, flags=re.MULTILINE)
 
 
+def pdb_where(text: str) -> str:
+    """Where pdb's latest `> file(line)function()` line says it stopped: 'Cell In[7], line 5, in train', or the
+    file's name and line; '' where pdb said no such line."""
+    found = re.findall(r"^> (\S+)\((\d+)\)(\S+)\(\)$", text, flags=re.MULTILINE)
+    if not found:
+        return ""
+    filename, line, function = found[-1]
+    return f"{cell_name(filename) or filename}, line {line}, in {function}"
+
+
 def cell_name(filename: str) -> str:
     """'Cell In[7]' for the file IPython compiled cell 7 as, in this kernel; '' for any other file (or outside
     IPython)."""

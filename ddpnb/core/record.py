@@ -86,6 +86,7 @@ class RankRecord:
     node: str = ""  # Ray: the ID of the node the rank runs on
     stack: str = ""  # Python stacks dumped at a stall (timeout)
     stalled_state: RankState | None = None  # the rank's state when its stack was dumped
+    breakpoint_at: str = ""  # where the rank waits at a debugger prompt ('Cell In[5], line 7, in train'), if it does
     metrics: dict[str, list[Point]] = field(default_factory=dict)
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes

@@ -54,15 +54,19 @@ _HEAD = f"{_CELL};font-weight:600;font-size:12px;border-bottom:1px solid {_RULE}
 
 
 def overall_state(record: RunRecord) -> str:
-    """The run's state in the words the rank rows use: 'running', 'stalled', 'finished', 'failed', ..."""
+    """The run's state in the words the rank rows use: 'running', 'at a breakpoint', 'stalled', 'finished', ..."""
+    if record.outcome is Outcome.RUNNING and any(r.breakpoint_at for r in record.ranks):
+        return "at a breakpoint"
     if record.stalled:
         return "stalled"
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
 
 
 def rank_state(rank: RankRecord, role: FailureRole | None = None) -> str:
-    """'running', 'finished', 'failed first · exit 1', 'stopped: peer failed · exit 1', 'failed · SIGSEGV',
-    'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
+    """'running', 'at a breakpoint: Cell In[5], line 7, in train', 'finished', 'failed first · exit 1', 'stopped:
+    peer failed · exit 1', 'failed · SIGSEGV', 'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
+    if rank.breakpoint_at and rank.state is RankState.RUNNING:
+        return f"at a breakpoint: {rank.breakpoint_at}"
     state = role.value if rank.state is RankState.FAILED and role is not None else rank.state.value
     code = rank.exitcode
     if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
