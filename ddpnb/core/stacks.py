@@ -47,15 +47,17 @@ def user_traceback(exc: BaseException) -> str:
                     *traceback.format_exception_only(type(exc), exc)])
 
 
-def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel") -> str:
+def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel", only_users: bool = False) -> str:
     """faulthandler's dump of every thread without ddpnb's watchdog thread and without plumbing frames: what is
     left starts at the user's function. The raw dump stays on disk."""
     threads = []
     for block in dump.strip().split("\n\n"):
         lines = block.splitlines()
         frames = [line for line in lines[1:] if not _dumped_plumbing(line)]
-        # one of ddpnb's threads (the hardware sampler): its own frames gone, only threading's start is left
-        ours = len(frames) < len(lines) - 1 and all(f'"{threading.__file__}"' in line for line in frames)
+        # `only_users`: not ddpnb's other threads either (the hardware sampler), where only threading's start is
+        # left once their own frames went (`readable` counts them instead)
+        ours = only_users and len(frames) < len(lines) - 1 and all(f'"{threading.__file__}"' in line
+                                                                   for line in frames)
         if lines and skip_thread not in block and frames and not ours:
             threads.append("\n".join([lines[0], *frames]))
     return "\n\n".join(threads)
@@ -251,7 +253,7 @@ class CrashDump:
     def stack(self) -> str:
         """The report without ddpnb's threads and frames: its first line, then the threads the user's code ran."""
         text = "\n".join(self.lines)
-        return f"{self.lines[0]}\n\n{user_stack_dump(text)}".rstrip() if self.lines else ""
+        return f"{self.lines[0]}\n\n{user_stack_dump(text, only_users=True)}".rstrip() if self.lines else ""
 
     def crash_frame(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the user's innermost frame in the thread that crashed."""
