@@ -273,7 +273,7 @@ class Session:
         stall = run.record.stall
         if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
             self._stall_said = stall
-            sys.stdout.write(stall_lines(stall, going="the command", handle="session.run"))
+            sys.stdout.write(stall_lines(stall, going="the command"))
         if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()

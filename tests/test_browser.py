@@ -296,3 +296,51 @@ def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots
     assert size[0] > 0 and size[1] > 0 and size[2] > 0 and size[3] > 0, size
     text = output.inner_text()
     assert "00.20.40.6" not in text  # the plot's labels are not left as a run of text
+
+
+STALL_CELL = '''%%ddp -n 3 --stall 3
+def stall(rank):
+    import os, time
+    import torch
+    import torch.distributed as dist
+    while rank == 1 and not os.path.exists("stall-go"):
+        time.sleep(0.2)
+    dist.all_reduce(torch.ones(1))
+'''
+
+
+def _stalled_for(banner) -> float:
+    return float(re.search(r"no rank has made progress for (\d+(?:\.\d)?) s", banner.inner_text()).group(1))
+
+
+def test_a_foreground_stall_shows_each_ranks_stack_under_a_banner_whose_seconds_count_on(lab, page):
+    """Issue 28, acceptance 1: the cell waits, so no button serves; the stall doctor's stacks show under the banner,
+    as tracebacks read (the cell's line and its source; no temp file, no ddpnb thread, no torch logging wrapper),
+    the seconds count on, and the ranks read 'stalled'."""
+    cells = _open(page, lab, "stall.ipynb", ["%load_ext ddpnb", STALL_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+    banner = output.locator(".ddpnb .ddpnb-stall[data-stall='ongoing'] .ddpnb-stall-title")
+    banner.wait_for(timeout=120_000)
+    stacks = output.locator(".ddpnb .ddpnb-stall-stacks")
+    stacks.wait_for()
+    rank_1 = stacks.locator(".ddpnb-stall-stack[data-ranks='1'] + pre").inner_text()
+    assert re.search(r"Cell In\[\d+\], line 7, in stall\n\s+time\.sleep\(0\.2\)", rank_1), rank_1
+    shown = stacks.inner_text()
+    assert "dist.all_reduce(torch.ones(1))" in shown and "ranks 0, 2" in shown, shown
+    for absent in ("ipykernel_", "ddpnb/", "c10d_logger", "Thread 0x"):
+        assert absent not in shown, (absent, shown)
+    assert output.locator(".ddpnb table.ddpnb-ranks tr[data-state='stalled']").count() == 3
+    assert output.locator(".ddpnb tr[data-rank='1'] td").nth(1).inner_text() == "stalled"
+    first = _stalled_for(banner)
+    page.wait_for_function(  # each redraw replaces the banner's element: look it up each time
+        "([area, first]) => parseFloat(/progress for (\\d+(?:\\.\\d)?) s/.exec("
+        "area.querySelector('.ddpnb-stall-title').innerText)[1]) > first + 1",
+        arg=[output.element_handle(), first], timeout=30_000)
+    (lab[2] / "stall-go").touch()
+
+    summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
+    summary.wait_for(timeout=120_000)
+    assert output.locator("[data-ddpnb-summary] [data-stall='resumed']").count() == 1
+    assert output.locator(".ddpnb-stall-stacks").count() == 0

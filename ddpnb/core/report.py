@@ -29,8 +29,11 @@ def summary_table(record: RunRecord) -> str:
 
 
 def state_words(record: RunRecord, rank: RankRecord) -> str:
-    """The rank's state, a failed rank's as its role in the attempt's failure."""
+    """The rank's state, a failed rank's as its role in the attempt's failure, a running one's of a stalled run
+    as 'stalled'."""
     role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
+    if record.stalled and rank.state is RankState.RUNNING:
+        return "stalled"
     return role.value if role is not None else rank.state.value
 
 
@@ -113,17 +116,29 @@ def diagnosis_summary(diagnosis: Diagnosis) -> str:
     return "; ".join(f"{named(ranks)} {where_phrase(first[ranks[0]], len(ranks) > 1)}" for _, ranks in order)
 
 
-def diagnosis_lines(diagnosis: Diagnosis) -> list[str]:
-    """One line per rank with its time since its last activity."""
-    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet)} since its last activity"
+def diagnosis_lines(diagnosis: Diagnosis, now: float | None = None) -> list[str]:
+    """One line per rank with its time since its last activity, as of `now` (`time.time()`; by default when the
+    diagnosis was taken): a stall that goes on counts on, since no rank has had any activity meanwhile."""
+    later = 0.0 if now is None else max(0.0, now - diagnosis.taken)
+    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet + later)} since its last activity"
             for w in diagnosis.ranks]
 
 
-def stall_headline(stall: Stall) -> str:
-    """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...'"""
-    quiet = stall.diagnosis.taken - stall.since
+def stall_headline(stall: Stall, now: float | None = None) -> str:
+    """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...',
+    the time as of `now` (`time.time()`; by default when the ranks were last looked at)."""
+    quiet = (stall.diagnosis.taken if now is None else now) - stall.since
     return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {stall.threshold:g} s): "
             f"{diagnosis_summary(stall.diagnosis)}")
+
+
+def grouped_stacks(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
+    """The ranks' stacks with notebook cells named (`Cell In[4], line 7`), each text once for the ranks whose
+    stacks read the same, in rank order: [([0, 2], 'Stack ...'), ([1], 'Stack ...')]."""
+    same: dict[str, list[int]] = {}
+    for rank, text in sorted(stacks.items()):
+        same.setdefault(cell_names(text).rstrip() or "(no stack came)", []).append(rank)
+    return sorted(((ranks, text) for text, ranks in same.items()), key=lambda item: item[0][0])
 
 
 def attempt_line(attempt: Attempt) -> str:

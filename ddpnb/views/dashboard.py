@@ -34,6 +34,7 @@ from ddpnb.views.html import (
     section_html,
     stacks_html,
     stall_html,
+    stall_stacks_html,
     summary_html,
     total_lines,
 )
@@ -102,6 +103,8 @@ class Dashboard:
         self.stacks_button.on_click(self._on_stacks)
         self.stacks = widgets.HTML(layout=widgets.Layout(display="none"))
         self.stall = widgets.HTML()
+        self.stall_stacks = widgets.HTML()  # redrawn only when the stall doctor takes the stacks again
+        self._stall_seen: object = None  # the diagnosis whose stacks it shows
         self.ranks = widgets.HTML()
         self.plots = widgets.HTML()
         options = [("all ranks", -1)] + [(f"rank {r}", r) for r in range(self.record.world_size)]
@@ -117,7 +120,7 @@ class Dashboard:
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
-             self.ranks, self.stall, self.error, self.plots, log_bar, self.log, self.stacks],
+             self.ranks, self.stall, self.stall_stacks, self.error, self.plots, log_bar, self.log, self.stacks],
             layout=widgets.Layout(padding="2px 4px"))
         self.widget.add_class("ddpnb")
         self._render()
@@ -165,7 +168,11 @@ class Dashboard:
             self._take_lines()
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
-            self.stall.value = stall_html(record)
+            self.stall.value = stall_html(record, self.foreground)
+            shown = record.stall.diagnosis if record.stall is not None and record.stalled else None
+            if shown is not self._stall_seen:
+                self._stall_seen = shown
+                self.stall_stacks.value = stall_stacks_html(record)
             signature = metrics_signature(record)
             if signature != self._metrics_seen and (time.monotonic() - self._plotted >= PLOT_INTERVAL
                                                     or self._finished):  # the final state is drawn whole

@@ -12,6 +12,7 @@ import base64
 import html
 import math
 import statistics
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,8 +20,8 @@ from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
-from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, hardware_text, locals_lines,
-                               stall_headline, straggler_text)
+from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, hardware_text,
+                               locals_lines, named, stall_headline, straggler_text)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -60,10 +61,13 @@ def overall_state(record: RunRecord) -> str:
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
 
 
-def rank_state(rank: RankRecord, role: FailureRole | None = None) -> str:
-    """'running', 'finished', 'failed first · exit 1', 'stopped: peer failed · exit 1', 'failed · SIGSEGV',
-    'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
+def rank_state(rank: RankRecord, role: FailureRole | None = None, stalled: bool = False) -> str:
+    """'running', 'stalled', 'finished', 'failed first · exit 1', 'stopped: peer failed · exit 1', 'failed ·
+    SIGSEGV', 'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error,
+    knock-on); a running rank of a `stalled` run as stalled."""
     state = role.value if rank.state is RankState.FAILED and role is not None else rank.state.value
+    if stalled and rank.state is RankState.RUNNING:
+        return "stalled"
     code = rank.exitcode
     if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
         if code < 0:
@@ -186,7 +190,8 @@ def ranks_html(record: RunRecord) -> str:
             + "</tr></thead><tbody>"]
     for rank, radar in zip(record.ranks, radar_cells):
         role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
-        colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
+        stalled = record.stalled and rank.state is RankState.RUNNING
+        colour = _ROLE_COLOURS[role] if role is not None else _ORANGE if stalled else _RANK_COLOURS[rank.state]
         weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
         straggler = f' data-straggler="{straggler_text(rank)}"' if rank.slower_by is not None else ""
@@ -196,8 +201,9 @@ def ranks_html(record: RunRecord) -> str:
         latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
                   f'overflow:hidden;text-overflow:ellipsis;max-width:300px;opacity:0.75">{html.escape(last[:160])}</div>')
         rows.append(
-            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{role_attr}{straggler}>{_td(swatch, pad)}'
-            f'{_td(html.escape(rank_state(rank, role)), f"color:{colour};font-weight:{weight};{pad}")}'
+            f'<tr data-rank="{rank.rank}" data-state="{"stalled" if stalled else rank.state.value}"{role_attr}'
+            f'{straggler}>{_td(swatch, pad)}'
+            f'{_td(html.escape(rank_state(rank, role, stalled)), f"color:{colour};font-weight:{weight};{pad}")}'
             f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{pad}")}'
             f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
             f'{_td(format_duration(rank.duration), pad)}{_td(latest, pad, attrs=LAST_CELL)}</tr>')
@@ -478,8 +484,10 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     return "".join(parts)
 
 
-def stall_html(record: RunRecord) -> str:
-    """The stall banner: where each rank is while no rank makes progress; one line once progress resumed."""
+def stall_html(record: RunRecord, foreground: bool = False) -> str:
+    """The stall banner: where each rank is while no rank makes progress, its seconds counted as of now, then the
+    ranks' stacks as the stall doctor last took them (every few seconds while the stall goes on); one line once
+    progress resumed. `foreground`: the cell waits for the run, so neither the Stacks button nor a handle serves."""
     stall = record.stall
     if stall is None:
         return ""
@@ -487,15 +495,41 @@ def stall_html(record: RunRecord) -> str:
         assert stall.resumed is not None
         return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
                 f'({html.escape(diagnosis_summary(stall.diagnosis))}), then progress resumed</div>')
-    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(stall.diagnosis),
-                                                                    *stall.diagnosis.flight])
-    tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
-            else f"still stalled when the run ended ({record.outcome.value})")
+    going = record.outcome is Outcome.RUNNING
+    now = time.time() if going else record.ended
+    diagnosis = stall.diagnosis
+    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(diagnosis, now),
+                                                                    *diagnosis.flight])
+    taken = format_duration(max(0.0, (now or diagnosis.taken) - diagnosis.taken))
+    if not going:
+        tail = f"still stalled when the run ended ({record.outcome.value})"
+    elif foreground:
+        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+                "seconds while the run stays stalled; interrupt the kernel (■) to stop it")
+    else:
+        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+                "seconds while the run stays stalled; Stop ends it")
     return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
-            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0">'
+            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0 0">'
             f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
-            f'{html.escape(stall_headline(stall))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
+            f'{html.escape(stall_headline(stall, now))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
             f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
+
+
+def stall_stacks_html(record: RunRecord) -> str:
+    """Under the stall banner: each rank's stack as the stall doctor last took it (the same stack once for the
+    ranks it is the same for), notebook cells named as IPython names them; '' unless the run is stalled now (a
+    timeout's report has its own). Drawn on its own, so the live widget redraws it only when the stacks are taken
+    again, not each time the seconds count."""
+    stall = record.stall
+    if stall is None or not record.stalled or not stall.diagnosis.stacks:
+        return ""
+    return (f'<div class="ddpnb-stall-stacks" style="border-left:3px solid {_ORANGE};padding:0 10px 4px;'
+            f'margin:0 0 4px;background-color:rgba(245,124,0,0.05)">' + "".join(
+                f'<div class="ddpnb-stall-stack" data-ranks="{",".join(map(str, ranks))}" style="{_MUTED}">'
+                f'{html.escape(named(ranks))}</div><pre class="ddpnb-mono" style="{_MONO};margin:1px 0 4px;'
+                f'white-space:pre-wrap;overflow-wrap:anywhere;max-height:240px;overflow-y:auto">{html.escape(text)}'
+                f'</pre>' for ranks, text in grouped_stacks(stall.diagnosis.stacks)) + "</div>")
 
 
 def stacks_html(stacks: dict[int, str]) -> str:
