@@ -344,3 +344,49 @@ def test_a_foreground_stall_shows_each_ranks_stack_under_a_banner_whose_seconds_
     summary.wait_for(timeout=120_000)
     assert output.locator("[data-ddpnb-summary] [data-stall='resumed']").count() == 1
     assert output.locator(".ddpnb-stall-stacks").count() == 0
+
+
+RESTART_CELL = '''%%ddp -n 2 --max-restarts 1
+def restarts(rank):
+    import os, time, ddpnb
+    attempt = ddpnb.attempt()
+    while attempt == 1 and not os.path.exists("restart-go"):  # until the test has looked
+        time.sleep(0.1)
+    for step in range(10 * attempt, 10 * attempt + 10):
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
+        print(f"attempt {attempt} step {step}")
+    if attempt == 0 and rank == 1:
+        raise ValueError("rank 1 fails in attempt 0")
+'''
+
+
+def test_a_restarted_runs_plot_shows_both_attempts_throughout_and_its_log_marks_the_restart(lab, page):
+    """Issue 28, acceptance 4: right after the restart (attempt 1 has logged nothing yet) the plot keeps attempt
+    0's curves; once attempt 1 logs, both show; the log marks the restart; the summary draws both and names every
+    attempt's logs."""
+    import base64
+
+    cells = _open(page, lab, "restarts.ipynb", ["%load_ext ddpnb", RESTART_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+    output.locator(".ddpnb .ddpnb-restart-mark").wait_for(timeout=120_000)
+    assert "attempt 1 (restarts: 1 of 1)" in output.locator(".ddpnb .ddpnb-head").inner_text()
+    plot = output.locator(".ddpnb .ddpnb-plot[data-metric='loss'] svg")
+    for rank in (0, 1):  # attempt 1 waits: only attempt 0's curves can be drawn, and they are
+        plot.locator(f"polyline[data-rank='{rank}'][data-attempt='0']").wait_for()
+    assert output.locator(".ddpnb", has_text="No metrics yet").count() == 0
+    mark = output.locator(".ddpnb .ddpnb-restart-mark").inner_text()
+    assert "attempt 0 failed: rank 1 failed first: ValueError: rank 1 fails in attempt 0" in mark, mark
+    (lab[2] / "restart-go").touch()
+
+    summary = output.locator("[data-ddpnb-summary]")
+    summary.locator(".ddpnb-pill[data-state='finished']").wait_for(timeout=120_000)
+    image = summary.locator(".ddpnb-plot[data-metric='loss'] img.ddpnb-plot-image").get_attribute("src")
+    drawn = base64.b64decode(image.removeprefix("data:image/svg+xml;base64,")).decode()
+    for rank in (0, 1):
+        assert f'data-rank="{rank}" data-attempt="0"' in drawn and f'data-rank="{rank}" data-points="10"' in drawn
+    assert 'class="ddpnb-restart" data-attempt="1"' in drawn
+    text = summary.inner_text()
+    assert re.search(r"rank\{0\.\.1\}\.attempt\{0\.\.1\}\.log", text), text
+    assert "40 lines" in text and summary.locator(".ddpnb-restart-mark").count() == 1, text

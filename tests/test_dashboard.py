@@ -358,7 +358,9 @@ def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
     lines = [OutputLine(n, n % 2, Stream.STDOUT, f"line {n}") for n in range(26)]
     html = _html.summary_html(record, lines)
     total = 8 * len(record.ranks) + 5 * len(record.ranks)
-    assert f"last 26 of {total:,} lines" in html, re.findall(r"last \d+ of [\d,]+ lines", html)
+    assert f">{total:,} lines · also in" in html, re.findall(r"[^>]*lines · ", html)  # all shown: no 'last 26 of 26'
+    earlier[0].lines += 10  # more than the summary keeps
+    assert f"last 26 of {total + 10:,} lines · every line is in" in _html.summary_html(record, lines)
 
 
 def test_gpu_runs_show_each_ranks_gpu_memory():

@@ -147,6 +147,13 @@ def attempt_line(attempt: Attempt) -> str:
     return f"rank {first.rank} failed first: {first.summary}" if first else f"{attempt.outcome.value}: {attempt.note}"
 
 
+def restart_line(attempt: Attempt, max_restarts: int) -> str:
+    """Where a run restarted, as every view marks it in the output: 'attempt 0 failed: rank 1 failed first: ...
+    Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt1.log'."""
+    return (f"attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
+            f"(restart {attempt.number + 1} of {max_restarts}); logs: rank{{N}}.attempt{attempt.number + 1}.log")
+
+
 def named(ranks: list[int]) -> str:
     """'rank 1', 'ranks 0, 2'"""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"

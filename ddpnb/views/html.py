@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
@@ -216,10 +216,12 @@ def _rank_colour(rank: int) -> str:
 
 
 def metric_names(record: RunRecord) -> list[str]:
+    """Every metric any rank logged in any attempt: an earlier attempt's stay plotted while a restart begins."""
     names: dict[str, None] = {}
-    for rank in record.ranks:
-        for name in list(rank.metrics):
-            names.setdefault(name, None)
+    for ranks in [*(attempt.ranks for attempt in record.attempts), record.ranks]:
+        for rank in ranks:
+            for name in list(rank.metrics):
+                names.setdefault(name, None)
     return list(names)
 
 
@@ -259,7 +261,10 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
     counts = {rank: len(points) for rank, points in logged.items()}
     series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
-    by_step = all(step is not None for points in series.values() for step, _, _ in points)
+    before = [{rank: thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS) for rank in shown}
+              for a in record.attempts]
+    by_step = all(step is not None for attempt in [series, *before] for points in attempt.values()
+                  for step, _, _ in points)
 
     def xy(points: list[tuple[int | None, float, float]]) -> list[tuple[float, float]]:
         return [(float(step) if by_step else t - record.started, value) for step, t, value in points
@@ -267,8 +272,7 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
 
     lines = {rank: xy(series[rank]) for rank in shown}
     # earlier attempts: their lines, fainter, and a marker where each later attempt's first point is
-    earlier = [{rank: xy(thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS)) for rank in shown}
-               for a in record.attempts]
+    earlier = [{rank: xy(points) for rank, points in attempt.items()} for attempt in before]
     restarts = []
     for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][:len(record.attempts)]:
         first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
@@ -285,7 +289,7 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     drawn_lines = [*lines.values(), *(points for attempt in earlier for points in attempt.values())]
     all_x = [x for points in drawn_lines for x, _ in points] + [x for x, _, _ in band_points]
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
-    latest = series[shown[0]]
+    latest = series[shown[0]] or next((a[shown[0]] for a in reversed(before) if a[shown[0]]), [])
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
     title = (f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
              f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>')
@@ -423,13 +427,39 @@ def total_lines(record: RunRecord, rank: int | None = None) -> int:
     return sum(r.lines for ranks in attempts for r in ranks if rank is None or r.rank == rank)
 
 
-def printed_count(lines: Iterable[OutputLine | FoldedLine]) -> int:
-    """How many printed lines these are: a folded line is one per rank that printed it."""
-    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
+class RestartMark(NamedTuple):
+    """Where the run restarted, among the output lines (`core.report.restart_line`): no rank printed it."""
+
+    text: str
 
 
-def any_line_html(line: OutputLine | FoldedLine) -> str:
-    """`line_html` of a line as the run gave it or as `views.fold` folded it."""
+LogEntry = OutputLine | FoldedLine | RestartMark
+
+
+def printed_count(lines: Iterable[LogEntry]) -> int:
+    """How many printed lines these are: a folded line is one per rank that printed it; a restart's mark none."""
+    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 0 if isinstance(line, RestartMark) else 1
+               for line in lines)
+
+
+def log_note(lines: Sequence[LogEntry], total: int, where: str) -> str:
+    """The log panel's heading: how many lines it shows of how many the ranks printed (`total`, in every attempt),
+    and how many rows they take once folded; `where`: the logs that hold every line."""
+    printed = printed_count(lines)
+    rows = sum(not isinstance(line, RestartMark) for line in lines)
+    folded = f", shown in {rows} (the same line from several ranks once)" if rows < printed else ""
+    if not total:
+        return f"no output · logs in {where}"
+    if total > printed:
+        return f"last {printed:,} of {total:,} lines{folded} · every line is in {where}"
+    return f"{total:,} lines{folded} · also in {where}"
+
+
+def any_line_html(line: LogEntry) -> str:
+    """`line_html` of a line as the run gave it or as `views.fold` folded it; a restart's mark across the log."""
+    if isinstance(line, RestartMark):
+        return (f'<div class="ddpnb-restart-mark" style="white-space:pre-wrap;line-height:1.35;color:{_ORANGE};'
+                f'font-weight:600;border-top:1px dashed {_ORANGE};margin:2px 0">{html.escape(line.text)}</div>')
     ranks = line.ranks if isinstance(line, FoldedLine) else ()
     return line_html(line.rank, line.stream, line.text, ranks)
 
@@ -543,9 +573,11 @@ def stacks_html(stacks: dict[int, str]) -> str:
 
 
 def log_location(record: RunRecord) -> str:
-    """Where every rank's log of the attempt is, as one path pattern: `<run dir>/rank{0..3}.log`."""
-    attempt = f".attempt{record.attempt}" if record.max_restarts else ""
-    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempt}.log</code>"
+    """Where every rank's log of every attempt is, as one path pattern: `<run dir>/rank{0..3}.log`,
+    `<run dir>/rank{0..3}.attempt{0..2}.log` after two restarts."""
+    attempts = "" if not record.max_restarts else ".attempt0" if not record.attempt else \
+        f".attempt{{0..{record.attempt}}}"
+    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempts}.log</code>"
 
 
 def resume_html(record: RunRecord) -> str:
@@ -565,14 +597,13 @@ def section_html(title: str) -> str:
             f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>')
 
 
-def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine], full_traceback: bool = True) -> str:
+def summary_html(record: RunRecord, lines: Sequence[LogEntry], full_traceback: bool = True) -> str:
     """The static record of a finished run: what the cell keeps once the live dashboard is gone; `lines`: the
-    latest lines, folded or not. Styled inline only, with the plots as images: it reads the same in an untrusted
-    notebook, whose HTML JupyterLab sanitises."""
+    latest lines, folded or not, and the restarts' marks. Styled inline only, with the plots as images: it reads
+    the same in an untrusted notebook, whose HTML JupyterLab sanitises."""
     tail = lines[-SUMMARY_LOG_LINES:]
-    total = total_lines(record)  # every attempt's: the lines shown may come from an earlier one
-    note = (f"last {printed_count(tail)} of {total:,} lines · every line is in {log_location(record)}" if total
-            else f"no output · logs in {log_location(record)}")
+    # every attempt's lines: those shown may come from an earlier one
+    note = log_note(tail, total_lines(record), log_location(record))
     logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
             f'{section_html("output")}</summary>'
             f'{log_html((any_line_html(line) for line in tail), note)}</details>')

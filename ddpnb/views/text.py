@@ -13,8 +13,8 @@ import time
 
 from ddpnb.core import checkpoints
 from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
-from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, named,
-                               stall_headline, summary_table)
+from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, named,
+                               restart_line, stall_headline, summary_table)
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import format_duration
@@ -101,10 +101,7 @@ class TextView:
 
     def _restarted(self, attempt: Attempt) -> None:
         self.restarts_shown += 1
-        record = self.run.record
-        self.out.write(f"[ddpnb] attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as "
-                       f"fresh processes (restart {attempt.number + 1} of {record.max_restarts}); logs: "
-                       f"rank{{N}}.attempt{attempt.number + 1}.log\n")
+        self.out.write(f"[ddpnb] {restart_line(attempt, self.run.record.max_restarts)}\n")
 
     def _summary(self) -> None:
         record = self.run.record
