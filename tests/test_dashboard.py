@@ -287,6 +287,33 @@ def test_background_run_result_returns_rank_zeros_value(widget_kernel):
 
 # --- terminal IPython: the plain-text view ----------------------------------------------------------------------
 
+STILL_RUNNING_CELL = '''%%ddp -n 2 --background -o job
+def waits(rank):
+    import os, time
+    print("started", flush=True)
+    while not os.path.exists("saved"):  # until the notebook was saved
+        time.sleep(0.1)
+'''
+
+
+def test_a_notebook_saved_mid_run_says_the_run_was_still_going_when_it_was_saved(tmp_path):
+    """What nbclient saves of a cell whose run had not ended: the live widget's fallbacks say so, not the widget's
+    promise that a summary will replace it (a saved notebook keeps them forever)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("DDPNB_VIEW", raising=False)
+        env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
+        try:
+            nb = _execute(["%load_ext ddpnb", STILL_RUNNING_CELL,
+                           "import time\nwhile not job.record.ranks[0].lines: time.sleep(0.1)"], tmp_path)
+        finally:
+            (tmp_path / "saved").touch()
+    shown = [out["data"] for out in nb.cells[1].outputs if out.get("output_type") == "display_data"]
+    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" in shown[0], nb.cells[1].outputs
+    for kind in ("text/plain", "text/html"):
+        assert "waits on 2 ranks: still running when this notebook was saved" in shown[0][kind], shown[0][kind]
+        assert "replaces" not in shown[0][kind]
+
+
 def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
     cell = ("%%ddp -n 2\ndef hello(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n"
             "    print('hello from', rank)\n    return 7\n")

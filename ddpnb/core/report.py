@@ -62,15 +62,22 @@ def straggler_text(rank: RankRecord) -> str:
     return f"{rank.slower_by:.0%} slower compute" if rank.slower_by is not None else ""
 
 
+STEADY = 0.01  # resident memory that moved less than this share over the samples shown reads 'steady'
+
+
 def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
     """The rank's latest CPU, memory and GPU use as text, each with a sparkline of its last `points` samples
-    (CPU on 100% of one core; the others on their own largest); '' where there is no sample."""
+    (CPU on 100% of one core; GPU utilisation on 100%); resident memory's between its lowest and highest sample,
+    both said ('1.2 GiB ▁▃▆█ 1.0–1.2 GiB'), or 'steady' when it moved less than 1%. '' where there is no sample."""
     samples = list(rank.hardware)[-points:]
     if not samples:
         return "", "", ""
     last = samples[-1]
     cpu = f"{last.cpu:.0f}% {sparkline([s.cpu for s in samples], max(100.0, *(s.cpu for s in samples)))}"
-    rss = f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples])}"
+    low, high = min(s.rss for s in samples), max(s.rss for s in samples)
+    rss = (f"{size_text(last.rss)} steady" if high - low <= STEADY * high else
+           f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples], high, low)} "
+           f"{size_text(low)}–{size_text(high)}")
     gpu = ""
     if last.gpu_util is not None:
         gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "

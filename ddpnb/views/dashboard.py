@@ -131,8 +131,13 @@ class Dashboard:
         self.widget.add_class("ddpnb")
         self._render()
         bundle = self.widget._repr_mimebundle_()
-        bundle["text/plain"] = (f"[ddpnb] live dashboard of a {self.record.world_size}-rank run (needs a widget "
-                                f"front end); the summary replaces it when the run ends. Logs: {self.record.run_dir}")
+        # what a saved notebook keeps of a run that had not ended (the summary takes the widget's place when it
+        # ends), and what a page without the kernel's widgets shows of it: GitHub, nbviewer, nbconvert
+        saved = (f"{self.record.function} on {self.record.world_size} ranks: still running when this notebook was "
+                 "saved (its live dashboard needs the kernel that ran it). Logs: ")
+        bundle["text/plain"] = f"[ddpnb] {saved}{self.record.run_dir}"
+        bundle["text/html"] = (f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '
+                               f'{html.escape(saved)}<code>{html.escape(str(self.record.run_dir))}</code></div>')
         # outside IPython (a script forcing view="widget", a benchmark) the widget is drawn but shown nowhere
         self._display = display(bundle, raw=True, display_id=True) if get_ipython() is not None else None
         run.subscribe(self._on_wait, news=False)
