@@ -390,6 +390,34 @@ def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
     assert f"last 26 of {total + 10:,} lines · every line is in" in _html.summary_html(record, lines)
 
 
+def grows_memory_on_rank_1(rank: int) -> None:
+    import time
+
+    import torch
+
+    held = []
+    for _ in range(5):  # rank 1: 40 MiB more each 0.8 s, touched so resident; rank 0 holds what it has
+        if rank == 1:
+            held.append(torch.ones(10 * 2**20))
+        time.sleep(0.8)
+
+
+def test_the_memory_column_says_its_scale_a_growing_rank_from_lowest_to_highest_a_steady_one_steady():
+    import ddpnb
+    from ddpnb.core.report import hardware_text
+
+    ddpnb.run(grows_memory_on_rank_1, nprocs=2, view="none", timeout=60)
+    record = ddpnb.last_run()
+    growing = hardware_text(record.ranks[1])[1]
+    steady = hardware_text(record.ranks[0], points=3)[1]  # its last samples: it starts up before
+    assert re.fullmatch(r"\d+\.\d MiB steady", steady), [s.rss for s in record.ranks[0].hardware]
+    match = re.fullmatch(r"(\d+\.\d) MiB ([▁▂▃▄▅▆▇█]+) (\d+\.\d) MiB–(\d+\.\d) MiB", growing)
+    assert match, growing
+    assert match.group(2)[0] == "▁" and match.group(2)[-1] == "█", growing  # from its lowest to its highest
+    assert float(match.group(4)) - float(match.group(3)) > 100, growing  # the growth, in numbers
+    assert growing in _html.ranks_html(record)
+
+
 def test_gpu_runs_show_each_ranks_gpu_memory():
     record = _record()
     assert "GPU memory" not in _html.ranks_html(record)  # CPU ranks: no such column
