@@ -390,3 +390,43 @@ def test_a_restarted_runs_plot_shows_both_attempts_throughout_and_its_log_marks_
     text = summary.inner_text()
     assert re.search(r"rank\{0\.\.1\}\.attempt\{0\.\.1\}\.log", text), text
     assert "40 lines" in text and summary.locator(".ddpnb-restart-mark").count() == 1, text
+
+
+WIDE_CELL = '''%%ddp -n 4 --timeout 6
+def wide(rank):
+    import time
+    print("a long line of words that the log wraps between its words " * 6, flush=True)
+    print("one_long_identifier_without_any_space_" * 8, flush=True)
+    held = bytearray(rank * 30 * 2**20)  # the memory column has something to scale
+    time.sleep(3)  # the hardware columns have samples
+    if rank == 2:
+        raise RuntimeError("rank 2 stops while the others are still starting their work " * 3)
+    time.sleep(60)
+'''
+
+
+def test_a_failed_four_rank_runs_summary_fits_the_output_area_and_wraps_between_words(lab, page):
+    """Issue 28, layout: the summary of a 4-rank run that failed (long lines, a long error) scrolls nowhere
+    sideways, and its tables and log wrap between words, not inside them."""
+    cells = _open(page, lab, "wide.ipynb", ["%load_ext ddpnb", WIDE_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1))
+    output = cells.nth(1).locator(".jp-OutputArea")
+    summary = output.locator("[data-ddpnb-summary]")
+    summary.wait_for(timeout=120_000)
+    rows = [line for line in output.inner_text().splitlines() if re.match(r" +\d  (stopped|failed) ", line)]
+    assert len(rows) == 4 and all(len(row) <= 120 for row in rows), rows  # the error's table: no wrapped rows
+    page.set_viewport_size({"width": 900, "height": 1500})  # a narrow window: about 600 px for the output
+    page.wait_for_timeout(500)
+    widths = summary.evaluate("""el => {
+        const wide = [el, ...el.querySelectorAll('*')].filter(e => e.scrollWidth > e.clientWidth + 1
+            && getComputedStyle(e).overflowX !== 'hidden' && e.tagName !== 'IMG');
+        const area = el.closest('.jp-OutputArea-output');
+        return {area: [area.scrollWidth, area.clientWidth],
+                wide: wide.map(e => e.tagName + '.' + e.className + ' ' + e.scrollWidth + '>' + e.clientWidth)};
+    }""")
+    assert widths["area"][0] <= widths["area"][1], widths
+    assert widths["wide"] == [], widths
+    styles = summary.evaluate("el => [...el.querySelectorAll('*')].filter(e => getComputedStyle(e).wordBreak "
+                              "=== 'break-all').map(e => e.tagName + '.' + e.className)")
+    assert styles == []  # a line wraps between words; only a word wider than the line breaks

@@ -13,17 +13,27 @@ from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 
+TABLE_WIDTH = 120  # characters in a row of the summary table: what a notebook's output shows on one line
+LAST_LINE_MIN = 20  # characters of a rank's last line the table keeps, however wide its other columns
+
+
 def summary_table(record: RunRecord) -> str:
     """One row per rank: its state (a failed rank's as its role: 'failed first', 'stopped: peer failed', as the
     dashboard says it), how it exited, its time, the radar's and hardware's columns, its last line."""
     radar = radar_columns(record.ranks)
     states = [state_words(record, r) for r in record.ranks]
     width = max(9, *(len(state) for state in states))
-    rows = [f"{'rank':>4}  {'state':<{width}} {'exit':<22} {'time':>10}  {radar[0]}last line"]
-    for r, state, extra in zip(record.ranks, states, radar[1:]):
+    exits = [describe_exit(r.exitcode) for r in record.ranks]
+    exit_width = max(4, *(len(text) for text in exits))
+    head = f"{'rank':>4}  {'state':<{width}} {'exit':<{exit_width}} {'time':>10}  {radar[0]}"
+    # the last line gets what is left of TABLE_WIDTH (a front end wraps a longer row inside its words)
+    last = max(LAST_LINE_MIN, TABLE_WIDTH - len(head))
+    rows = [f"{head}last line"]
+    for r, state, exit_text, extra in zip(record.ranks, states, exits, radar[1:]):
+        shown = r.last_line if len(r.last_line) <= last else r.last_line[:last - 1] + "…"
         rows.append(
-            f"{r.rank:>4}  {state:<{width}} {describe_exit(r.exitcode):<22} "
-            f"{format_duration(r.duration):>10}  {extra}{r.last_line[:60]}"
+            f"{r.rank:>4}  {state:<{width}} {exit_text:<{exit_width}} "
+            f"{format_duration(r.duration):>10}  {extra}{shown}".rstrip()
         )
     return "\n".join(rows)
 

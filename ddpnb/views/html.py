@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -49,7 +50,11 @@ _RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILE
                 Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
 _MONO = "font-family:monospace;font-size:12px"
 _MUTED = "opacity:0.7;font-size:12px"
-_CELL = "text-align:left;padding:3px 8px;white-space:nowrap;vertical-align:middle"
+# table cells wrap between words (never inside one) so a table fits its cell's width; the short columns (rank,
+# PID, time) keep one line
+_CELL = "text-align:left;padding:3px 8px;vertical-align:middle;overflow-wrap:normal;word-break:normal"
+_ONE_LINE = "white-space:nowrap"
+_WRAP = "white-space:pre-wrap;overflow-wrap:anywhere;word-break:normal"  # text with long unbroken runs (paths, identifiers, stacks)
 _RULE = "rgba(128,128,128,0.3)"  # table rules and borders: grey on either theme
 _HEAD = f"{_CELL};font-weight:600;font-size:12px;border-bottom:1px solid {_RULE}"
 
@@ -159,9 +164,16 @@ def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
     for index, name in enumerate(("CPU", "memory", "GPU")):
         if any(h[index] for h in hardware):
             columns.append((f'<th style="{_HEAD}">{name}</th>',
-                            [_td(html.escape(h[index]) or "–", _MONO) for h in hardware]))
+                            [_td(html.escape(_unbroken(h[index])) or "–", _MONO) for h in hardware]))
     return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
                                                   for i in range(len(record.ranks))]
+
+
+def _unbroken(text: str) -> str:
+    """A number and its unit, and a rank state's parts, kept on one line: '301.0\u00a0MiB', 'stopped\u00a0·
+    SIGTERM' (a narrow table wraps between them, not inside)."""
+    return re.sub(r"(\d) (%|B|KiB|MiB|GiB|W|ms)\b", "\\1\u00a0\\2", text).replace(" · ", "\u00a0· ").replace(
+        "exit ", "exit\u00a0")
 
 
 def _compute_html(rank: RankRecord) -> str:
@@ -183,8 +195,9 @@ def ranks_html(record: RunRecord) -> str:
     radar_head, radar_cells = _radar_html(record)
     names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
     table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
-             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px">' if compact
-             else '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px">')
+             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%">'
+             if compact else
+             '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%">')
     rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
             + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
             + "</tr></thead><tbody>"]
@@ -199,14 +212,16 @@ def ranks_html(record: RunRecord) -> str:
         swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
                   f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
         latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
-                  f'overflow:hidden;text-overflow:ellipsis;max-width:300px;opacity:0.75">{html.escape(last[:160])}</div>')
+                  f'overflow:hidden;text-overflow:ellipsis;opacity:0.75">{html.escape(last[:160])}</div>')
         rows.append(
             f'<tr data-rank="{rank.rank}" data-state="{"stalled" if stalled else rank.state.value}"{role_attr}'
-            f'{straggler}>{_td(swatch, pad)}'
-            f'{_td(html.escape(rank_state(rank, role, stalled)), f"color:{colour};font-weight:{weight};{pad}")}'
-            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{pad}")}'
+            f'{straggler}>{_td(swatch, f"{_ONE_LINE};{pad}")}'
+            f'{_td(html.escape(_unbroken(rank_state(rank, role, stalled))), f"color:{colour};font-weight:{weight};{pad}")}'
+            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{_ONE_LINE};{pad}")}'
             f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
-            f'{_td(format_duration(rank.duration), pad)}{_td(latest, pad, attrs=LAST_CELL)}</tr>')
+            f'{_td(format_duration(rank.duration), f"{_ONE_LINE};{pad}")}'
+            # the rest of the table's width, however little: its text is cut there (the title has it whole)
+            f'{_td(latest, f"width:99%;max-width:0;{pad}", attrs=LAST_CELL)}</tr>')
     rows.append("</tbody></table></div>" if compact else "</tbody></table>")
     return "".join(rows)
 
@@ -416,8 +431,8 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
     else:
         tag, colour = f"[rank {rank}]", _rank_colour(rank)
     tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
-    return (f'<div class="ddpnb-line ddpnb-{stream}" style="white-space:pre-wrap;word-break:break-all;'
-            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;'
+    return (f'<div class="ddpnb-line ddpnb-{stream}" style="{_WRAP};'
+            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;{_ONE_LINE};'
             f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
 
@@ -488,7 +503,7 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
               f'first: {html.escape(first.summary)}</div>')]
     traceback = cell_names(first.traceback).rstrip()
     if traceback and full_traceback:
-        parts.append(f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto">'
+        parts.append(f'<pre style="margin:4px 0;{_WRAP};max-height:320px;overflow-y:auto">'
                      f'{html.escape(traceback)}</pre>')
     elif traceback:
         frames = [line.strip() for line in traceback.splitlines() if line.startswith(("  File ", "  Cell In["))]
@@ -499,7 +514,7 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     values = locals_lines(first)
     if values:  # collapsed: the traceback says where; these say with what
         parts.append(f'<details class="ddpnb-locals"><summary {muted}>locals where rank {first.rank} raised</summary>'
-                     f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:240px;overflow:auto">'
+                     f'<pre style="margin:4px 0;{_WRAP};max-height:240px;overflow-y:auto">'
                      f'{html.escape(chr(10).join(values))}</pre></details>')
     others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
     own = [f for f in others if not f.knock_on]  # as the text report splits them
@@ -558,7 +573,7 @@ def stall_stacks_html(record: RunRecord) -> str:
             f'margin:0 0 4px;background-color:rgba(245,124,0,0.05)">' + "".join(
                 f'<div class="ddpnb-stall-stack" data-ranks="{",".join(map(str, ranks))}" style="{_MUTED}">'
                 f'{html.escape(named(ranks))}</div><pre class="ddpnb-mono" style="{_MONO};margin:1px 0 4px;'
-                f'white-space:pre-wrap;overflow-wrap:anywhere;max-height:240px;overflow-y:auto">{html.escape(text)}'
+                f'{_WRAP};max-height:240px;overflow-y:auto">{html.escape(text)}'
                 f'</pre>' for ranks, text in grouped_stacks(stall.diagnosis.stacks)) + "</div>")
 
 
@@ -568,7 +583,7 @@ def stacks_html(stacks: dict[int, str]) -> str:
         return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
     return f'<div class="ddpnb-stacks">{section_html("stacks")}' + "".join(
         f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
-        f'white-space:pre;max-height:320px;overflow:auto">'
+        f'{_WRAP};max-height:320px;overflow-y:auto">'
         f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
 
 
