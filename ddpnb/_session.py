@@ -39,8 +39,10 @@ OPTIONS = ("gpus", "nprocs", "backend", "env", "engine", "fold", "stall")
 
 
 class SessionState(enum.Enum):
+    """READY from the start until STOPPED: by `stop()`, or because a rank died or got stuck (its process group
+    cannot be trusted then). A stopped session has no ranks; `restart()` makes it READY with fresh ones."""
+
     READY = "ready"
-    BROKEN = "broken"  # a rank died or got stuck: its process group cannot be trusted; restart() for fresh ranks
     STOPPED = "stopped"
 
 
@@ -101,6 +103,7 @@ class Session:
         self._stall_said: object = None  # the run's stall whose lines were printed
         self.data: DataSent | None = None  # what the latest command sent out of its pickle (`push`)
         self.state = SessionState.STOPPED
+        self.stopped_by = ""  # why the ranks are gone, when a failure rather than `stop()` ended them
         self.run: Run | None = None
         self._start()
 
@@ -110,7 +113,7 @@ class Session:
         record = self.run.record
         self._say(f"session of {record.world_size} ranks ({record.engine}, {record.backend}, "
                   f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}")
-        self.state = SessionState.READY
+        self.state, self.stopped_by = SessionState.READY, ""
         # a name every rank's namespace has, as the notebook's does (a module travels by name)
         self._command(msg.CommandKind.PUSH, None, START_WAIT, values={"ddpnb": sys.modules["ddpnb"]})
 
@@ -139,8 +142,7 @@ class Session:
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
             self._say(f"session stopped: its {run.record.world_size} ranks have ended, and their namespaces with them")
-        if self.state is not SessionState.BROKEN:
-            self.state = SessionState.STOPPED
+        self.state = SessionState.STOPPED
 
     def __enter__(self) -> Session:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
@@ -150,7 +152,8 @@ class Session:
 
     def __repr__(self) -> str:
         ranks = f"{self.world_size} ranks" if self.run is not None else "no ranks"
-        return f"<ddpnb session of {ranks}: {self.state.value}>"
+        why = f" ({self.stopped_by})" if self.stopped_by else ""
+        return f"<ddpnb session of {ranks}: {self.state.value}{why}>"
 
     # --- commands ------------------------------------------------------------------------------------------------------
     def execute(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
@@ -199,8 +202,9 @@ class Session:
                  **fields: Any) -> PerRank:
         if self.state is not SessionState.READY or self.run is None or self.run.done:
             advice = "%ddp_restart (or .restart())" if self.run is not None else "%ddp_start (or ddpnb.session())"
-            raise SessionBroken(f"the session is {self.state.value}",
-                                f"ddpnb: this session is {self.state.value}: start fresh ranks with {advice}.")
+            why = f" ({self.stopped_by})" if self.stopped_by else ""
+            raise SessionBroken(f"the session is {self.state.value}{why}",
+                                f"ddpnb: this session is {self.state.value}{why}: start fresh ranks with {advice}.")
         run, channel = self.run, self.run.channel
         assert channel is not None
         selected = self._selected(ranks)
@@ -269,7 +273,7 @@ class Session:
         stall = run.record.stall
         if stall is not None and stall.ongoing and stall is not self._stall_said:  # a command that stopped moving
             self._stall_said = stall
-            sys.stdout.write(stall_lines(stall, going="the command", handle="session.run"))
+            sys.stdout.write(stall_lines(stall, going="the command"))
         if lines or stall is self._stall_said:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -302,16 +306,17 @@ class Session:
             lines.append(f"  rank {rank} is stuck {cell_names(where(stacks.get(rank, '')))}")
         lines += _tracebacks(failed)
         self.run.stop(Outcome.STOPPED, f"{_named(stuck)} stuck")
-        self.state = SessionState.BROKEN
+        self.state, self.stopped_by = SessionState.STOPPED, f"{_named(stuck)} stuck"
         lines.append(f"\nNo rank is left running. %ddp_restart (or .restart()) starts {self.world_size} fresh ranks "
                      "with the same flags; their namespaces start empty.")
         short = f"rank {min(failed)}: {failed[min(failed)].exc_type}" if failed else f"{_named(stuck)} stuck"
         raise SessionBroken(short, "\n".join(lines)) from None
 
     def _died(self, run: Run) -> None:
-        self.state = SessionState.BROKEN
+        self.state, self.stopped_by = SessionState.STOPPED, "a rank died"
         record = run.record
         if record.first_failure is None and all(r.state is RankState.FINISHED for r in record.ranks):
+            self.stopped_by = "the ranks left"
             raise SessionBroken("the ranks left", "ddpnb: the session's ranks left (sys.exit in a cell?); "
                                 "%ddp_restart (or .restart()) starts fresh ones.")
         report = WorkerError(record).report()

@@ -328,3 +328,137 @@ def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots
     assert size[0] > 0 and size[1] > 0 and size[2] > 0 and size[3] > 0, size
     text = output.inner_text()
     assert "00.20.40.6" not in text  # the plot's labels are not left as a run of text
+
+
+STALL_CELL = '''%%ddp -n 3 --stall 3
+def stall(rank):
+    import os, time
+    import torch
+    import torch.distributed as dist
+    while rank == 1 and not os.path.exists("stall-go"):
+        time.sleep(0.2)
+    dist.all_reduce(torch.ones(1))
+'''
+
+
+def _stalled_for(banner) -> float:
+    return float(re.search(r"no rank has made progress for (\d+(?:\.\d)?) s", banner.inner_text()).group(1))
+
+
+def test_a_foreground_stall_shows_each_ranks_stack_under_a_banner_whose_seconds_count_on(lab, page):
+    """Issue 28, acceptance 1: the cell waits, so no button serves; the stall doctor's stacks show under the banner,
+    as tracebacks read (the cell's line and its source; no temp file, no ddpnb thread, no torch logging wrapper),
+    the seconds count on, and the ranks read 'stalled'."""
+    cells = _open(page, lab, "stall.ipynb", ["%load_ext ddpnb", STALL_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+    banner = output.locator(".ddpnb .ddpnb-stall[data-stall='ongoing'] .ddpnb-stall-title")
+    banner.wait_for(timeout=120_000)
+    stacks = output.locator(".ddpnb .ddpnb-stall-stacks")
+    stacks.wait_for()
+    rank_1 = stacks.locator(".ddpnb-stall-stack[data-ranks='1'] + pre").inner_text()
+    assert re.search(r"Cell In\[\d+\], line 7, in stall\n\s+time\.sleep\(0\.2\)", rank_1), rank_1
+    shown = stacks.inner_text()
+    assert "dist.all_reduce(torch.ones(1))" in shown and "ranks 0, 2" in shown, shown
+    for absent in ("ipykernel_", "ddpnb/", "c10d_logger", "Thread 0x"):
+        assert absent not in shown, (absent, shown)
+    assert output.locator(".ddpnb table.ddpnb-ranks tr[data-state='stalled']").count() == 3
+    assert output.locator(".ddpnb tr[data-rank='1'] td").nth(1).inner_text() == "stalled"
+    first = _stalled_for(banner)
+    page.wait_for_function(  # each redraw replaces the banner's element: look it up each time
+        "([area, first]) => parseFloat(/progress for (\\d+(?:\\.\\d)?) s/.exec("
+        "area.querySelector('.ddpnb-stall-title').innerText)[1]) > first + 1",
+        arg=[output.element_handle(), first], timeout=30_000)
+    (lab[2] / "stall-go").touch()
+
+    summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
+    summary.wait_for(timeout=120_000)
+    assert output.locator("[data-ddpnb-summary] [data-stall='resumed']").count() == 1
+    assert output.locator(".ddpnb-stall-stacks").count() == 0
+
+
+RESTART_CELL = '''%%ddp -n 2 --max-restarts 1
+def restarts(rank):
+    import os, time, ddpnb
+    attempt = ddpnb.attempt()
+    while attempt == 1 and not os.path.exists("restart-go"):  # until the test has looked
+        time.sleep(0.1)
+    for step in range(10 * attempt, 10 * attempt + 10):
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
+        print(f"attempt {attempt} step {step}")
+    if attempt == 0 and rank == 1:
+        raise ValueError("rank 1 fails in attempt 0")
+'''
+
+
+def test_a_restarted_runs_plot_shows_both_attempts_throughout_and_its_log_marks_the_restart(lab, page):
+    """Issue 28, acceptance 4: right after the restart (attempt 1 has logged nothing yet) the plot keeps attempt
+    0's curves; once attempt 1 logs, both show; the log marks the restart; the summary draws both and names every
+    attempt's logs."""
+    import base64
+
+    cells = _open(page, lab, "restarts.ipynb", ["%load_ext ddpnb", RESTART_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1), finished=False)
+    output = cells.nth(1).locator(".jp-OutputArea")
+    output.locator(".ddpnb .ddpnb-restart-mark").wait_for(timeout=120_000)
+    assert "attempt 1 (restarts: 1 of 1)" in output.locator(".ddpnb .ddpnb-head").inner_text()
+    plot = output.locator(".ddpnb .ddpnb-plot[data-metric='loss'] svg")
+    for rank in (0, 1):  # attempt 1 waits: only attempt 0's curves can be drawn, and they are
+        plot.locator(f"polyline[data-rank='{rank}'][data-attempt='0']").wait_for()
+    assert output.locator(".ddpnb", has_text="No metrics yet").count() == 0
+    mark = output.locator(".ddpnb .ddpnb-restart-mark").inner_text()
+    assert "attempt 0 failed: rank 1 failed first: ValueError: rank 1 fails in attempt 0" in mark, mark
+    (lab[2] / "restart-go").touch()
+
+    summary = output.locator("[data-ddpnb-summary]")
+    summary.locator(".ddpnb-pill[data-state='finished']").wait_for(timeout=120_000)
+    image = summary.locator(".ddpnb-plot[data-metric='loss'] img.ddpnb-plot-image").get_attribute("src")
+    drawn = base64.b64decode(image.removeprefix("data:image/svg+xml;base64,")).decode()
+    for rank in (0, 1):
+        assert f'data-rank="{rank}" data-attempt="0"' in drawn and f'data-rank="{rank}" data-points="10"' in drawn
+    assert 'class="ddpnb-restart" data-attempt="1"' in drawn
+    text = summary.inner_text()
+    assert re.search(r"rank\{0\.\.1\}\.attempt\{0\.\.1\}\.log", text), text
+    assert "40 lines" in text and summary.locator(".ddpnb-restart-mark").count() == 1, text
+
+
+WIDE_CELL = '''%%ddp -n 4 --timeout 6
+def wide(rank):
+    import time
+    print("a long line of words that the log wraps between its words " * 6, flush=True)
+    print("one_long_identifier_without_any_space_" * 8, flush=True)
+    held = bytearray(rank * 30 * 2**20)  # the memory column has something to scale
+    time.sleep(3)  # the hardware columns have samples
+    if rank == 2:
+        raise RuntimeError("rank 2 stops while the others are still starting their work " * 3)
+    time.sleep(60)
+'''
+
+
+def test_a_failed_four_rank_runs_summary_fits_the_output_area_and_wraps_between_words(lab, page):
+    """Issue 28, layout: the summary of a 4-rank run that failed (long lines, a long error) scrolls nowhere
+    sideways, and its tables and log wrap between words, not inside them."""
+    cells = _open(page, lab, "wide.ipynb", ["%load_ext ddpnb", WIDE_CELL])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1))
+    output = cells.nth(1).locator(".jp-OutputArea")
+    summary = output.locator("[data-ddpnb-summary]")
+    summary.wait_for(timeout=120_000)
+    rows = [line for line in output.inner_text().splitlines() if re.match(r" +\d  (stopped|failed) ", line)]
+    assert len(rows) == 4 and all(len(row) <= 120 for row in rows), rows  # the error's table: no wrapped rows
+    page.set_viewport_size({"width": 900, "height": 1500})  # a narrow window: about 600 px for the output
+    page.wait_for_timeout(500)
+    widths = summary.evaluate("""el => {
+        const wide = [el, ...el.querySelectorAll('*')].filter(e => e.scrollWidth > e.clientWidth + 1
+            && getComputedStyle(e).overflowX !== 'hidden' && e.tagName !== 'IMG');
+        const area = el.closest('.jp-OutputArea-output');
+        return {area: [area.scrollWidth, area.clientWidth],
+                wide: wide.map(e => e.tagName + '.' + e.className + ' ' + e.scrollWidth + '>' + e.clientWidth)};
+    }""")
+    assert widths["area"][0] <= widths["area"][1], widths
+    assert widths["wide"] == [], widths
+    styles = summary.evaluate("el => [...el.querySelectorAll('*')].filter(e => getComputedStyle(e).wordBreak "
+                              "=== 'break-all').map(e => e.tagName + '.' + e.className)")
+    assert styles == []  # a line wraps between words; only a word wider than the line breaks

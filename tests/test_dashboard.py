@@ -287,6 +287,33 @@ def test_background_run_result_returns_rank_zeros_value(widget_kernel):
 
 # --- terminal IPython: the plain-text view ----------------------------------------------------------------------
 
+STILL_RUNNING_CELL = '''%%ddp -n 2 --background -o job
+def waits(rank):
+    import os, time
+    print("started", flush=True)
+    while not os.path.exists("saved"):  # until the notebook was saved
+        time.sleep(0.1)
+'''
+
+
+def test_a_notebook_saved_mid_run_says_the_run_was_still_going_when_it_was_saved(tmp_path):
+    """What nbclient saves of a cell whose run had not ended: the live widget's fallbacks say so, not the widget's
+    promise that a summary will replace it (a saved notebook keeps them forever)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("DDPNB_VIEW", raising=False)
+        env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
+        try:
+            nb = _execute(["%load_ext ddpnb", STILL_RUNNING_CELL,
+                           "import time\nwhile not job.record.ranks[0].lines: time.sleep(0.1)"], tmp_path)
+        finally:
+            (tmp_path / "saved").touch()
+    shown = [out["data"] for out in nb.cells[1].outputs if out.get("output_type") == "display_data"]
+    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" in shown[0], nb.cells[1].outputs
+    for kind in ("text/plain", "text/html"):
+        assert "waits on 2 ranks: still running when this notebook was saved" in shown[0][kind], shown[0][kind]
+        assert "replaces" not in shown[0][kind]
+
+
 def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
     cell = ("%%ddp -n 2\ndef hello(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n"
             "    print('hello from', rank)\n    return 7\n")
@@ -358,7 +385,37 @@ def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
     lines = [OutputLine(n, n % 2, Stream.STDOUT, f"line {n}") for n in range(26)]
     html = _html.summary_html(record, lines)
     total = 8 * len(record.ranks) + 5 * len(record.ranks)
-    assert f"last 26 of {total:,} lines" in html, re.findall(r"last \d+ of [\d,]+ lines", html)
+    assert f">{total:,} lines · also in" in html, re.findall(r"[^>]*lines · ", html)  # all shown: no 'last 26 of 26'
+    earlier[0].lines += 10  # more than the summary keeps
+    assert f"last 26 of {total + 10:,} lines · every line is in" in _html.summary_html(record, lines)
+
+
+def grows_memory_on_rank_1(rank: int) -> None:
+    import time
+
+    import torch
+
+    held = []
+    for _ in range(5):  # rank 1: 40 MiB more each 0.8 s, touched so resident; rank 0 holds what it has
+        if rank == 1:
+            held.append(torch.ones(10 * 2**20))
+        time.sleep(0.8)
+
+
+def test_the_memory_column_says_its_scale_a_growing_rank_from_lowest_to_highest_a_steady_one_steady():
+    import ddpnb
+    from ddpnb.core.report import hardware_text
+
+    ddpnb.run(grows_memory_on_rank_1, nprocs=2, view="none", timeout=60)
+    record = ddpnb.last_run()
+    growing = hardware_text(record.ranks[1])[1]
+    steady = hardware_text(record.ranks[0], points=3)[1]  # its last samples: it starts up before
+    assert re.fullmatch(r"\d+\.\d MiB steady", steady), [s.rss for s in record.ranks[0].hardware]
+    match = re.fullmatch(r"(\d+\.\d) MiB ([▁▂▃▄▅▆▇█]+) (\d+\.\d) MiB–(\d+\.\d) MiB", growing)
+    assert match, growing
+    assert match.group(2)[0] == "▁" and match.group(2)[-1] == "█", growing  # from its lowest to its highest
+    assert float(match.group(4)) - float(match.group(3)) > 100, growing  # the growth, in numbers
+    assert growing in _html.ranks_html(record)
 
 
 def test_gpu_runs_show_each_ranks_gpu_memory():

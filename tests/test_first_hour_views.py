@@ -85,11 +85,11 @@ def test_root_cause_stands_out_and_knock_on_ranks_read_as_consequences(executed)
     summary = _summary(executed.cells[1])
     for html in (live, summary):  # the widget's rank table, and the static summary that replaces it
         root = _row(html, 2)
-        assert 'data-role="root_cause"' in root and ">failed first · exit 1<" in root
+        assert 'data-role="root_cause"' in root and ">failed first\u00a0· exit\u00a01<" in root
         assert "color:#d32f2f;font-weight:700" in root
         for rank in (0, 1):
             knock_on = _row(html, rank)
-            assert 'data-role="knock_on"' in knock_on and ">stopped: peer failed · exit 1<" in knock_on
+            assert 'data-role="knock_on"' in knock_on and ">stopped: peer failed\u00a0· exit\u00a01<" in knock_on
             assert "color:#f57c00" in knock_on and "#d32f2f" not in knock_on
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -428,3 +429,60 @@ def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_sa
         f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
     said = capsys.readouterr().out
     assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said
+
+
+# --- the views through a restart (issue 28, acceptance 4) ---------------------------------------------------------
+
+def logs_then_restarts(rank: int, flag: str) -> None:
+    """Attempt 0: ten steps, then rank 1 fails. Attempt 1 waits for `flag` before it logs steps 10 to 19: until
+    then the plot holds only the earlier attempt's points."""
+    import time
+
+    attempt = ddpnb.attempt()
+    while attempt == 1 and not os.path.exists(flag):
+        time.sleep(0.05)
+    for step in range(10 * attempt, 10 * attempt + 10):
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
+        print(f"attempt {attempt} step {step}", flush=True)
+    if attempt == 0 and rank == 1:
+        raise ValueError("rank 1 fails in attempt 0")
+
+
+def test_the_dashboard_keeps_every_attempts_curves_marks_the_restart_and_its_summary_names_every_log(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from ddpnb.views.dashboard import Dashboard
+
+    flag = tmp_path / "go"
+    run = ddpnb.launch(logs_then_restarts, nprocs=2, max_restarts=1, args=(str(flag),), view="none")
+    try:
+        dashboard = Dashboard(run, foreground=False)
+        wait_for(lambda: run.record.attempt == 1 and "ddpnb-restart-mark" in dashboard.log.value,
+                 "the restart, marked in the dashboard's log")
+        # right after the restart: attempt 1 has logged nothing, and attempt 0's curves stay, faded
+        wait_for(lambda: 'data-attempt="0"' in dashboard.plots.value, "the earlier attempt's curves")
+        plot = dashboard.plots.value
+        assert "No metrics yet" not in plot
+        assert 'data-rank="0" data-attempt="0"' in plot and 'data-rank="1" data-attempt="0"' in plot, plot
+        log = dashboard.log.value
+        mark = log[log.index("ddpnb-restart-mark"):]
+        assert "attempt 0 failed: rank 1 failed first: ValueError: rank 1 fails in attempt 0" in mark
+        assert "restart 1 of 1" in mark and "rank{N}.attempt1.log" in mark
+        assert log.index("attempt 0 step 9") < log.index("ddpnb-restart-mark")
+        dashboard.log_picker.value = 1  # each rank's own log marks it too
+        assert "ddpnb-restart-mark" in dashboard.log.value
+        dashboard.log_picker.value = -1
+    finally:
+        flag.touch()
+    record = run.wait(120)
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED, run.status
+    dashboard.finish()
+    # throughout: both attempts' curves, the current one's drawn over the earlier one's and the restart's line
+    plot = plots_html(record)
+    assert 'data-rank="1" data-attempt="0"' in plot and 'data-rank="1" data-points="10"' in plot
+    assert 'class="ddpnb-restart" data-attempt="1"' in plot
+    summary = summary_html(record, [line for line, _ in dashboard._all])
+    total = sum(r.lines for ranks in [record.attempts[0].ranks, record.ranks] for r in ranks)
+    assert total == 40 and re.search(r"[^\d,]40 lines(, shown in \d+ \(the same line from several ranks once\))? · "
+                                     r"also in", summary), summary  # every attempt's, each shown
+    assert f"{html.escape(str(record.run_dir))}/rank{{0..1}}.attempt{{0..1}}.log" in summary
+    assert "ddpnb-restart-mark" in summary

@@ -120,6 +120,13 @@ def test_stalled_cell_says_so_in_the_text_view_with_cell_lines_then_resumes(kern
     for rank in range(3):
         assert re.search(rf"\[ddpnb\]   rank {rank}: .*, \d+\.\d s since its last activity", out), out
     assert "ipykernel_" not in out
+    # under it, each rank's stack as the stall doctor took it: the cell's lines and their source, nothing of ddpnb's
+    # nor torch's logging wrappers; ranks 0 and 2 wait in the same place, shown once
+    stacks = out[out.index("each rank's stack:"):out.index("[ddpnb] progress resumed")]
+    rank_1 = stacks[stacks.index("[ddpnb] --- rank 1 ---"):]
+    assert f"[ddpnb]     {cell}, line 7, in train\n[ddpnb]       time.sleep(15)\n" in rank_1, stacks
+    assert "[ddpnb] --- ranks 0, 2 ---" in stacks and "dist.all_reduce(torch.ones(1))" in stacks, stacks
+    assert "c10d_logger" not in stacks and "ddpnb/" not in stacks and "Thread 0x" not in stacks, stacks
     assert out.index("[ddpnb] stalled:") < out.index("[ddpnb] progress resumed") < out.index("run succeeded"), out
     # the stall line says how long no rank had made progress: at least --stall's 3 s, or it was marked too early
     quiet = float(re.search(r"no rank has made progress for (\d+\.\d) s", stalled[0]).group(1))
@@ -212,6 +219,46 @@ def test_dashboard_shows_the_stall_and_its_stacks_button_shows_every_ranks_stack
     assert run.wait(120).outcome is Outcome.SUCCEEDED
     dashboard.finish()
     assert 'data-stall="resumed"' in dashboard.stall.value and "then progress resumed" in dashboard.stall.value
+
+
+def _banner_seconds(banner: str) -> float:
+    return float(re.search(r"no rank has made progress for (\d+(?:\.\d)?) s", banner).group(1))
+
+
+@pytest.mark.timeout(180)
+def test_a_foreground_dashboard_shows_the_stall_doctors_stacks_under_a_banner_that_counts_on(tmp_path):
+    """A foreground cell can press no button and has no handle: the stacks come under the banner, taken again
+    while the run stays stalled; its seconds count on; the ranks read 'stalled'."""
+    pytest.importorskip("ipywidgets")
+    from ddpnb.views.dashboard import Dashboard
+
+    flag = str(tmp_path / "wake")
+    train = sleeps_on_rank_1_until(flag)
+    run = ddpnb.launch(train, nprocs=3, stall=2, view="none")
+    try:
+        dashboard = Dashboard(run, foreground=True)
+        assert _wait_for(lambda: "ddpnb-stall-stack" in dashboard.stall_stacks.value, 120), run.status
+        stacks = dashboard.stall_stacks.value
+        assert 'data-ranks="1"' in stacks and 'data-ranks="0,2"' in stacks, stacks  # the same stack once
+        rank_1 = stacks[stacks.index('data-ranks="1"'):]
+        assert "time.sleep(0.1)  # rank 1&#x27;s sleep" in rank_1 and "in train" in rank_1, stacks
+        assert "dist.all_reduce(torch.ones(1))" in stacks
+        assert "c10d_logger" not in stacks and str(Path(ddpnb.__file__).parent) not in stacks, stacks
+        assert "interrupt the kernel" in dashboard.stall.value and "run.stacks()" not in dashboard.stall.value
+        assert dashboard.ranks.value.count('data-state="stalled"') == 3, dashboard.ranks.value
+        assert ">stalled<" in dashboard.ranks.value
+
+        first = _banner_seconds(dashboard.stall.value)
+        assert _wait_for(lambda: _banner_seconds(dashboard.stall.value) > first + 1, 30), dashboard.stall.value
+        looked = run.record.stall.diagnosis
+        assert _wait_for(lambda: run.record.stall.diagnosis is not looked, 60)  # taken again, stall still on
+        assert run.record.stalled and run.record.stall.diagnosis.taken > looked.taken
+        assert _wait_for(lambda: 'data-ranks="1"' in dashboard.stall_stacks.value, 10)
+    finally:
+        Path(flag).touch()
+    assert run.wait(120).outcome is Outcome.SUCCEEDED
+    dashboard.finish()
+    assert dashboard.stall_stacks.value == "" and 'data-stall="resumed"' in dashboard.stall.value
 
 
 # --- the threshold and where a rank is, from stacks --------------------------------------------------------------

@@ -8,6 +8,7 @@ policy's decision (`core.policy`), acted on by the run.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import threading
@@ -278,8 +279,13 @@ class Attempt:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
         elif alarm is Alarm.STALL:
-            self.record.stall = Stall(since=time.time() - self.watchdog.quiet,
+            self.record.stall = Stall(since=self.watchdog.last_progress(),
                                       threshold=self.watchdog.stall.threshold(), diagnosis=self.diagnose())
+            self.announcer.mark(turn=True)
+        elif alarm is Alarm.STILL_STALLED and self.record.stall is not None:
+            # where each rank is now, for the views' stacks; the flight recorder's summary is the stall's first
+            stall = self.record.stall
+            stall.diagnosis = dataclasses.replace(self.diagnose(recorder=False), flight=stall.diagnosis.flight)
             self.announcer.mark(turn=True)
         elif alarm is Alarm.RESUMED and self.record.stall is not None:
             self.record.stall.resumed = time.time()
@@ -306,11 +312,11 @@ class Attempt:
         after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
         self._escalate_at = None if after is None else time.monotonic() + after
 
-    def diagnose(self, keep: bool = False) -> Diagnosis:
+    def diagnose(self, keep: bool = False, recorder: bool = True) -> Diagnosis:
         """Where every rank is now: its stack (`keep`: left in the record, as a timeout's report shows them) and,
-        on NCCL runs whose ranks write into the run directory, its flight recorder."""
+        on NCCL runs whose ranks write into the run directory, its flight recorder (unless not `recorder`)."""
         running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
-        recorder = self.record.backend == "nccl" and self.capabilities.shares_run_dir
+        recorder = recorder and self.record.backend == "nccl" and self.capabilities.shares_run_dir
         asked = flight.request(self.spec.run_dir, running) if recorder else 0.0  # dumped while the stacks come
         stacks = self._collect_stacks(running)
         if keep:

@@ -13,24 +13,37 @@ from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 
+TABLE_WIDTH = 120  # characters in a row of the summary table: what a notebook's output shows on one line
+LAST_LINE_MIN = 20  # characters of a rank's last line the table keeps, however wide its other columns
+
+
 def summary_table(record: RunRecord) -> str:
     """One row per rank: its state (a failed rank's as its role: 'failed first', 'stopped: peer failed', as the
     dashboard says it), how it exited, its time, the radar's and hardware's columns, its last line."""
     radar = radar_columns(record.ranks)
     states = [state_words(record, r) for r in record.ranks]
     width = max(9, *(len(state) for state in states))
-    rows = [f"{'rank':>4}  {'state':<{width}} {'exit':<22} {'time':>10}  {radar[0]}last line"]
-    for r, state, extra in zip(record.ranks, states, radar[1:]):
+    exits = [describe_exit(r.exitcode) for r in record.ranks]
+    exit_width = max(4, *(len(text) for text in exits))
+    head = f"{'rank':>4}  {'state':<{width}} {'exit':<{exit_width}} {'time':>10}  {radar[0]}"
+    # the last line gets what is left of TABLE_WIDTH (a front end wraps a longer row inside its words)
+    last = max(LAST_LINE_MIN, TABLE_WIDTH - len(head))
+    rows = [f"{head}last line"]
+    for r, state, exit_text, extra in zip(record.ranks, states, exits, radar[1:]):
+        shown = r.last_line if len(r.last_line) <= last else r.last_line[:last - 1] + "…"
         rows.append(
-            f"{r.rank:>4}  {state:<{width}} {describe_exit(r.exitcode):<22} "
-            f"{format_duration(r.duration):>10}  {extra}{r.last_line[:60]}"
+            f"{r.rank:>4}  {state:<{width}} {exit_text:<{exit_width}} "
+            f"{format_duration(r.duration):>10}  {extra}{shown}".rstrip()
         )
     return "\n".join(rows)
 
 
 def state_words(record: RunRecord, rank: RankRecord) -> str:
-    """The rank's state, a failed rank's as its role in the attempt's failure."""
+    """The rank's state, a failed rank's as its role in the attempt's failure, a running one's of a stalled run
+    as 'stalled'."""
     role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
+    if record.stalled and rank.state is RankState.RUNNING:
+        return "stalled"
     return role.value if role is not None else rank.state.value
 
 
@@ -62,15 +75,22 @@ def straggler_text(rank: RankRecord) -> str:
     return f"others wait {held * 1000:.0f} ms a step for it" if held < 1 else f"others wait {format_duration(held)} a step for it"
 
 
+STEADY = 0.01  # resident memory that moved less than this share over the samples shown reads 'steady'
+
+
 def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
     """The rank's latest CPU, memory and GPU use as text, each with a sparkline of its last `points` samples
-    (CPU on 100% of one core; the others on their own largest); '' where there is no sample."""
+    (CPU on 100% of one core; GPU utilisation on 100%); resident memory's between its lowest and highest sample,
+    both said ('1.2 GiB ▁▃▆█ 1.0–1.2 GiB'), or 'steady' when it moved less than 1%. '' where there is no sample."""
     samples = list(rank.hardware)[-points:]
     if not samples:
         return "", "", ""
     last = samples[-1]
     cpu = f"{last.cpu:.0f}% {sparkline([s.cpu for s in samples], max(100.0, *(s.cpu for s in samples)))}"
-    rss = f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples])}"
+    low, high = min(s.rss for s in samples), max(s.rss for s in samples)
+    rss = (f"{size_text(last.rss)} steady" if high - low <= STEADY * high else
+           f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples], high, low)} "
+           f"{size_text(low)}–{size_text(high)}")
     gpu = ""
     if last.gpu_util is not None:
         gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
@@ -116,23 +136,42 @@ def diagnosis_summary(diagnosis: Diagnosis) -> str:
     return "; ".join(f"{named(ranks)} {where_phrase(first[ranks[0]], len(ranks) > 1)}" for _, ranks in order)
 
 
-def diagnosis_lines(diagnosis: Diagnosis) -> list[str]:
-    """One line per rank with its time since its last activity."""
-    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet)} since its last activity"
+def diagnosis_lines(diagnosis: Diagnosis, now: float | None = None) -> list[str]:
+    """One line per rank with its time since its last activity, as of `now` (`time.time()`; by default when the
+    diagnosis was taken): a stall that goes on counts on, since no rank has had any activity meanwhile."""
+    later = 0.0 if now is None else max(0.0, now - diagnosis.taken)
+    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet + later)} since its last activity"
             for w in diagnosis.ranks]
 
 
-def stall_headline(stall: Stall) -> str:
-    """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...'"""
-    quiet = stall.diagnosis.taken - stall.since
+def stall_headline(stall: Stall, now: float | None = None) -> str:
+    """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...',
+    the time as of `now` (`time.time()`; by default when the ranks were last looked at)."""
+    quiet = (stall.diagnosis.taken if now is None else now) - stall.since
     return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {stall.threshold:g} s): "
             f"{diagnosis_summary(stall.diagnosis)}")
+
+
+def grouped_stacks(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
+    """The ranks' stacks with notebook cells named (`Cell In[4], line 7`), each text once for the ranks whose
+    stacks read the same, in rank order: [([0, 2], 'Stack ...'), ([1], 'Stack ...')]."""
+    same: dict[str, list[int]] = {}
+    for rank, text in sorted(stacks.items()):
+        same.setdefault(cell_names(text).rstrip() or "(no stack came)", []).append(rank)
+    return sorted(((ranks, text) for text, ranks in same.items()), key=lambda item: item[0][0])
 
 
 def attempt_line(attempt: Attempt) -> str:
     """'rank 1 failed first: killed by SIGKILL', or the ended attempt's outcome and why."""
     first = attempt.first_failure
     return f"rank {first.rank} failed first: {first.summary}" if first else f"{attempt.outcome.value}: {attempt.note}"
+
+
+def restart_line(attempt: Attempt, max_restarts: int) -> str:
+    """Where a run restarted, as every view marks it in the output: 'attempt 0 failed: rank 1 failed first: ...
+    Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt1.log'."""
+    return (f"attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
+            f"(restart {attempt.number + 1} of {max_restarts}); logs: rank{{N}}.attempt{attempt.number + 1}.log")
 
 
 def named(ranks: list[int]) -> str:

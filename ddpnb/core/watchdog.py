@@ -16,6 +16,7 @@ from ddpnb.core.messages import StepTimes
 from ddpnb.core.stragglers import Arrivals, flag_stragglers
 
 RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
+STALL_REFRESH = 5.0  # seconds between two looks at where each rank is while the run stays stalled
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
 
 
@@ -23,8 +24,9 @@ class Alarm(enum.Enum):
     """What the watchdog found at a check."""
 
     TIMEOUT = "timeout"  # the attempt ran past --timeout
-    STALL = "stall"  # no rank made progress for the stall threshold (`quiet` seconds)
+    STALL = "stall"  # no rank made progress for the stall threshold (since `last_progress()`)
     RESUMED = "resumed"  # a rank made progress again after a stall
+    STILL_STALLED = "still stalled"  # STALL_REFRESH seconds since the last look at a stall that goes on
 
 
 class Watchdog:
@@ -40,8 +42,8 @@ class Watchdog:
         self.paused = paused
         self.clock = time.monotonic()  # the reader's clock, read once a pass: what `stamp` stores
         self.started = self.clock
-        self.quiet = 0.0  # seconds without progress when the latest STALL was found
         self._stalled_latest = 0.0  # the run's latest progress when the ongoing stall began
+        self._looked_at = 0.0  # when the ongoing stall's ranks were last looked at
         self._radar_due = False
         self._arrivals = Arrivals()
         self._radar_at = 0.0
@@ -72,6 +74,10 @@ class Watchdog:
             self._radar_due, self._radar_at = False, now
             flag_stragglers(ranks)
 
+    def last_progress(self) -> float:
+        """When (`time.time()`) any rank last made progress, as of the last check."""
+        return time.time() - (time.monotonic() - self.stall.latest)
+
     def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
               armed: bool = True, held: bool = False) -> Alarm | None:
         """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (only the
@@ -94,11 +100,16 @@ class Watchdog:
             return None
         quiet = self.stall.update(now)
         if stall is not None and stall.ongoing:
-            return Alarm.RESUMED if self.stall.latest > self._stalled_latest else None
+            if self.stall.latest > self._stalled_latest:
+                return Alarm.RESUMED
+            if now - self._looked_at < STALL_REFRESH:
+                return None
+            self._looked_at = now
+            return Alarm.STILL_STALLED
         if self.paused():
             self.stall.idle(now)
             return None
         if quiet <= self.stall.threshold() or not any(r.state in _RUNNING and r.rank not in returned for r in ranks):
             return None
-        self._stalled_latest, self.quiet = self.stall.latest, quiet
+        self._stalled_latest, self._looked_at = self.stall.latest, now
         return Alarm.STALL

@@ -55,9 +55,11 @@ def describe_exit(exitcode: int | None) -> str:
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float], top: float | None = None) -> str:
-    """'▁▃▇█': each value as a block, the tallest at `top` (else the largest value)."""
+def sparkline(values: list[float], top: float | None = None, bottom: float = 0.0) -> str:
+    """'▁▃▇█': each value as a block, from `bottom` (the lowest block) to `top` (the tallest; else the largest
+    value)."""
     top = top if top is not None else max(values, default=0.0)
-    if not values or top <= 0:
+    if not values or top <= bottom:
         return ""
-    return "".join(_BLOCKS[min(len(_BLOCKS) - 1, max(0, round(v / top * (len(_BLOCKS) - 1))))] for v in values)
+    return "".join(_BLOCKS[min(len(_BLOCKS) - 1, max(0, round((v - bottom) / (top - bottom) * (len(_BLOCKS) - 1))))]
+                   for v in values)

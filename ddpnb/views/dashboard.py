@@ -16,6 +16,8 @@ import time
 from collections import deque
 from typing import Any
 
+from ddpnb.core.record import OutputLine
+from ddpnb.core.report import restart_line
 from ddpnb.core.run import TICK, Run
 from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.html import (
@@ -26,14 +28,16 @@ from ddpnb.views.html import (
     header_html,
     line_html,
     log_html,
+    RestartMark,
     log_location,
+    log_note,
     metrics_signature,
     plots_html,
-    printed_count,
     ranks_html,
     section_html,
     stacks_html,
     stall_html,
+    stall_stacks_html,
     summary_html,
     total_lines,
 )
@@ -80,8 +84,11 @@ class Dashboard:
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
         self._seen = 0  # sequence number of the last line taken from the record
-        self._all: deque[tuple[FoldedLine, str]] = deque(maxlen=LOG_LINES)  # a line cut for the panel, its HTML
-        self._per_rank = [deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]  # as printed
+        self._restarts_shown = 0  # earlier attempts whose restart is marked in the logs
+        # a line cut for the panel (or a restart's mark), its HTML
+        self._all: deque[tuple[FoldedLine | RestartMark, str]] = deque(maxlen=LOG_LINES)
+        self._per_rank: list[deque[tuple[OutputLine | RestartMark, str]]] = [
+            deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]  # as printed
         self._folder = Folder(self.record.world_size, enabled=fold)
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
@@ -102,6 +109,8 @@ class Dashboard:
         self.stacks_button.on_click(self._on_stacks)
         self.stacks = widgets.HTML(layout=widgets.Layout(display="none"))
         self.stall = widgets.HTML()
+        self.stall_stacks = widgets.HTML()  # redrawn only when the stall doctor takes the stacks again
+        self._stall_seen: object = None  # the diagnosis whose stacks it shows
         self.ranks = widgets.HTML()
         self.plots = widgets.HTML()
         options = [("all ranks", -1)] + [(f"rank {r}", r) for r in range(self.record.world_size)]
@@ -117,13 +126,18 @@ class Dashboard:
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
-             self.ranks, self.stall, self.error, self.plots, log_bar, self.log, self.stacks],
+             self.ranks, self.stall, self.stall_stacks, self.error, self.plots, log_bar, self.log, self.stacks],
             layout=widgets.Layout(padding="2px 4px"))
         self.widget.add_class("ddpnb")
         self._render()
         bundle = self.widget._repr_mimebundle_()
-        bundle["text/plain"] = (f"[ddpnb] live dashboard of a {self.record.world_size}-rank run (needs a widget "
-                                f"front end); the summary replaces it when the run ends. Logs: {self.record.run_dir}")
+        # what a saved notebook keeps of a run that had not ended (the summary takes the widget's place when it
+        # ends), and what a page without the kernel's widgets shows of it: GitHub, nbviewer, nbconvert
+        saved = (f"{self.record.function} on {self.record.world_size} ranks: still running when this notebook was "
+                 "saved (its live dashboard needs the kernel that ran it). Logs: ")
+        bundle["text/plain"] = f"[ddpnb] {saved}{self.record.run_dir}"
+        bundle["text/html"] = (f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '
+                               f'{html.escape(saved)}<code>{html.escape(str(self.record.run_dir))}</code></div>')
         # outside IPython (a script forcing view="widget", a benchmark) the widget is drawn but shown nowhere
         self._display = display(bundle, raw=True, display_id=True) if get_ipython() is not None else None
         run.subscribe(self._on_wait, news=False)
@@ -165,7 +179,11 @@ class Dashboard:
             self._take_lines()
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
-            self.stall.value = stall_html(record)
+            self.stall.value = stall_html(record, self.foreground)
+            shown = record.stall.diagnosis if record.stall is not None and record.stalled else None
+            if shown is not self._stall_seen:
+                self._stall_seen = shown
+                self.stall_stacks.value = stall_stacks_html(record)
             signature = metrics_signature(record)
             if signature != self._metrics_seen and (time.monotonic() - self._plotted >= PLOT_INTERVAL
                                                     or self._finished):  # the final state is drawn whole
@@ -186,9 +204,26 @@ class Dashboard:
         done = run.done  # before reading: the lines read after it are the last ones
         new, _, self._seen = run.lines_since(self._seen)
         new = [line._replace(text=line.text[:MAX_LINE_CHARS]) for line in new]
+        now = time.monotonic()
+        # a restart's mark goes where it happened, as the text view's line: after the last line of the attempt it
+        # ended, once read
+        for attempt in self.record.attempts[self._restarts_shown:]:
+            if attempt.last_line > self._seen:
+                break
+            before = [line for line in new if line.seq <= attempt.last_line]
+            new = new[len(before):]
+            self._add(before, self._folder.add(before, now) + self._folder.flush())
+            self._restarts_shown += 1
+            mark = RestartMark(restart_line(attempt, self.record.max_restarts))
+            for lines in (self._all, *self._per_rank):
+                lines.append((mark, any_line_html(mark)))
+            self._lines_changed = True
+        self._add(new, self._folder.add(new, now) + (self._folder.flush() if done else []))
+
+    def _add(self, new: list[OutputLine], folded: list[FoldedLine]) -> None:
+        """Lines as printed, into each rank's log; as folded, into the all-ranks log."""
         for line in new:
             self._per_rank[line.rank].append((line, line_html(line.rank, line.stream, line.text)))
-        folded = self._folder.add(new, time.monotonic()) + (self._folder.flush() if done else [])
         for line in folded:
             self._all.append((line, any_line_html(line)))
         if new or folded:
@@ -205,10 +240,7 @@ class Dashboard:
             lines = self._per_rank[rank]
             total = total_lines(record, rank)
             where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
-        shown = printed_count(line for line, _ in lines)
-        note = (f"last {shown} of {total:,} lines · every line is in {where}" if total > shown
-                else f"{total:,} lines · also in {where}")
-        return log_html((html_line for _, html_line in lines), note)
+        return log_html((html_line for _, html_line in lines), log_note([line for line, _ in lines], total, where))
 
     # --- controls ----------------------------------------------------------------------------------------------------
     def _on_pick(self, change: dict[str, Any]) -> None:

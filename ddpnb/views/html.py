@@ -11,16 +11,18 @@ from __future__ import annotations
 import base64
 import html
 import math
+import re
 import statistics
+import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
-from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, hardware_text, locals_lines,
-                               stall_headline, straggler_text)
+from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, hardware_text,
+                               locals_lines, named, stall_headline, straggler_text)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -48,7 +50,11 @@ _RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILE
                 Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
 _MONO = "font-family:monospace;font-size:12px"
 _MUTED = "opacity:0.7;font-size:12px"
-_CELL = "text-align:left;padding:3px 8px;white-space:nowrap;vertical-align:middle"
+# table cells wrap between words (never inside one) so a table fits its cell's width; the short columns (rank,
+# PID, time) keep one line
+_CELL = "text-align:left;padding:3px 8px;vertical-align:middle;overflow-wrap:normal;word-break:normal"
+_ONE_LINE = "white-space:nowrap"
+_WRAP = "white-space:pre-wrap;overflow-wrap:anywhere;word-break:normal"  # text with long unbroken runs (paths, identifiers, stacks)
 _RULE = "rgba(128,128,128,0.3)"  # table rules and borders: grey on either theme
 _HEAD = f"{_CELL};font-weight:600;font-size:12px;border-bottom:1px solid {_RULE}"
 
@@ -62,12 +68,15 @@ def overall_state(record: RunRecord) -> str:
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
 
 
-def rank_state(rank: RankRecord, role: FailureRole | None = None) -> str:
-    """'running', 'at a breakpoint: Cell In[5], line 7, in train', 'finished', 'failed first · exit 1', 'stopped:
-    peer failed · exit 1', 'failed · SIGSEGV', 'stopped · SIGTERM': a failed rank as its `role` in the run's failure (root cause, own error, knock-on)."""
+def rank_state(rank: RankRecord, role: FailureRole | None = None, stalled: bool = False) -> str:
+    """'running', 'at a breakpoint: Cell In[5], line 7, in train', 'stalled', 'finished', 'failed first · exit 1',
+    'stopped: peer failed · exit 1', 'failed · SIGSEGV', 'stopped · SIGTERM': a failed rank as its `role` in the
+    run's failure (root cause, own error, knock-on); a running rank of a `stalled` run as stalled."""
     if rank.breakpoint_at and rank.state is RankState.RUNNING:
         return f"at a breakpoint: {rank.breakpoint_at}"
     state = role.value if rank.state is RankState.FAILED and role is not None else rank.state.value
+    if stalled and rank.state is RankState.RUNNING:
+        return "stalled"
     code = rank.exitcode
     if rank.state in (RankState.FAILED, RankState.STOPPED) and code not in (None, 0):
         if code < 0:
@@ -159,9 +168,16 @@ def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
     for index, name in enumerate(("CPU", "memory", "GPU")):
         if any(h[index] for h in hardware):
             columns.append((f'<th style="{_HEAD}">{name}</th>',
-                            [_td(html.escape(h[index]) or "–", _MONO) for h in hardware]))
+                            [_td(html.escape(_unbroken(h[index])) or "–", _MONO) for h in hardware]))
     return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
                                                   for i in range(len(record.ranks))]
+
+
+def _unbroken(text: str) -> str:
+    """A number and its unit, and a rank state's parts, kept on one line: '301.0\u00a0MiB', 'stopped\u00a0·
+    SIGTERM' (a narrow table wraps between them, not inside)."""
+    return re.sub(r"(\d) (%|B|KiB|MiB|GiB|W|ms)\b", "\\1\u00a0\\2", text).replace(" · ", "\u00a0· ").replace(
+        "exit ", "exit\u00a0")
 
 
 def _compute_html(rank: RankRecord) -> str:
@@ -183,14 +199,16 @@ def ranks_html(record: RunRecord) -> str:
     radar_head, radar_cells = _radar_html(record)
     names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
     table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
-             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px">' if compact
-             else '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px">')
+             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%">'
+             if compact else
+             '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%">')
     rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
             + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
             + "</tr></thead><tbody>"]
     for rank, radar in zip(record.ranks, radar_cells):
         role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
-        colour = _ROLE_COLOURS[role] if role is not None else _RANK_COLOURS[rank.state]
+        stalled = record.stalled and rank.state is RankState.RUNNING
+        colour = _ROLE_COLOURS[role] if role is not None else _ORANGE if stalled else _RANK_COLOURS[rank.state]
         weight = {FailureRole.ROOT_CAUSE: "700", FailureRole.KNOCK_ON: "400"}.get(role, "600")  # consequences recede
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
         straggler = f' data-straggler="{straggler_text(rank)}"' if rank.holds_others is not None else ""
@@ -198,13 +216,16 @@ def ranks_html(record: RunRecord) -> str:
         swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
                   f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
         latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
-                  f'overflow:hidden;text-overflow:ellipsis;max-width:300px;opacity:0.75">{html.escape(last[:160])}</div>')
+                  f'overflow:hidden;text-overflow:ellipsis;opacity:0.75">{html.escape(last[:160])}</div>')
         rows.append(
-            f'<tr data-rank="{rank.rank}" data-state="{rank.state.value}"{role_attr}{straggler}>{_td(swatch, pad)}'
-            f'{_td(html.escape(rank_state(rank, role)), f"color:{colour};font-weight:{weight};{pad}")}'
-            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{pad}")}'
+            f'<tr data-rank="{rank.rank}" data-state="{"stalled" if stalled else rank.state.value}"{role_attr}'
+            f'{straggler}>{_td(swatch, f"{_ONE_LINE};{pad}")}'
+            f'{_td(html.escape(_unbroken(rank_state(rank, role, stalled))), f"color:{colour};font-weight:{weight};{pad}")}'
+            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{_ONE_LINE};{pad}")}'
             f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
-            f'{_td(format_duration(rank.duration), pad)}{_td(latest, pad, attrs=LAST_CELL)}</tr>')
+            f'{_td(format_duration(rank.duration), f"{_ONE_LINE};{pad}")}'
+            # the rest of the table's width, however little: its text is cut there (the title has it whole)
+            f'{_td(latest, f"width:99%;max-width:0;{pad}", attrs=LAST_CELL)}</tr>')
     rows.append("</tbody></table></div>" if compact else "</tbody></table>")
     return "".join(rows)
 
@@ -214,10 +235,12 @@ def _rank_colour(rank: int) -> str:
 
 
 def metric_names(record: RunRecord) -> list[str]:
+    """Every metric any rank logged in any attempt: an earlier attempt's stay plotted while a restart begins."""
     names: dict[str, None] = {}
-    for rank in record.ranks:
-        for name in list(rank.metrics):
-            names.setdefault(name, None)
+    for ranks in [*(attempt.ranks for attempt in record.attempts), record.ranks]:
+        for rank in ranks:
+            for name in list(rank.metrics):
+                names.setdefault(name, None)
     return list(names)
 
 
@@ -257,7 +280,10 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
     counts = {rank: len(points) for rank, points in logged.items()}
     series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
-    by_step = all(step is not None for points in series.values() for step, _, _ in points)
+    before = [{rank: thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS) for rank in shown}
+              for a in record.attempts]
+    by_step = all(step is not None for attempt in [series, *before] for points in attempt.values()
+                  for step, _, _ in points)
 
     def xy(points: list[tuple[int | None, float, float]]) -> list[tuple[float, float]]:
         return [(float(step) if by_step else t - record.started, value) for step, t, value in points
@@ -265,8 +291,7 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
 
     lines = {rank: xy(series[rank]) for rank in shown}
     # earlier attempts: their lines, fainter, and a marker where each later attempt's first point is
-    earlier = [{rank: xy(thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS)) for rank in shown}
-               for a in record.attempts]
+    earlier = [{rank: xy(points) for rank, points in attempt.items()} for attempt in before]
     restarts = []
     for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][:len(record.attempts)]:
         first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
@@ -283,7 +308,7 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     drawn_lines = [*lines.values(), *(points for attempt in earlier for points in attempt.values())]
     all_x = [x for points in drawn_lines for x, _ in points] + [x for x, _, _ in band_points]
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
-    latest = series[shown[0]]
+    latest = series[shown[0]] or next((a[shown[0]] for a in reversed(before) if a[shown[0]]), [])
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
     title = (f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
              f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>')
@@ -410,8 +435,8 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
     else:
         tag, colour = f"[rank {rank}]", _rank_colour(rank)
     tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
-    return (f'<div class="ddpnb-line ddpnb-{stream}" style="white-space:pre-wrap;word-break:break-all;'
-            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;'
+    return (f'<div class="ddpnb-line ddpnb-{stream}" style="{_WRAP};'
+            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;{_ONE_LINE};'
             f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
 
 
@@ -421,13 +446,39 @@ def total_lines(record: RunRecord, rank: int | None = None) -> int:
     return sum(r.lines for ranks in attempts for r in ranks if rank is None or r.rank == rank)
 
 
-def printed_count(lines: Iterable[OutputLine | FoldedLine]) -> int:
-    """How many printed lines these are: a folded line is one per rank that printed it."""
-    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 1 for line in lines)
+class RestartMark(NamedTuple):
+    """Where the run restarted, among the output lines (`core.report.restart_line`): no rank printed it."""
+
+    text: str
 
 
-def any_line_html(line: OutputLine | FoldedLine) -> str:
-    """`line_html` of a line as the run gave it or as `views.fold` folded it."""
+LogEntry = OutputLine | FoldedLine | RestartMark
+
+
+def printed_count(lines: Iterable[LogEntry]) -> int:
+    """How many printed lines these are: a folded line is one per rank that printed it; a restart's mark none."""
+    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 0 if isinstance(line, RestartMark) else 1
+               for line in lines)
+
+
+def log_note(lines: Sequence[LogEntry], total: int, where: str) -> str:
+    """The log panel's heading: how many lines it shows of how many the ranks printed (`total`, in every attempt),
+    and how many rows they take once folded; `where`: the logs that hold every line."""
+    printed = printed_count(lines)
+    rows = sum(not isinstance(line, RestartMark) for line in lines)
+    folded = f", shown in {rows} (the same line from several ranks once)" if rows < printed else ""
+    if not total:
+        return f"no output · logs in {where}"
+    if total > printed:
+        return f"last {printed:,} of {total:,} lines{folded} · every line is in {where}"
+    return f"{total:,} lines{folded} · also in {where}"
+
+
+def any_line_html(line: LogEntry) -> str:
+    """`line_html` of a line as the run gave it or as `views.fold` folded it; a restart's mark across the log."""
+    if isinstance(line, RestartMark):
+        return (f'<div class="ddpnb-restart-mark" style="white-space:pre-wrap;line-height:1.35;color:{_ORANGE};'
+                f'font-weight:600;border-top:1px dashed {_ORANGE};margin:2px 0">{html.escape(line.text)}</div>')
     ranks = line.ranks if isinstance(line, FoldedLine) else ()
     return line_html(line.rank, line.stream, line.text, ranks)
 
@@ -456,7 +507,7 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
               f'first: {html.escape(first.summary)}</div>')]
     traceback = cell_names(first.traceback).rstrip()
     if traceback and full_traceback:
-        parts.append(f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:320px;overflow:auto">'
+        parts.append(f'<pre style="margin:4px 0;{_WRAP};max-height:320px;overflow-y:auto">'
                      f'{html.escape(traceback)}</pre>')
     elif traceback:
         frames = [line.strip() for line in traceback.splitlines() if line.startswith(("  File ", "  Cell In["))]
@@ -467,7 +518,7 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     values = locals_lines(first)
     if values:  # collapsed: the traceback says where; these say with what
         parts.append(f'<details class="ddpnb-locals"><summary {muted}>locals where rank {first.rank} raised</summary>'
-                     f'<pre style="margin:4px 0;white-space:pre-wrap;max-height:240px;overflow:auto">'
+                     f'<pre style="margin:4px 0;{_WRAP};max-height:240px;overflow-y:auto">'
                      f'{html.escape(chr(10).join(values))}</pre></details>')
     others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
     own = [f for f in others if not f.knock_on]  # as the text report splits them
@@ -482,8 +533,10 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     return "".join(parts)
 
 
-def stall_html(record: RunRecord) -> str:
-    """The stall banner: where each rank is while no rank makes progress; one line once progress resumed."""
+def stall_html(record: RunRecord, foreground: bool = False) -> str:
+    """The stall banner: where each rank is while no rank makes progress, its seconds counted as of now, then the
+    ranks' stacks as the stall doctor last took them (every few seconds while the stall goes on); one line once
+    progress resumed. `foreground`: the cell waits for the run, so neither the Stacks button nor a handle serves."""
     stall = record.stall
     if stall is None:
         return ""
@@ -491,15 +544,41 @@ def stall_html(record: RunRecord) -> str:
         assert stall.resumed is not None
         return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
                 f'({html.escape(diagnosis_summary(stall.diagnosis))}), then progress resumed</div>')
-    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(stall.diagnosis),
-                                                                    *stall.diagnosis.flight])
-    tail = ("the run goes on; Stacks (or run.stacks()) shows every rank's stack" if record.outcome is Outcome.RUNNING
-            else f"still stalled when the run ended ({record.outcome.value})")
+    going = record.outcome is Outcome.RUNNING
+    now = time.time() if going else record.ended
+    diagnosis = stall.diagnosis
+    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(diagnosis, now),
+                                                                    *diagnosis.flight])
+    taken = format_duration(max(0.0, (now or diagnosis.taken) - diagnosis.taken))
+    if not going:
+        tail = f"still stalled when the run ended ({record.outcome.value})"
+    elif foreground:
+        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+                "seconds while the run stays stalled; interrupt the kernel (■) to stop it")
+    else:
+        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+                "seconds while the run stays stalled; Stop ends it")
     return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
-            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0">'
+            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0 0">'
             f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
-            f'{html.escape(stall_headline(stall))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
+            f'{html.escape(stall_headline(stall, now))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
             f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
+
+
+def stall_stacks_html(record: RunRecord) -> str:
+    """Under the stall banner: each rank's stack as the stall doctor last took it (the same stack once for the
+    ranks it is the same for), notebook cells named as IPython names them; '' unless the run is stalled now (a
+    timeout's report has its own). Drawn on its own, so the live widget redraws it only when the stacks are taken
+    again, not each time the seconds count."""
+    stall = record.stall
+    if stall is None or not record.stalled or not stall.diagnosis.stacks:
+        return ""
+    return (f'<div class="ddpnb-stall-stacks" style="border-left:3px solid {_ORANGE};padding:0 10px 4px;'
+            f'margin:0 0 4px;background-color:rgba(245,124,0,0.05)">' + "".join(
+                f'<div class="ddpnb-stall-stack" data-ranks="{",".join(map(str, ranks))}" style="{_MUTED}">'
+                f'{html.escape(named(ranks))}</div><pre class="ddpnb-mono" style="{_MONO};margin:1px 0 4px;'
+                f'{_WRAP};max-height:240px;overflow-y:auto">{html.escape(text)}'
+                f'</pre>' for ranks, text in grouped_stacks(stall.diagnosis.stacks)) + "</div>")
 
 
 def stacks_html(stacks: dict[int, str]) -> str:
@@ -508,14 +587,16 @@ def stacks_html(stacks: dict[int, str]) -> str:
         return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
     return f'<div class="ddpnb-stacks">{section_html("stacks")}' + "".join(
         f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
-        f'white-space:pre;max-height:320px;overflow:auto">'
+        f'{_WRAP};max-height:320px;overflow-y:auto">'
         f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
 
 
 def log_location(record: RunRecord) -> str:
-    """Where every rank's log of the attempt is, as one path pattern: `<run dir>/rank{0..3}.log`."""
-    attempt = f".attempt{record.attempt}" if record.max_restarts else ""
-    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempt}.log</code>"
+    """Where every rank's log of every attempt is, as one path pattern: `<run dir>/rank{0..3}.log`,
+    `<run dir>/rank{0..3}.attempt{0..2}.log` after two restarts."""
+    attempts = "" if not record.max_restarts else ".attempt0" if not record.attempt else \
+        f".attempt{{0..{record.attempt}}}"
+    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempts}.log</code>"
 
 
 def resume_html(record: RunRecord) -> str:
@@ -535,14 +616,13 @@ def section_html(title: str) -> str:
             f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>')
 
 
-def summary_html(record: RunRecord, lines: Sequence[OutputLine | FoldedLine], full_traceback: bool = True) -> str:
+def summary_html(record: RunRecord, lines: Sequence[LogEntry], full_traceback: bool = True) -> str:
     """The static record of a finished run: what the cell keeps once the live dashboard is gone; `lines`: the
-    latest lines, folded or not. Styled inline only, with the plots as images: it reads the same in an untrusted
-    notebook, whose HTML JupyterLab sanitises."""
+    latest lines, folded or not, and the restarts' marks. Styled inline only, with the plots as images: it reads
+    the same in an untrusted notebook, whose HTML JupyterLab sanitises."""
     tail = lines[-SUMMARY_LOG_LINES:]
-    total = total_lines(record)  # every attempt's: the lines shown may come from an earlier one
-    note = (f"last {printed_count(tail)} of {total:,} lines · every line is in {log_location(record)}" if total
-            else f"no output · logs in {log_location(record)}")
+    # every attempt's lines: those shown may come from an earlier one
+    note = log_note(tail, total_lines(record), log_location(record))
     logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
             f'{section_html("output")}</summary>'
             f'{log_html((any_line_html(line) for line in tail), note)}</details>')

@@ -13,7 +13,8 @@ import time
 
 from ddpnb.core import checkpoints
 from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
-from ddpnb.core.report import attempt_line, diagnosis_lines, stall_headline, summary_table
+from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, named,
+                               restart_line, stall_headline, summary_table)
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import format_duration
@@ -32,6 +33,7 @@ class TextView:
         self.summarised = False
         self.restarts_shown = 0  # earlier attempts whose restart line was written
         self.stall_shown: Stall | None = None  # the stall whose lines were written
+        self.places_shown = ""  # ... and where its ranks were, as last written
         self.resume_shown: Stall | None = None  # ... and whose end was
         record = run.record
         self.folder = Folder(record.world_size, enabled=fold)
@@ -80,13 +82,17 @@ class TextView:
                 start = end
 
     def _stall(self) -> None:
-        """A stall's lines once, where it was found; one line when progress resumes."""
-        stall = self.run.record.stall
+        """A stall's lines and the ranks' stacks where it was found, again when a later look finds a rank
+        elsewhere; one line when progress resumes."""
+        record = self.run.record
+        stall = record.stall
         if stall is None:
             return
-        if stall is not self.stall_shown:
-            self.stall_shown = stall
-            self.out.write(stall_lines(stall))
+        places = diagnosis_summary(stall.diagnosis)
+        if stall is not self.stall_shown or (record.stalled and places != self.places_shown):
+            again = stall is self.stall_shown
+            self.stall_shown, self.places_shown = stall, places
+            self.out.write(stall_lines(stall, again=again))
         if not stall.ongoing and stall is not self.resume_shown:
             self.resume_shown = stall
             assert stall.resumed is not None
@@ -95,10 +101,7 @@ class TextView:
 
     def _restarted(self, attempt: Attempt) -> None:
         self.restarts_shown += 1
-        record = self.run.record
-        self.out.write(f"[ddpnb] attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as "
-                       f"fresh processes (restart {attempt.number + 1} of {record.max_restarts}); logs: "
-                       f"rank{{N}}.attempt{attempt.number + 1}.log\n")
+        self.out.write(f"[ddpnb] {restart_line(attempt, self.run.record.max_restarts)}\n")
 
     def _summary(self) -> None:
         record = self.run.record
@@ -118,12 +121,18 @@ class TextView:
         self.out.flush()
 
 
-def stall_lines(stall: Stall, going: str = "the run", handle: str = "run") -> str:
-    """`[ddpnb] stalled: ...` with the grouped summary, then each rank's line and the flight recorder's; `going`
-    is what goes on meanwhile, `handle` what the user calls `stacks()` on."""
-    lines = [f"[ddpnb] {stall_headline(stall)}"]
+def stall_lines(stall: Stall, going: str = "the run", again: bool = False) -> str:
+    """`[ddpnb] stalled: ...` with the grouped summary, each rank's line and the flight recorder's, then each
+    rank's stack as the stall doctor took it; `going` is what goes on meanwhile; `again`: a later look at a stall
+    already said, whose ranks moved."""
+    headline = stall_headline(stall)
+    lines = [f"[ddpnb] {'still ' + headline if again else headline}"]
     lines += [f"[ddpnb]   {line}" for line in [*diagnosis_lines(stall.diagnosis), *stall.diagnosis.flight]]
-    lines.append(f"[ddpnb]   {going} goes on; {handle}.stacks() gives every rank's stack now")
+    lines.append(f"[ddpnb]   {going} goes on; each rank's stack:" if stall.diagnosis.stacks else
+                 f"[ddpnb]   {going} goes on")
+    for ranks, text in grouped_stacks(stall.diagnosis.stacks):
+        lines.append(f"[ddpnb] --- {named(ranks)} ---")
+        lines += [f"[ddpnb]   {line}".rstrip() for line in text.splitlines()]
     return "\n".join(lines) + "\n"
 
 
