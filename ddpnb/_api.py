@@ -135,12 +135,12 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     if planned.backend == "nccl" and engine_type.capabilities.shares_run_dir:  # dumped at a stall or timeout
         environ = {**flight.environment(run_dir), **environ}
     sources = pickling.notebook_sources()
-    # a rank's breakpoint() asks the front end: only a cell that waits for the run (or a session's command) can,
-    # and only where it takes input
-    prompts = (foreground or commands) and engine_type.capabilities.commands and _compat.front_end_takes_input()
+    # a rank's breakpoint() asks the front end where it takes input: the cell that waits for the run (or a
+    # session's command); for a run whose cell returned, its dashboard's console, `.wait()` or `.debug(rank)`
+    prompts = engine_type.capabilities.commands and _compat.front_end_takes_input()
     if options.debug and not prompts:
-        print("[ddpnb] --debug needs a front end that takes input, in the foreground (Jupyter, not nbclient, a "
-              "script or --background): the run goes on without post-mortem prompts.", file=sys.stderr)
+        print("[ddpnb] --debug needs a front end that takes input (Jupyter, not nbclient or a script): the run "
+              "goes on without post-mortem prompts.", file=sys.stderr)
     spec = WorkerSpec(
         fn_payload=payload, args=args, call_style=CallStyle(options.call_style), world_size=planned.world_size,
         backend=planned.backend, use_gpus=planned.use_gpus, environ=environ, run_dir=str(run_dir),
@@ -174,7 +174,8 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
 
         TextView(run, max_lines(), fold=options.fold)
         if not foreground:
-            print("[ddpnb] running in the background: its output shows here when you call .wait() or .result()")
+            print("[ddpnb] running in the background: its output shows here when you call .wait() or .result(), "
+                  "which also ask a rank's breakpoint() prompts (or .debug(rank))")
     if launch.tensorboard is not None:
         board.TensorBoardWriter(run, launch.tensorboard)
     return run

@@ -286,6 +286,37 @@ def test_a_rank_at_a_breakpoint_reads_so_in_the_dashboard_until_it_continues(lab
     assert "at a breakpoint" not in output.locator("[data-ddpnb-summary]").inner_text()
 
 
+def _row_text(output, rank: int) -> str:
+    return output.locator(f".ddpnb tr[data-rank='{rank}']").inner_text()
+
+
+def test_a_background_runs_breakpoint_is_answered_in_its_dashboards_console(lab, page):
+    """Issue 29: a `--background` run's cell has returned, so its rank's prompt shows in the dashboard's console:
+    a command typed there reaches that rank alone, pdb's answer shows, `c` lets the run finish."""
+    cell = BREAKPOINT_CELL.replace("%%ddp -n 2", "%%ddp -n 2 --background -o job")
+    cells = _open(page, lab, "console.ipynb", ["%load_ext ddpnb", cell])
+    _run_cell(page, cells.nth(0))
+    _run_cell(page, cells.nth(1))  # returns at once
+    output = cells.nth(1).locator(".jp-OutputArea")
+    console = output.locator(".ddpnb-console")
+    entry = console.locator(".ddpnb-console-input input")
+    entry.wait_for(timeout=120_000)
+    page.wait_for_function("el => !el.disabled", arg=entry.element_handle(), timeout=30_000)
+    assert "rank 1 waits at (Pdb)" in console.inner_text()
+    assert re.search(r"Cell In\[\d+\], line 7, in train", console.inner_text()), console.inner_text()
+    assert output.locator(".jp-Stdin").count() == 0  # the cell returned: nothing asks in its input box
+    entry.fill("p rank")
+    entry.press("Enter")
+    # pdb's answer to rank 1 alone: its rank
+    console.locator(".ddpnb-console-transcript", has_text=re.compile(r"\(Pdb\) p rank\n1$", re.M)).wait_for(
+        timeout=30_000)
+    assert re.search(r"at a breakpoint: Cell In\[\d+\], line 7, in train", _row_text(output, 1))
+    page.wait_for_function("el => !el.disabled", arg=entry.element_handle(), timeout=30_000)
+    entry.fill("c")
+    entry.press("Enter")
+    output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=60_000)
+
+
 SAVED_CELL = '''%%ddp -n 2 --view widget
 def train(rank, world_size):
     import ddpnb

@@ -171,3 +171,27 @@ def train(rank, world_size):
             session.stdout)
     finally:
         kernel.execute("%ddp_stop", timeout=60)
+
+
+def test_a_background_runs_breakpoint_is_answered_from_a_later_cell_with_debug(kernel):
+    """Issue 29: the cell of a `--background` run has returned, so no input box waits for it; its rank waits at
+    the prompt (the timeout's clock held) until `job.debug(1)` in a later cell answers it there."""
+    started = kernel.execute(BREAKPOINT_CELL.format(stop="breakpoint()").replace(
+        "%%ddp -n 2 --timeout 5 -o total", "%%ddp -n 2 --timeout 5 --background -o job"), timeout=60,
+        answer=answers())  # a front end that takes input, as JupyterLab is; this cell asks nothing
+    assert started.error is None and started.prompts == [], started.text
+    waited = kernel.execute(
+        "import time\n"
+        "deadline = time.monotonic() + 60  # only keeps a rank that never stops from hanging the test\n"
+        "while not job.record.ranks[1].breakpoint_at and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(6)  # longer than --timeout 5: a rank at a prompt is not timed\n"
+        "job.debug(0)\n"
+        "print(job.record.ranks[1].breakpoint_at)")
+    assert waited.stdout.splitlines()[-2:] == [
+        "[ddpnb] rank 0 is not at a debugger prompt; rank 1 is: .debug(1).",
+        f"Cell In[{started.count}], line 7, in train"], waited.stdout
+    debugged = kernel.execute("job.debug(1)", timeout=60, answer=answers("p rank", "c"))
+    assert debugged.prompts == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], debugged.prompts
+    assert re.search(r"^1$", debugged.stdout, re.MULTILINE), debugged.stdout
+    assert kernel.execute("print(job.result())", timeout=60).stdout.strip().endswith("3.0")

@@ -85,8 +85,12 @@ class Attempt:
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
-        self.prompts: queue.SimpleQueue[msg.Prompt] = queue.SimpleQueue()  # debugger prompts, for the waiting cell
-        self.prompting: set[int] = set()  # ranks at a debugger prompt: their waiting is no stall, nor timed
+        self.prompts: queue.SimpleQueue[msg.Prompt] = queue.SimpleQueue()  # debugger prompts as they came
+        # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
+        # dashboard's console and `Run.debug` answer it, whichever comes first
+        self.waiting: dict[int, msg.Prompt] = {}
+        self._where: dict[int, str] = {}  # each rank's place at its latest prompt that said one
+        self._prompt_lock = threading.Lock()
 
     # --- lifecycle, driven by the run -------------------------------------------------------------------------
     def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
@@ -219,8 +223,11 @@ class Attempt:
         elif isinstance(message, msg.Failed):
             self._failed(rank, message)
         elif isinstance(message, msg.Prompt):
-            self.prompting.add(rank)
-            record.breakpoint_at = pdb_where(message.text) or "its debugger prompt"
+            with self._prompt_lock:
+                self.waiting[rank] = message
+                # a prompt after `p x` says no place: the rank is where its last one said
+                record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
+                self._where[rank] = record.breakpoint_at
             self.prompts.put(message)
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
@@ -243,6 +250,9 @@ class Attempt:
         record = self.record.ranks[rank]
         self.announcer.mark(turn=True)
         record.exitcode, record.ended = exitcode, record.ended or time.time()
+        with self._prompt_lock:  # a rank gone from its prompt waits for no answer
+            self.waiting.pop(rank, None)
+            record.breakpoint_at = ""
         if record.state is RankState.FAILED:
             return
         if exitcode == 0 and rank in self._returned:
@@ -274,7 +284,7 @@ class Attempt:
         if asked and self._stop is None:
             self._begin_stop(*asked)
         alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
-                                    armed=self._stop is None, held=bool(self.prompting))
+                                    armed=self._stop is None, held=bool(self.waiting))
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
@@ -326,11 +336,26 @@ class Attempt:
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if recorder else []
         return diagnose(self.record.ranks, stacks, self.watchdog.active, self._returned, recorded)
 
-    def answer(self, rank: int, line: str) -> None:
-        """The front end's answer to `rank`'s debugger prompt (from the waiting cell's thread)."""
-        self.prompting.discard(rank)
-        self.record.ranks[rank].breakpoint_at = ""
+    def next_prompt(self) -> msg.Prompt | None:
+        """The oldest prompt still waiting for an answer (one answered meanwhile elsewhere is passed over)."""
+        while True:
+            try:
+                prompt = self.prompts.get_nowait()
+            except queue.Empty:
+                return None
+            with self._prompt_lock:
+                if self.waiting.get(prompt.rank) is prompt:
+                    return prompt
+
+    def answer(self, rank: int, line: str) -> bool:
+        """An answer to `rank`'s debugger prompt (from the waiting cell's thread, or the kernel's for the dashboard's
+        console); False where the rank was no longer waiting (another answer came first)."""
+        with self._prompt_lock:
+            if self.waiting.pop(rank, None) is None:
+                return False
+            self.record.ranks[rank].breakpoint_at = ""
         self.engine.send([rank], line.encode())
+        return True
 
     def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}

@@ -9,7 +9,6 @@ span all attempts; what is one attempt's (rank records, failures, logs, the stop
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpnb.core import hints, live, rundir
+from ddpnb.core import messages as msg
 from ddpnb.core.announce import Announcer
 from ddpnb.core.attempt import Attempt, Relay, StopRequest
 from ddpnb.core.cellnames import cell_names, pdb_cell_names
@@ -30,12 +30,13 @@ from ddpnb.core.policy import Decision, RestartPolicy
 from ddpnb.core.ranklogs import log_paths
 from ddpnb.core.record import Attempt as AttemptRecord
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
-from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary
+from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary, named
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.watchdog import Watchdog
 from ddpnb.core.words import format_duration
 
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
+GOES_ON = frozenset({"c", "cont", "continue", "q", "quit", "exit"})  # pdb commands that leave its prompt
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
 
@@ -177,23 +178,46 @@ class Run:
         """Each rank's debugger prompt in turn, asked in the front end's input box (from the thread of the cell
         that waits for the run, or for a session's command: it holds the kernel's stdin); a Ctrl-C there
         interrupts that wait as anywhere else in it."""
-        while True:
-            try:
-                prompt = self.attempt.prompts.get_nowait()
-            except queue.Empty:
+        while (prompt := self.attempt.next_prompt()) is not None:
+            self._ask(prompt)
+
+    def debug(self, rank: int) -> None:
+        """Answer `rank`'s debugger prompts (`breakpoint()`, `--debug`) in this cell's input box until it goes on
+        (`c`) or quits (`q`): for a `--background` run, whose own cell has returned. Ctrl-C leaves it, with the
+        rank still waiting."""
+        waiting = self.attempt.waiting.get(rank)
+        if waiting is None:
+            at = sorted(self.attempt.waiting)
+            print(f"[ddpnb] rank {rank} is not at a debugger prompt"
+                  + (f"; {named(at)} {'is' if len(at) == 1 else 'are'}: .debug({at[0]})" if at else "") + ".")
+            return
+        seen = 0
+        while not self.done:
+            prompt = self.attempt.waiting.get(rank)
+            if prompt is None:  # the rank is running its command: its next prompt, or its end
+                seen = self.watch(seen, TICK)
+                continue
+            if self._ask(prompt).strip().split(" ")[0] in GOES_ON:
                 return
-            self._notify()  # the rank's output up to its breakpoint first
-            said, _, ask = prompt.text.rpartition("\n")
-            if said:
-                print(pdb_cell_names(said), flush=True)
-            try:
-                line = input(f"(rank {prompt.rank}) {ask}")
-            except (EOFError, NotImplementedError):  # no more input, or this cell's front end takes none (IPython's
-                # StdinNotImplementedError): the rank goes on
-                print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
-                      file=sys.stderr)
-                line = "c"
-            self.attempt.answer(prompt.rank, line)
+
+    def answer(self, rank: int, line: str) -> bool:
+        """Send `line` to `rank`'s debugger prompt; False where it waits at none (an answer came first)."""
+        return self.attempt.answer(rank, line)
+
+    def _ask(self, prompt: msg.Prompt) -> str:
+        self._notify()  # the rank's output up to its breakpoint first
+        said, _, ask = prompt.text.rpartition("\n")
+        if said:
+            print(pdb_cell_names(said), flush=True)
+        try:
+            line = input(f"(rank {prompt.rank}) {ask}")
+        except (EOFError, NotImplementedError):  # no more input, or this cell's front end takes none (IPython's
+            # StdinNotImplementedError): the rank goes on
+            print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
+                  file=sys.stderr)
+            line = "c"
+        self.attempt.answer(prompt.rank, line)
+        return line
 
     def watch(self, seen: int, timeout: float) -> int:
         """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the

@@ -19,6 +19,7 @@ from typing import Any
 from ddpnb.core.record import OutputLine
 from ddpnb.core.report import restart_line
 from ddpnb.core.run import TICK, Run
+from ddpnb.views.console import PromptConsole
 from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.html import (
     MANY_RANKS,
@@ -109,6 +110,8 @@ class Dashboard:
         self.stacks_button.on_click(self._on_stacks)
         self.stacks = widgets.HTML(layout=widgets.Layout(display="none"))
         self.stall = widgets.HTML()
+        # a cell that waits asks in the front end's input box; one that returned, here
+        self.console = None if foreground else PromptConsole(run)
         self.stall_stacks = widgets.HTML()  # redrawn only when the stall doctor takes the stacks again
         self._stall_seen: object = None  # the diagnosis whose stacks it shows
         self.ranks = widgets.HTML()
@@ -126,7 +129,8 @@ class Dashboard:
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
-             self.ranks, self.stall, self.stall_stacks, self.error, self.plots, log_bar, self.log, self.stacks],
+             self.ranks, self.stall, self.stall_stacks, *([self.console.widget] if self.console else []),
+             self.error, self.plots, log_bar, self.log, self.stacks],
             layout=widgets.Layout(padding="2px 4px"))
         self.widget.add_class("ddpnb")
         self._render()
@@ -172,6 +176,8 @@ class Dashboard:
                                                                    full_traceback=not self.foreground),
                                       "text/plain": summary_text(self.record)}, raw=True)
             self.run = None
+            if self.console is not None:
+                self.console.close()
 
     def _render(self) -> None:
         with self._lock:
@@ -180,6 +186,8 @@ class Dashboard:
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
             self.stall.value = stall_html(record, self.foreground)
+            if self.console is not None:
+                self.console.update()
             shown = record.stall.diagnosis if record.stall is not None and record.stalled else None
             if shown is not self._stall_seen:
                 self._stall_seen = shown
