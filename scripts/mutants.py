@@ -338,6 +338,16 @@ MUTANTS = [
         (("        if all(_library(file) for file, _, _ in frames):\n            left += 1\n            continue\n", ""),),
         (VIEWS + "test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source",),
     ),
+    Mutant(
+        "background-breakpoint-skipped", "ddpnb/_api.py",
+        (("    prompts = engine_type.capabilities.commands and", "    prompts = foreground and engine_type.capabilities.commands and"),),
+        (DEBUGGER + "test_a_background_runs_breakpoint_is_answered_from_a_later_cell_with_debug",),
+    ),
+    Mutant(
+        "debug-in-the-kernel-opens-ddpnbs-frames", "ddpnb/__init__.py",
+        (("    point_debug_at_the_ranks(ipython)\n", ""),),
+        (DEBUGGER + "test_debug_in_the_kernel_after_a_failed_run_points_at_the_ranks_frames",),
+    ),
     # --- the straggler radar: who the others wait for (issue 28) -------------------------------------------------
     Mutant(
         "straggler-reports-on-unshared-steps", "ddpnb/rank/radar.py",
