@@ -103,6 +103,10 @@ class RankRecord:
                 f"device={self.device}{f' node={self.node}' if self.node else ''} lines={self.lines}"
                 f"{f' metrics ({metrics})' if metrics else ''}>")
 
+    def _repr_html_(self) -> str:
+        last = f"<div>last line: <code>{escape(self.last_line[:200])}</code></div>" if self.last_line else ""
+        return f"<div class='ddpnb-record'><code>{escape(repr(self))}</code>{last}</div>"
+
     @property
     def compute_per_step(self) -> float | None:
         """Seconds of the rank's own compute per step over its recent reports (None before MIN_STEPS)."""
@@ -157,6 +161,9 @@ class Attempt:
         first = self.first_failure
         return (f"<Attempt {self.number} {self.outcome.value}"
                 f"{f', rank {first.rank} failed first' if first else ''}, {len(self.ranks)} ranks>")
+
+    def _repr_html_(self) -> str:
+        return _record_html(repr(self), self.ranks)
 
 
 @dataclass(frozen=True)
@@ -246,11 +253,7 @@ class RunRecord:
     def _repr_html_(self) -> str:
         """In a notebook: the one line, and a row per rank (where it ran, its state and exit); the rest is in the
         fields."""
-        rows = "".join(f"<tr><td>{r.rank}</td><td>{escape(r.node or '')}</td><td>{r.state.value}</td>"
-                       f"<td>{'' if r.exitcode is None else r.exitcode}</td><td>{r.lines}</td></tr>" for r in self.ranks)
-        return (f"<div class='ddpnb-record'><code>{escape(repr(self))}</code><table><thead><tr><th>rank</th>"
-                f"<th>node</th><th>state</th><th>exit</th><th>lines</th></tr></thead><tbody>{rows}</tbody></table>"
-                "</div>")
+        return _record_html(repr(self), self.ranks)
 
     def add_launch_note(self, note: str) -> None:
         """One more thing about the launch for the headers (information, not a warning on stderr)."""
@@ -321,3 +324,11 @@ class RunRecord:
             "name": pd.Series(columns["name"], dtype="object"),
             "value": pd.Series(columns["value"], dtype="float64"),
         })
+
+
+def _record_html(line: str, ranks: list[RankRecord]) -> str:
+    """A record's one line, then a short row per rank: a notebook's display of a run or an attempt."""
+    rows = "".join(f"<tr><td>{r.rank}</td><td>{escape(r.node or '')}</td><td>{r.state.value}</td>"
+                   f"<td>{'' if r.exitcode is None else r.exitcode}</td><td>{r.lines}</td></tr>" for r in ranks)
+    return (f"<div class='ddpnb-record'><code>{escape(line)}</code><table><thead><tr><th>rank</th><th>node</th>"
+            f"<th>state</th><th>exit</th><th>lines</th></tr></thead><tbody>{rows}</tbody></table></div>")
