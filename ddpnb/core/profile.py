@@ -4,10 +4,12 @@ traces merged into one on one time base with each rank's step time broken down (
 The ranks (`rank.profile`) import this module for the names below only; the rest runs in the kernel when an
 attempt that profiled ends (`Traces.finish`).
 
-Alignment: every rank makes a mark (`START_MARK`, an empty `record_function`) right after all ranks met on the
-run's store, so the marks happened at one moment, give or take the store's reply (well under a millisecond on one
-machine). A rank's offset is its mark's time minus rank 0's; its events are shifted by it. The same marks at the
-end (`END_MARK`) say how far the clocks drifted meanwhile.
+Alignment: ranks on one machine read one clock and need none. Across machines, every rank makes a mark
+(`START_MARK`, an empty `record_function`) right after all ranks met on the run's store, MEETINGS times in a row:
+each meeting's marks happened at one moment, give or take the store's reply and the scheduler (on a loaded machine
+a process can wait milliseconds for a CPU, but rarely at every meeting). A machine's offset is the median over
+the meetings of its marks' time minus rank 0's machine's; its ranks' events are shifted by it. The same marks at
+the end (`END_MARK`) say how far the clocks drifted meanwhile.
 
 The breakdown splits each profiled step of a rank's training thread, instant by instant, into the first that
 applies of: data loading (a DataLoader's `__next__`), compute (an operator running on any of the rank's threads,
@@ -32,6 +34,7 @@ from typing import Any
 from ddpnb.core.rundir import private
 from ddpnb.core.spec import LaunchError
 
+MEETINGS = 5  # marks per rank at the start and at the end of a profile
 DEFAULT_STEPS = (3, 5)  # bare --profile: three steps after a warm-up of the first ones
 START_MARK = "ddpnb/clock-sync"
 END_MARK = "ddpnb/clock-sync-end"
@@ -188,27 +191,33 @@ def _load(path: Path) -> dict[str, Any]:
         return json.load(file)
 
 
-def _mark(events: list[dict[str, Any]], name: str) -> float | None:
-    return next((e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == name), None)
+def _marks(events: list[dict[str, Any]], name: str, base: float) -> list[float]:
+    """The times of a rank's marks of one kind, in order (µs since the epoch)."""
+    return sorted(e["ts"] + base for e in events if e.get("ph") == "X" and e.get("name") == name)
 
 
-def _offsets(starts: dict[int, float], ends: dict[int, float], hosts: dict[int, str],
+def _offsets(starts: dict[int, list[float]], ends: dict[int, list[float]], hosts: dict[int, str],
              reference: int) -> tuple[dict[int, float], dict[int, float | None]]:
-    """Each marked rank's clock offset to the reference rank's, and its drift by the end marks (µs). Ranks on one
-    host read one clock: each host's offset is the median of its ranks' marks against the median of the reference
-    host's, so the store's reply reaching one process later than another is not taken for a clock offset."""
-    def per_host(marks: dict[int, float]) -> dict[str, float]:
-        by_host: dict[str, list[float]] = defaultdict(list)
-        for rank, at in marks.items():
-            by_host[hosts[rank]].append(at)
-        return {host: statistics.median(times) for host, times in by_host.items()}
+    """Each marked rank's clock offset to the reference rank's, and its drift by the end marks (µs): one per
+    host, as the module's docstring says."""
+    def per_host(marks: dict[int, list[float]]) -> dict[str, list[float]]:
+        """Each host's k-th meeting: the median of its ranks' k-th marks."""
+        by_host: dict[str, list[list[float]]] = defaultdict(list)
+        for rank, times in marks.items():
+            by_host[hosts[rank]].append(times)
+        return {host: [statistics.median(k) for k in zip(*lists)] for host, lists in by_host.items()}
 
-    began, ended = per_host(starts), per_host(ends)
+    def against_home(times: dict[str, list[float]], host: str) -> float | None:
+        pairs = [mine - theirs for mine, theirs in zip(times.get(host, []), times.get(home, []))]
+        return statistics.median(pairs) if pairs else None
+
     home = hosts[reference]
-    offset = {rank: began[hosts[rank]] - began[home] for rank in starts}
-    drift: dict[int, float | None] = {
-        rank: ended[hosts[rank]] - ended[home] - offset[rank] if hosts[rank] in ended and home in ended else None
-        for rank in starts}
+    began, ended = per_host(starts), per_host(ends)
+    offset = {rank: 0.0 if hosts[rank] == home else against_home(began, hosts[rank]) or 0.0 for rank in starts}
+    drift: dict[int, float | None] = {}
+    for rank in starts:
+        at_end = against_home(ended, hosts[rank])
+        drift[rank] = None if at_end is None else at_end - offset[rank]
     return offset, drift
 
 
@@ -220,17 +229,16 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
     traces = {rank: _load(path) for rank, path in sorted(files.items())}
     notes: list[str] = []
     base = {rank: trace.get("baseTimeNanoseconds", 0) / 1000 for rank, trace in traces.items()}  # µs
-    marks = {rank: _mark(trace["traceEvents"], START_MARK) for rank, trace in traces.items()}
-    ends = {rank: _mark(trace["traceEvents"], END_MARK) for rank, trace in traces.items()}
-    marked = [rank for rank, mark in marks.items() if mark is not None]
+    marks = {rank: _marks(trace["traceEvents"], START_MARK, base[rank]) for rank, trace in traces.items()}
+    ends = {rank: _marks(trace["traceEvents"], END_MARK, base[rank]) for rank, trace in traces.items()}
+    marked = [rank for rank, times in marks.items() if times]
     reference = marked[0] if marked else min(traces)
     origin = base[reference]
-    offset, drift = _offsets({rank: marks[rank] + base[rank] for rank in marked},  # type: ignore[operator]
-                             {rank: ends[rank] + base[rank] for rank in marked if ends[rank] is not None},  # type: ignore[operator]
+    offset, drift = _offsets({rank: marks[rank] for rank in marked}, {rank: ends[rank] for rank in marked if ends[rank]},
                              {rank: hosts.get(rank, "") for rank in marked}, reference)
     offset = {rank: offset.get(rank, 0.0) for rank in traces}  # µs to subtract from the rank's absolute times
     drift = {rank: drift.get(rank) for rank in traces}
-    unaligned = [rank for rank in traces if marks[rank] is None]
+    unaligned = [rank for rank in traces if not marks[rank]]
     if unaligned and len(traces) > 1:
         notes.append(f"{_ranks_words(unaligned)} could not be aligned (no clock mark: it did not meet the others "
                      "at the first profiled step); its clock is taken as it is")

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core.profile import END_MARK, REGION_SPAN, START_MARK, STEP_SPAN, steps_words
+from ddpnb.core.profile import END_MARK, MEETINGS, REGION_SPAN, START_MARK, STEP_SPAN, steps_words
 from ddpnb.rank import context as ctx
 
 MEET_WAIT = 60.0  # seconds a rank waits at a mark for the others, then profiles without the mark
@@ -77,17 +77,18 @@ class Window:
         send(self.context, trace, self.steps, "; ".join(self.notes))
 
     def _mark(self, name: str) -> None:
-        """Meet every rank on the run's store, then mark the moment in the trace: the marks of all ranks happened
-        at one time, whatever their clocks say."""
+        """Meet every rank on the run's store and mark the moment in the trace, MEETINGS times: each meeting's
+        marks happened at one time on every rank, whatever their clocks say (`core.profile` takes the median)."""
         from torch.profiler import record_function
 
-        if meet(self.context, f"ddpnb/profile/{name}"):
+        for meeting in range(MEETINGS):
+            if not meet(self.context, f"ddpnb/profile/{name}/{meeting}"):
+                self.notes.append(f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
+                                  f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
+                                  "(call ddpnb.log(step=...) on every rank)")
+                return
             with record_function(name):
                 pass
-        else:
-            self.notes.append(f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
-                              f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
-                              "(call ddpnb.log(step=...) on every rank)")
 
 
 def meet(context: ctx.RankContext, key: str, wait: float = MEET_WAIT) -> bool:
