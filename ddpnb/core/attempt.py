@@ -150,9 +150,14 @@ class Attempt:
         try:
             profile = self.traces.finish()
         except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:  # a trace torch wrote that we cannot read
-            profile = profiling.Profile(trace=None, rank_traces=dict(self.traces.files), steps="",
+            profile = profiling.Profile(trace=None, rank_traces=dict(self.traces.files),
+                                        steps=profiling.steps_words(self.spec.profile),
                                         notes=[f"the traces could not be merged ({type(exc).__name__}: {exc}); each "
                                                "rank's own is in the profile folder"], attempt=self.number)
+        if profile is None and self.spec.profile is not None:  # --profile was asked for: say why there is none
+            profile = profiling.Profile(trace=None, rank_traces={}, steps=profiling.steps_words(self.spec.profile),
+                                        notes=["no rank sent a profile: the attempt ended before any rank finished "
+                                               "the profiled steps or returned"], attempt=self.number)
         if profile is not None:
             self.record.profile = profile
             self.announcer.mark(turn=True)

@@ -4,12 +4,14 @@ traces merged into one on one time base with each rank's step time broken down (
 The ranks (`rank.profile`) import this module for the names below only; the rest runs in the kernel when an
 attempt that profiled ends (`Traces.finish`).
 
-Alignment: ranks on one machine read one clock and need none. Across machines, every rank makes a mark
-(`START_MARK`, an empty `record_function`) right after all ranks met on the run's store, MEETINGS times in a row:
-each meeting's marks happened at one moment, give or take the store's reply and the scheduler (on a loaded machine
-a process can wait milliseconds for a CPU, but rarely at every meeting). A machine's offset is the median over
-the meetings of its marks' time minus rank 0's machine's; its ranks' events are shifted by it. The same marks at
-the end (`END_MARK`) say how far the clocks drifted meanwhile.
+Alignment: ranks on one machine read one clock and need none. Across machines, each rank measures its clock
+against rank 0's when the profile starts, as Cristian's algorithm does, through the run's store and in the
+profiler's own timestamps: it marks `ping` in its trace and sets a key; rank 0, once every rank's key is there,
+marks `serve` and answers; the rank marks `pong` when the answer comes. Rank 0's `serve` happened between the
+rank's `ping` and `pong`, so the rank's offset is (ping + pong) / 2 - serve, within half the round trip. Of
+EXCHANGES round trips the shortest is taken (on a loaded machine a process can wait milliseconds for a CPU, but
+rarely every time), and of a machine's ranks the one measured best. The same exchanges when the profile stops
+give the drift.
 
 The breakdown splits each profiled step of a rank's training thread, instant by instant, into the first that
 applies of: data loading (a DataLoader's `__next__`), compute (an operator running on any of the rank's threads,
@@ -24,7 +26,6 @@ import bisect
 import gzip
 import json
 import re
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,9 +35,9 @@ from typing import Any
 from ddpnb.core.rundir import private
 from ddpnb.core.spec import LaunchError
 
-MEETINGS = 5  # marks per rank at the start and at the end of a profile
+EXCHANGES = 5  # clock round trips per rank with rank 0, at the start and at the end of a profile
 DEFAULT_STEPS = (3, 5)  # bare --profile: three steps after a warm-up of the first ones
-START_MARK = "ddpnb/clock-sync"
+START_MARK = "ddpnb/clock-sync"  # then "/ping", "/serve", "/pong" (see the module's docstring)
 END_MARK = "ddpnb/clock-sync-end"
 STEP_SPAN = "ProfilerStep#"  # a profiled step, as torch.profiler's schedule names it (TensorBoard and HTA read it)
 REGION_SPAN = "ddpnb.profile"  # a `with ddpnb.profile():` region
@@ -196,29 +197,37 @@ def _marks(events: list[dict[str, Any]], name: str, base: float) -> list[float]:
     return sorted(e["ts"] + base for e in events if e.get("ph") == "X" and e.get("name") == name)
 
 
-def _offsets(starts: dict[int, list[float]], ends: dict[int, list[float]], hosts: dict[int, str],
-             reference: int) -> tuple[dict[int, float], dict[int, float | None]]:
-    """Each marked rank's clock offset to the reference rank's, and its drift by the end marks (µs): one per
-    host, as the module's docstring says."""
-    def per_host(marks: dict[int, list[float]]) -> dict[str, list[float]]:
-        """Each host's k-th meeting: the median of its ranks' k-th marks."""
-        by_host: dict[str, list[list[float]]] = defaultdict(list)
-        for rank, times in marks.items():
-            by_host[hosts[rank]].append(times)
-        return {host: [statistics.median(k) for k in zip(*lists)] for host, lists in by_host.items()}
+def _clock(marks: dict[int, dict[str, list[float]]], rank: int) -> tuple[float, float] | None:
+    """(offset of `rank`'s clock to rank 0's, round trip) from the shortest of its exchanges, in µs."""
+    trips = [(pong - ping, (ping + pong) / 2 - serve)
+             for ping, pong, serve in zip(marks[rank]["ping"], marks[rank]["pong"], marks.get(0, {}).get("serve", []))]
+    return min(trips) if trips else None
 
-    def against_home(times: dict[str, list[float]], host: str) -> float | None:
-        pairs = [mine - theirs for mine, theirs in zip(times.get(host, []), times.get(home, []))]
-        return statistics.median(pairs) if pairs else None
 
-    home = hosts[reference]
-    began, ended = per_host(starts), per_host(ends)
-    offset = {rank: 0.0 if hosts[rank] == home else against_home(began, hosts[rank]) or 0.0 for rank in starts}
+def _offsets(starts: dict[int, dict[str, list[float]]], ends: dict[int, dict[str, list[float]]],
+             hosts: dict[int, str]) -> tuple[dict[int, float], dict[int, float | None], list[int]]:
+    """Each rank's clock offset to rank 0's and its drift by the end (µs), one per host, the host's best measured
+    rank's; and the ranks that could not be aligned (on another host than rank 0, without exchanges)."""
+    home = hosts.get(0, hosts.get(min(hosts), "")) if hosts else ""
+    offset: dict[int, float] = {}
     drift: dict[int, float | None] = {}
-    for rank in starts:
-        at_end = against_home(ended, hosts[rank])
-        drift[rank] = None if at_end is None else at_end - offset[rank]
-    return offset, drift
+    unaligned = []
+    for host in set(hosts.values()):
+        ranks = [rank for rank, on in hosts.items() if on == host]
+        if host == home:
+            offset.update(dict.fromkeys(ranks, 0.0))
+            drift.update(dict.fromkeys(ranks, 0.0 if 0 in ends else None))
+            continue
+        began = [found for rank in ranks if (found := _clock(starts, rank)) is not None]
+        if not began:
+            offset.update(dict.fromkeys(ranks, 0.0))
+            drift.update(dict.fromkeys(ranks, None))
+            unaligned += ranks
+            continue
+        ended = [found for rank in ranks if rank in ends and (found := _clock(ends, rank)) is not None]
+        offset.update(dict.fromkeys(ranks, min(began)[1]))
+        drift.update(dict.fromkeys(ranks, min(ended)[1] - min(began)[1] if ended else None))
+    return offset, drift, sorted(unaligned)
 
 
 def merge(files: dict[int, Path], names: dict[int, str], out: Path,
@@ -229,19 +238,16 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
     traces = {rank: _load(path) for rank, path in sorted(files.items())}
     notes: list[str] = []
     base = {rank: trace.get("baseTimeNanoseconds", 0) / 1000 for rank, trace in traces.items()}  # µs
-    marks = {rank: _marks(trace["traceEvents"], START_MARK, base[rank]) for rank, trace in traces.items()}
-    ends = {rank: _marks(trace["traceEvents"], END_MARK, base[rank]) for rank, trace in traces.items()}
-    marked = [rank for rank, times in marks.items() if times]
-    reference = marked[0] if marked else min(traces)
-    origin = base[reference]
-    offset, drift = _offsets({rank: marks[rank] for rank in marked}, {rank: ends[rank] for rank in marked if ends[rank]},
-                             {rank: hosts.get(rank, "") for rank in marked}, reference)
-    offset = {rank: offset.get(rank, 0.0) for rank in traces}  # µs to subtract from the rank's absolute times
-    drift = {rank: drift.get(rank) for rank in traces}
-    unaligned = [rank for rank in traces if not marks[rank]]
-    if unaligned and len(traces) > 1:
-        notes.append(f"{_ranks_words(unaligned)} could not be aligned (no clock mark: it did not meet the others "
-                     "at the first profiled step); its clock is taken as it is")
+    starts, ends = ({rank: {kind: _marks(trace["traceEvents"], f"{name}/{kind}", base[rank])
+                            for kind in ("ping", "serve", "pong")} for rank, trace in traces.items()}
+                    for name in (START_MARK, END_MARK))
+    ends = {rank: kinds for rank, kinds in ends.items() if any(kinds.values())}
+    origin = base[0 if 0 in traces else min(traces)]
+    # µs to subtract from each rank's absolute times
+    offset, drift, unaligned = _offsets(starts, ends, {rank: hosts.get(rank, "") for rank in traces})
+    if unaligned:
+        notes.append(f"{_ranks_words(unaligned)} could not be aligned with rank 0's clock (no exchange with rank 0 at "
+                     "the first profiled step); its clock is taken as it is")
     worst = max((abs(d) for d in drift.values() if d is not None), default=0.0)
     if worst > 1000:
         notes.append(f"the ranks' clocks drifted apart by up to {worst / 1000:.1f} ms over the profile")
@@ -252,7 +258,7 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
     for rank, trace in traces.items():
         shift = base[rank] - origin - offset[rank]
         events = trace["traceEvents"]
-        main = next((e["pid"] for e in events if e.get("name") == START_MARK), None) \
+        main = next((e["pid"] for e in events if e.get("name", "").startswith((STEP_SPAN, REGION_SPAN))), None) \
             or next((e["pid"] for e in events if e.get("cat") == "cpu_op"), None)
         pid = rank + 1  # pid 0 is the idle process to some viewers
         mine: list[dict[str, Any]] = []

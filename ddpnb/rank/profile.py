@@ -1,6 +1,6 @@
-"""The rank's side of `--profile` and `ddpnb.profile()`: torch.profiler over the chosen steps, a mark every rank
-makes at the same moment (so the kernel can put their clocks on one base), and the trace sent to the kernel as a
-message (`core.profile` merges them).
+"""The rank's side of `--profile` and `ddpnb.profile()`: torch.profiler over the chosen steps, clock exchanges
+with rank 0 marked in the trace (so the kernel can put the ranks' clocks on one base), and the trace sent to the
+kernel as a message (`core.profile` merges them).
 
 Imported only when a run profiles (`WorkerSpec.profile`, or a `ddpnb.profile()` region is entered): a run without
 either pays one `is None` test per `ddpnb.log`.
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core.profile import END_MARK, MEETINGS, REGION_SPAN, START_MARK, STEP_SPAN, steps_words
+from ddpnb.core.profile import END_MARK, EXCHANGES, REGION_SPAN, START_MARK, STEP_SPAN, steps_words
 from ddpnb.rank import context as ctx
 
 MEET_WAIT = 60.0  # seconds a rank waits at a mark for the others, then profiles without the mark
@@ -77,23 +77,47 @@ class Window:
         send(self.context, trace, self.steps, "; ".join(self.notes))
 
     def _mark(self, name: str) -> None:
-        """Meet every rank on the run's store and mark the moment in the trace, MEETINGS times: each meeting's
-        marks happened at one time on every rank, whatever their clocks say (`core.profile` takes the median)."""
+        """Every rank meets the others on the run's store, then times EXCHANGES round trips with rank 0, each end
+        marked in its trace (`core.profile` turns them into clock offsets)."""
+        spec = self.context.spec
+        if spec is None or spec.world_size == 1:
+            return
+        if not meet(self.context, f"ddpnb/profile/{name}/ready"):
+            self.notes.append(f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
+                              f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
+                              "(call ddpnb.log(step=...) on every rank)")
+            return
+        for exchange in range(EXCHANGES):
+            if not self._exchange(name, f"ddpnb/profile/{name}/{exchange}", spec.world_size):
+                self.notes.append("the clock exchange with rank 0 did not complete: its clock may not be aligned")
+                return
+
+    def _exchange(self, name: str, key: str, world: int) -> bool:
         from torch.profiler import record_function
 
-        for meeting in range(MEETINGS):
-            if not meet(self.context, f"ddpnb/profile/{name}/{meeting}"):
-                self.notes.append(f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
-                                  f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
-                                  "(call ddpnb.log(step=...) on every rank)")
-                return
-            with record_function(name):
-                pass
+        store, rank = self.context.store, self.context.rank
+        wait = datetime.timedelta(seconds=MEET_WAIT)
+        try:
+            if rank == 0:
+                store.wait([f"{key}/ping/{other}" for other in range(1, world)], wait)
+                with record_function(f"{name}/serve"):
+                    pass
+                store.set(f"{key}/pong", b"")
+            else:
+                with record_function(f"{name}/ping"):
+                    pass
+                store.set(f"{key}/ping/{rank}", b"")
+                store.wait([f"{key}/pong"], wait)
+                with record_function(f"{name}/pong"):
+                    pass
+        except RuntimeError:  # torch's DistStoreError: a timeout, or the store gone with rank 0
+            return False
+        return True
 
 
 def meet(context: ctx.RankContext, key: str, wait: float = MEET_WAIT) -> bool:
-    """Every rank sets its key on the run's store and waits for the others'; the store answers every waiter when
-    the last key is set. False where the others did not come within `wait` seconds."""
+    """Every rank sets its key on the run's store and waits for the others'. False where the others did not come
+    within `wait` seconds, or the rank has no store."""
     spec = context.spec
     world = spec.world_size if spec is not None else 1
     store = context.store
