@@ -1095,9 +1095,9 @@ def bench_profile(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
             + f"\n\nMedians of {settings.profile_reps} run(s) per row, each in a fresh kernel process. The merge "
               "runs in the kernel when the attempt ends (reading every rank's gzipped trace, shifting it, writing "
               "one file, and splitting each rank's steps). A profiled step pays torch.profiler's recording; the "
-              "step before the window pays its start and five store meetings, the step after it the stop and the "
-              "trace's export (its extra time over an unprofiled step is the open / close column). With 8 ranks on "
-              "this machine's cores every step is slower, profiled or not.")
+              "step before the window pays its start and the clock exchanges with rank 0, the step after it the stop "
+              "and the trace's export (its extra time over an unprofiled step is the open / close column). With 8 "
+              "ranks on this machine's cores every step is slower, profiled or not.")
 
 
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:

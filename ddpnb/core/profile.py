@@ -280,22 +280,19 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
                        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}}]
         events_out += mine
         aligned[rank] = mine
-    times = breakdown(aligned, names)
-    times = [_with_clock(t, offset[t.rank] / 1e6, None if drift[t.rank] is None else drift[t.rank] / 1e6)  # type: ignore[operator]
-             for t in times]
-    document = {
-        "traceEvents": events_out, "displayTimeUnit": "ms", "baseTimeNanoseconds": int(origin * 1000),
-        "ddpnb": {"ranks": [{"rank": t.rank, "name": t.name, "offset_us": round(offset[t.rank], 3),
-                             "drift_us": None if drift[t.rank] is None else round(drift[t.rank], 3)}  # type: ignore[arg-type]
-                            for t in times], "notes": notes},
-    }
+    times = [_with_clock(t, offset[t.rank], drift[t.rank]) for t in breakdown(aligned, names)]
+    clocks = [{"rank": t.rank, "name": t.name, "offset_us": round(offset[t.rank], 3),
+               "drift_us": None if t.drift is None else round(t.drift * 1e6, 3)} for t in times]
+    document = {"traceEvents": events_out, "displayTimeUnit": "ms", "baseTimeNanoseconds": int(origin * 1000),
+                "ddpnb": {"ranks": clocks, "notes": notes}}
     with open(out, "wb", opener=private) as file, gzip.GzipFile(fileobj=file, mode="wb", compresslevel=3) as packed:
         packed.write(json.dumps(document, separators=(",", ":")).encode())
     return times, notes
 
 
 def _with_clock(times: RankTime, offset: float, drift: float | None) -> RankTime:
-    return RankTime(**{**times.__dict__, "offset": offset, "drift": drift})
+    """`times` with its clock's offset and drift, given in µs, kept in seconds."""
+    return RankTime(**{**times.__dict__, "offset": offset / 1e6, "drift": None if drift is None else drift / 1e6})
 
 
 # --- the breakdown ---------------------------------------------------------------------------------------------
@@ -392,7 +389,8 @@ def _rank_time(rank: int, events: list[dict[str, Any]], collectives: list[_Colle
                     top_ops=_top_ops(computing, spans, count))
 
 
-def _top_ops(events: list[dict[str, Any]], spans: list[tuple[float, float]], count: int) -> tuple[tuple[str, float], ...]:
+def _top_ops(events: list[dict[str, Any]], spans: list[tuple[float, float]],
+             count: int) -> tuple[tuple[str, float], ...]:
     """Operators (and GPU kernels) by self time inside the profiled steps, most first."""
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for event in events:
