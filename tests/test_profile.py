@@ -17,6 +17,7 @@ import pytest
 import ddpnb
 from ddpnb.core.profile import PARTS, STEP_SPAN, breakdown, merge, profile_steps
 from ddpnb.core.spec import LaunchError
+from ddpnb.views.html import summary_html
 from ddpnb.views.profile import bars_svg, profile_html, profile_text
 
 
@@ -41,7 +42,7 @@ def ddp_with_a_slow_forward(rank: int, world_size: int, steps: int) -> str:
     torch.manual_seed(0)
     model = DistributedDataParallel(Net(2 if rank == 1 else 1))
     optimiser = torch.optim.SGD(model.parameters(), lr=0.001)
-    batch = torch.randn(2048, 256)
+    batch = torch.randn(4096, 256)  # steps long enough that load from elsewhere averages out
     for step in range(steps):
         optimiser.zero_grad()
         model(batch).square().mean().backward()
@@ -115,8 +116,10 @@ def test_profiled_steps_merge_into_one_aligned_trace_that_names_the_rank_waited_
                            "for rank 1"), text
     assert str(profile.trace) in text
     assert 'data-rank="0" data-part="waiting"' in bars_svg(profile)
-    page = profile_html(profile)
+    page = profile_html(profile)  # in the static summary: what JupyterLab's sanitiser keeps (no <svg>, <style>)
     assert "rank 0 waited" in page and 'class="ddpnb-profile-bars"' in page
+    assert "<svg" not in page and "<style" not in page and "var(" not in page
+    assert page in summary_html(ddpnb.last_run(), [])
 
 
 def test_the_merged_trace_loads_in_perfettos_trace_processor(tmp_path):
