@@ -28,10 +28,11 @@ import json
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ddpnb.core.messages import Profiled
 from ddpnb.core.rundir import private
 from ddpnb.core.spec import LaunchError
 
@@ -148,17 +149,17 @@ class Traces:
         self.directory = directory
         self.world_size = world_size
         self.attempt = attempt
-        self.sent: dict[int, Any] = {}  # rank -> its Profiled message, the trace bytes left out once written
+        self.sent: dict[int, Profiled] = {}  # rank -> its message, the trace's bytes left out once written
         self.files: dict[int, Path] = {}
 
-    def add(self, message: Any) -> None:
+    def add(self, message: Profiled) -> None:
         if message.trace:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self.directory / RANK_FILE.format(rank=message.rank)
             with open(path, "wb", opener=private) as file:
                 file.write(message.trace)
             self.files[message.rank] = path
-        self.sent[message.rank] = message
+        self.sent[message.rank] = replace(message, trace=b"")
 
     def finish(self) -> Profile | None:
         """The merged trace and breakdown; None where no rank profiled."""
