@@ -729,6 +729,33 @@ def probe_checkpoint(args: argparse.Namespace) -> None:
                        args=(args.bytes, args.saves)))
 
 
+# --- profiling (issue 30) ------------------------------------------------------------------------------------
+def probe_profile(args: argparse.Namespace) -> None:
+    """The training workload on `--ranks` CPU ranks with --profile over 3 steps after its warm-up: the kernel's
+    time to merge the traces and break the steps down, the files' sizes, and what opening and closing the
+    profile cost rank 0's steps (from the times of its ddpnb.log calls)."""
+    import gzip
+    import statistics
+
+    import ddpnb
+
+    by_value()
+    first = _workloads.TRAIN_WARMUP_STEPS + 1
+    ddpnb.run(_workloads.train, nprocs=args.ranks, view="none", args=(args.steps, True), timeout=900,
+              profile=f"{first}-{first + 2}")
+    record = ddpnb.last_run()
+    profile = record.profile
+    times = [point.time for point in record.metrics("loss", rank=0)]
+    step = {s: later - earlier for s, (earlier, later) in enumerate(zip(times, times[1:]), start=1)}
+    plain = statistics.median(seconds for s, seconds in step.items() if s < first - 1 or s > first + 3)
+    with gzip.open(profile.trace, "rb") as file:
+        events = len(json.load(file)["traceEvents"])
+    emit({"ranks": len(profile.ranks), "merge_seconds": profile.merge_seconds, "merged_bytes": profile.size,
+          "rank_bytes": sum(path.stat().st_size for path in profile.rank_traces.values()), "events": events,
+          "plain_step": plain, "profiled_step": statistics.median(step[s] for s in range(first, first + 3)),
+          "open_cost": step[first] - plain, "close_cost": step[first + 3] - plain, "notes": profile.notes})
+
+
 # --- the slurm engine (issue 27) ---------------------------------------------------------------------------------
 def probe_slurm(args: argparse.Namespace) -> None:
     """A kernel inside a Slurm allocation (SLURM_JOB_ID set): `--engine slurm` launches of the trivial workload on
@@ -943,6 +970,9 @@ def main() -> None:
     p = sub.add_parser("slurm")
     p.add_argument("--warm", type=int, default=5, help="later launches of each engine")
     p.add_argument("--data-bytes", type=int, default=0, help="also: notebook data of this size on 4 ranks")
+    p = sub.add_parser("profile")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="steps after the warm-up (3 of them profiled)")
     p = sub.add_parser("result-steps")
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()
@@ -951,7 +981,7 @@ def main() -> None:
         "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
         "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
         "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
-        "checkpoint": probe_checkpoint, "slurm": probe_slurm, "ray": probe_ray,
+        "checkpoint": probe_checkpoint, "slurm": probe_slurm, "ray": probe_ray, "profile": probe_profile,
     }[args.probe]
     probe(args)
 

@@ -24,6 +24,9 @@
    launches spread over a two-node `ray start` cluster on this machine.
 10. kernel shutdown (issue 28): jupyter_client's shutdown_kernel for a plain kernel, one that loaded ddpnb, and one
    that also runs a session and a background run; and what is left of their processes.
+11. profiling (issue 30): the training workload with --profile over 3 steps on 2 and 8 CPU ranks: the kernel's
+   time to merge the ranks' traces and break their steps down, the files' sizes, and what opening and closing
+   the profile adds to rank 0's steps.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -80,6 +83,7 @@ class Settings:
     ray_reps: int = 2  # rounds: a fresh kernel, its own local Ray instance
     ray_warm: int = 5  # later launches of each engine per round
     ray_sessions: int = 2  # sessions of each engine per round (20 timed round trips each)
+    profile_reps: int = 3  # profiled runs per world size
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -89,7 +93,7 @@ QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, s
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
                  session_warmup=5, session_restarts=2, data_reps=1,
                  data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2,
-                 ray_reps=1, ray_warm=3, ray_sessions=1)
+                 ray_reps=1, ray_warm=3, ray_sessions=1, profile_reps=1)
 
 
 class ProbeFailed(RuntimeError):
@@ -1055,13 +1059,54 @@ def bench_shutdown(settings: Settings, env: dict[str, str], goals: list[Goal]) -
               "ipykernel's SIGTERM ladder (0.01, 0.03, 0.1, 0.3, 1 s) waited on the tracker, which ignores SIGTERM.")
 
 
+# --- 11. profiling -------------------------------------------------------------------------------------------------
+PROFILE_RANKS = (2, 8)
+
+
+def bench_profile(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    found: dict[int, list[dict[str, Any]]] = {ranks: [] for ranks in PROFILE_RANKS}
+    for rep in range(settings.profile_reps):
+        for ranks in PROFILE_RANKS:
+            say(f"profiling: {ranks} ranks, round {rep + 1}/{settings.profile_reps}")
+            data = attempt(Samples(), lambda: probe("profile", f"--ranks={ranks}", env=env, timeout=900))
+            if data:
+                found[ranks].append(data)
+    rows = []
+    for ranks, runs in found.items():
+        if not runs:
+            rows.append([str(ranks), "not measured (the probe failed)", "", "", "", "", "", ""])
+            continue
+
+        def median(key: str, runs: list[dict[str, Any]] = runs) -> float:
+            return statistics.median(run[key] for run in runs)
+
+        rows.append([str(ranks), f"{median('merge_seconds'):.3f} s", f"{median('merged_bytes') / 1e3:.0f} kB",
+                     f"{median('rank_bytes') / 1e3:.0f} kB", f"{median('events'):,.0f}",
+                     f"{median('plain_step') * 1e3:.1f} ms", f"{median('profiled_step') * 1e3:.1f} ms",
+                     f"+{median('open_cost') * 1e3:.0f} / +{median('close_cost') * 1e3:.0f} ms"])
+    eight = found[8]
+    goals.append(_at_most("profiling: merging 8 ranks × 3 steps (issue 30) ≤ 2 s",
+                          statistics.median(run["merge_seconds"] for run in eight) if eight else None, 2.0, " s"))
+    return ("### 11. Profiling (issue 30) — the training workload (section 2's DDP MLP, ddpnb.log + print every "
+            "step), --profile over the 3 steps after its warm-up, CPU ranks over gloo\n\n"
+            + table(["ranks", "kernel: merge + breakdown", "merged trace (gzip)", "rank traces (gzip, all)",
+                     "events merged", "rank 0 step, unprofiled", "profiled step", "open / close of the profile"],
+                    rows)
+            + f"\n\nMedians of {settings.profile_reps} run(s) per row, each in a fresh kernel process. The merge "
+              "runs in the kernel when the attempt ends (reading every rank's gzipped trace, shifting it, writing "
+              "one file, and splitting each rank's steps). A profiled step pays torch.profiler's recording; the "
+              "step before the window pays its start and the clock exchanges with rank 0, the step after it the stop "
+              "and the trace's export (its extra time over an unprofiled step is the open / close column). With 8 "
+              "ranks on this machine's cores every step is slower, profiled or not.")
+
+
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:
     return Goal(label, fmt(value, unit), None if value is None else value <= bound)
 
 
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
             "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm,
-            "ray": bench_ray, "shutdown": bench_shutdown}
+            "ray": bench_ray, "shutdown": bench_shutdown, "profile": bench_profile}
 
 
 def machine() -> str:

@@ -3,6 +3,7 @@ and its view. The public functions in `ddpnb` are these."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -33,7 +34,7 @@ from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 
 __all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "LaunchError", "LaunchOptions", "attempt", "device", "last_run",
-           "launch", "log", "run", "runs", "spawn", "start"]
+           "launch", "log", "profile", "run", "runs", "spawn", "start"]
 
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
@@ -57,6 +58,11 @@ def launch(fn: Callable[..., Any], /, **options: Any) -> Run:
     `fold=False` shows every rank's copy of a line the ranks all print (by default the text view and the
     dashboard's all-ranks log show it once, as `[ranks 0-3] ...`). `tensorboard=DIR` writes every rank's metrics
     as TensorBoard event files in `DIR/<run name>/rank<N>` while the run goes (`pip install tensorboard`).
+
+    `profile='5-7'` (or True: steps 3-5): torch.profiler on every rank over those steps, counted by
+    `ddpnb.log(step=...)`; one merged trace, aligned across ranks, in `<run dir>/profile/trace.json.gz`, and each
+    rank's step time split into compute, communication, waiting and data loading in `record.profile`
+    (docs/profiling.md). `with ddpnb.profile():` profiles a region instead.
 
     `stall=S`: when no rank has made progress (output, a metric, a progress tick) for S seconds, the run is marked
     stalled, with where each rank is, and goes on (default: adapted to the run; 0: never). `run.stacks()` gives
@@ -147,7 +153,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
         timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
-        prompts=prompts, debug=options.debug and prompts,
+        prompts=prompts, debug=options.debug and prompts, profile=launch.profile,
     )
     run = Run(RunSetup(
         spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],
@@ -240,6 +246,18 @@ def log(step: int | None = None, **scalars: float) -> None:
                 raise the_callers(TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
                                             f"{type(value).__name__}{shape}: {value!r:.80}")) from None
         context.send_metric(step, values)
+
+
+def profile() -> contextlib.AbstractContextManager[None]:
+    """In a rank: `with ddpnb.profile():` profiles the region with torch.profiler, on every rank (enter it on
+    every rank, as a collective), into the run's merged trace and `record.profile`, as `--profile` does for steps.
+    A rank profiles once per attempt. Outside a worker it does nothing."""
+    context = rank_context.current()
+    if context is None:
+        return contextlib.nullcontext()
+    from ddpnb.rank import profile as rank_profile
+
+    return rank_profile.region(context)
 
 
 def device() -> str:

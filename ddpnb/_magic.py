@@ -157,6 +157,11 @@ class DDPMagics(Magics):
     @argument("--debug", action="store_true",
               help="when a rank raises, open a post-mortem prompt (pdb) at the raising line first, in the cell's "
                    "input box; leaving it (q or c) ends the run with the usual report.")
+    @argument("--profile", nargs="?", const=True, default=None, metavar="STEPS",
+              help="profile these steps (counted by ddpnb.log(step=...)) with torch.profiler on every rank, e.g. "
+                   "--profile 5-7 (alone: steps 3-5); the cell then says where each rank's step time went and which "
+                   "rank the others waited for, and the run directory holds one merged trace (profile/"
+                   "trace.json.gz, for Perfetto or chrome://tracing). See docs/profiling.md.")
     @argument("--fn", metavar="NAME",
               help="the function to run (default: the function the cell defines that nothing else in it uses).")
     @line_cell_magic
@@ -182,7 +187,7 @@ class DDPMagics(Magics):
         launch = _checked(args, timeout=args.timeout, view=args.view, max_restarts=args.max_restarts,
                           checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
                           resume=args.resume, tensorboard=args.tensorboard,
-                          debug=args.debug)  # before the cell defines anything
+                          debug=args.debug, profile=args.profile)  # before the cell defines anything
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
         try:

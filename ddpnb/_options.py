@@ -18,6 +18,7 @@ from typing import Any
 
 from ddpnb import engines
 from ddpnb.core import checkpoints
+from ddpnb.core.profile import profile_steps
 from ddpnb.core.engine import EngineType
 from ddpnb.core.spec import CallStyle, LaunchError, Plan, ViewKind, plan, stall_seconds
 from ddpnb.views import tensorboard as board
@@ -41,7 +42,9 @@ class LaunchOptions:
     keeps, and an earlier run ('last' or its directory) to continue from. fold: one copy of a line every rank
     prints. tensorboard: a directory for TensorBoard event files. stall: seconds without progress that mark the
     run stalled (None: adapted to the run; 0: never). debug: the first rank that raises opens a post-mortem
-    prompt at the raising frame (a foreground cell whose front end takes input).
+    prompt at the raising frame (a foreground cell whose front end takes input). profile: the steps to profile on
+    every rank, counted by `ddpnb.log(step=...)` ('5-7', or True for steps 3-5): one merged trace in the run
+    directory and each rank's step time broken down in `record.profile` (docs/profiling.md).
     """
 
     gpus: int | str | None = None
@@ -61,6 +64,7 @@ class LaunchOptions:
     tensorboard: str | os.PathLike[str] | None = None
     stall: float | None = None
     debug: bool = False
+    profile: bool | str | int | tuple[int, int] | None = None
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # the engine's own, by name
 
     @classmethod
@@ -102,7 +106,8 @@ class LaunchOptions:
             max_lines()
         resumed = checkpoints.resume_source(self.resume) if self.resume is not None else None
         board_dir = board.check(self.tensorboard) if self.tensorboard is not None else None
-        return Launch(self, engine_type, engine_options, planned, view, stall, resumed, board_dir)
+        return Launch(self, engine_type, engine_options, planned, view, stall, resumed, board_dir,
+                      profile=profile_steps(self.profile))
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class Launch:
     stall: float | None
     resumed: tuple[Path, int] | None  # the checkpoint directory --resume continues from, and its step
     tensorboard: Path | None
+    profile: tuple[int, int] | None = None  # the first and last step to profile (--profile)
 
 
 def _engine_option_names(name: str) -> list[str]:

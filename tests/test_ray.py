@@ -880,3 +880,21 @@ def train(rank, world_size):
     assert run.prompts[:2] == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], run.prompts
     assert re.search(r"^100$", run.stdout, re.MULTILINE), run.stdout
     assert ray_kernel.execute("print(total)").stdout.strip() == "3.0"
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_profile_traces_come_back_from_ray_ranks(ray_kernel):
+    """--profile on Ray: the traces travel back as messages through the run's channel (no shared run directory)."""
+    run = ray_kernel.execute("%%ddp --engine ray -n 2 --profile 2-3\n"
+                             "def profiled(rank):\n"
+                             "    for step in range(5):\n"
+                             "        dist.all_reduce(torch.ones(1000))\n"
+                             "        ddpnb.log(step=step)\n", timeout=CELL_TIMEOUT)
+    assert run.error is None and "[ddpnb] profile of steps 2-3:" in run.stdout, run.text
+    found = ray_kernel.execute("import gzip, json\nprofile = ddpnb.last_run().profile\n"
+                               "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
+                               "print(sorted(e['args']['name'].split(' (')[0] for e in events "
+                               "if e['name'] == 'process_name'), [r.spans for r in profile.ranks])")
+    assert found.stdout.strip() == "['rank 0', 'rank 1'] [2, 2]", found.text

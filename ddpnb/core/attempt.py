@@ -14,8 +14,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ddpnb.core import flight, hints
+from ddpnb.core import profile as profiling
 from ddpnb.core import messages as msg
 from ddpnb.core.announce import Announcer
 from ddpnb.core.cellnames import pdb_where
@@ -91,6 +93,8 @@ class Attempt:
         self.waiting: dict[int, msg.Prompt] = {}
         self._where: dict[int, str] = {}  # each rank's place at its latest prompt that said one
         self._prompt_lock = threading.Lock()
+        self.traces = profiling.Traces(profiling.profile_dir(Path(spec.run_dir), number, record.max_restarts > 0),
+                                       spec.world_size, number)
 
     # --- lifecycle, driven by the run -------------------------------------------------------------------------
     def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
@@ -141,10 +145,28 @@ class Attempt:
             self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             if close_engine:
                 self.engine.close()
+            self._merge_profile()
         finally:
             if self.logs is not None:
                 self.logs.close(self._stop[1] if self._stop else "")
             self.release_waiters()
+
+    def _merge_profile(self) -> None:
+        """The ranks' traces merged into one, and the breakdown, into the record (`--profile`)."""
+        try:
+            profile = self.traces.finish()
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:  # a trace torch wrote that we cannot read
+            profile = profiling.Profile(trace=None, rank_traces=dict(self.traces.files),
+                                        steps=profiling.steps_words(self.spec.profile),
+                                        notes=[f"the traces could not be merged ({type(exc).__name__}: {exc}); each "
+                                               "rank's own is in the profile folder"], attempt=self.number)
+        if profile is None and self.spec.profile is not None:  # --profile was asked for: say why there is none
+            profile = profiling.Profile(trace=None, rank_traces={}, steps=profiling.steps_words(self.spec.profile),
+                                        notes=["no rank sent a profile: the attempt ended before any rank finished "
+                                               "the profiled steps or returned"], attempt=self.number)
+        if profile is not None:
+            self.record.profile = profile
+            self.announcer.mark(turn=True)
 
     def release_waiters(self) -> None:
         for _, _, collected in self._stack_requests:  # no stacks will come now
@@ -222,6 +244,8 @@ class Attempt:
                 self.channel.answered(message)  # released at the end of this read pass, after the output read with it
         elif isinstance(message, msg.Failed):
             self._failed(rank, message)
+        elif isinstance(message, msg.Profiled):
+            self.traces.add(message)
         elif isinstance(message, msg.Prompt):
             with self._prompt_lock:
                 self.waiting[rank] = message

@@ -168,12 +168,25 @@ class Prompt:
     text: str
 
 
+@dataclass(frozen=True)
+class Profiled:
+    """The rank's profile (`--profile`, `ddpnb.profile()`): torch.profiler's Chrome trace, gzipped, or b"" where
+    nothing was profiled (`note` says why). It travels as any message does, so every engine brings it back."""
+
+    rank: int
+    host: str
+    device: str
+    trace: bytes
+    steps: tuple[int, int] | None = None  # the steps asked for; None for a ddpnb.profile() region
+    note: str = ""  # what is missing or partial, in words
+
+
 Message = (Started | Metric | Progress | GpuMemory | StepTimes | Hardware | Returned | Failed | Imported | Stacks
-           | Output | Placed | Reply | Prompt)
+           | Output | Placed | Reply | Prompt | Profiled)
 
 KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, StepTimes, Hardware,
                                                           Returned, Failed, Imported, Stacks, Output, Placed, Reply,
-                                                          Prompt)}
+                                                          Prompt, Profiled)}
 
 
 class CommandKind(enum.Enum):

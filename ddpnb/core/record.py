@@ -11,12 +11,15 @@ from collections import deque
 from html import escape
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import Named
+
+if TYPE_CHECKING:
+    from ddpnb.core.profile import Profile
 
 KEEP_CLOSED_BARS = 4
 RECENT_REPORTS = 20  # StepTimes reports per rank the radar compares (about the last ten seconds)
@@ -243,6 +246,7 @@ class RunRecord:
     launch_note: str = ""
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
+    profile: Profile | None = None  # --profile: the latest attempt's merged trace and breakdown (`core.profile`)
 
     def __repr__(self) -> str:
         first = self.first_failure

@@ -67,6 +67,7 @@ class WorkerSpec:
     keep_checkpoints: int = 3  # complete checkpoints kept; older ones are deleted after each save
     prompts: bool = False  # the front end answers a rank's debugger prompt (a foreground cell that takes input)
     debug: bool = False  # --debug: a rank that raises opens a post-mortem prompt first (where `prompts`)
+    profile: tuple[int, int] | None = None  # --profile: the first and last step to profile (`rank.profile`)
 
 
 def stall_seconds(stall: object) -> float | None:

@@ -47,6 +47,7 @@ class RankContext:
     spec: WorkerSpec | None = None  # the run's spec, once unpickled (its attempt, its checkpoint directories)
     clock: StepClock = field(default_factory=StepClock)  # the straggler radar's compute per step
     checkpoints: CheckpointHooks | None = None  # the engine's own checkpoint bookkeeping, where it has one
+    profiler: Any = None  # --profile's window over the steps (`rank.profile.StepWindow`), only when asked for
 
     def send(self, message: Message) -> None:
         self.link.send(message)
@@ -57,6 +58,8 @@ class RankContext:
             times = self.clock.tick(self.rank, step)
             if times is not None:
                 self.link.send(times)
+            if self.profiler is not None:
+                self.profiler.at_step(step)
 
 
 _current: RankContext | None = None

@@ -48,9 +48,15 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
                          name="ddpnb-hardware", daemon=True).start()
         join_group(context, spec)
         debug.install(context, spec.prompts)
+        if spec.profile is not None:  # only then: a run without --profile never imports the profiler's code
+            from ddpnb.rank import profile
+
+            context.profiler = profile.StepWindow(context, *spec.profile)
         fn = _load_function(context, spec.fn_payload)
         value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))
         checkpoint.finish()  # an asynchronous save the function left being written completes before the result
+        if context.profiler is not None:
+            context.profiler.finish()
         context.send(_dump_result(value, result_fd) if rank == 0 else msg.Returned(rank=rank))
     except SystemExit as exc:  # reported (where it was called), then honoured by the engine's rank code
         _report(context, exc, message=repr(exc.code) if exc.code is not None else "")

@@ -26,6 +26,7 @@ from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary,
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
+from ddpnb.views.profile import profile_html
 
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
 MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
@@ -629,5 +630,6 @@ def summary_html(record: RunRecord, lines: Sequence[LogEntry], full_traceback: b
     hint = f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(record.hint)}</div>' if record.hint else ""
     return (f'<div class="ddpnb" data-ddpnb-summary="1" style="font-size:13px;line-height:1.4;max-width:1100px">'
             f'{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record, images=True) if metric_names(record) else ""}{stall_html(record)}'
+            f'{plots_html(record, images=True) if metric_names(record) else ""}'
+            f'{profile_html(record.profile) if record.profile is not None else ""}{stall_html(record)}'
             f'{error_html(record, full_traceback)}{resume_html(record)}{logs}{hint}</div>')

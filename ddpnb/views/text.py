@@ -19,6 +19,7 @@ from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import format_duration
 from ddpnb.views.fold import FoldedLine, Folder
+from ddpnb.views.profile import profile_text
 
 
 class TextView:
@@ -112,6 +113,8 @@ class TextView:
         self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {format_duration(record.duration)}\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
             self.out.write(summary_table(record) + "\n")
+        if record.profile is not None:
+            self.out.write(profile_text(record.profile) + "\n")
         if record.hint:
             self.out.write(f"[ddpnb] {record.hint}\n")
         found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
@@ -139,4 +142,6 @@ def stall_lines(stall: Stall, going: str = "the run", again: bool = False) -> st
 def summary_text(record: RunRecord) -> str:
     """A finished run in a few plain lines: the text the dashboard's static summary carries beside its HTML."""
     text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{summary_table(record)}"
+    if record.profile is not None:
+        text += "\n" + profile_text(record.profile)
     return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
