@@ -233,6 +233,17 @@ def test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of
     late = lateness(reports)
     assert {rank: round(seconds * 1000, 3) for rank, seconds in late.items()} == {0: 0.0, 1: 1.0, 2: 1.0, 3: 30.0}
     assert lateness({0: (("0", 1, 5),), 1: (("0", 2, 5),)}) == {}  # no collective in common: no verdict
+    assert lateness({0: (("0", 1, 5),)}) == {}  # one rank: nobody to come after
+
+
+def test_a_single_rank_run_with_steps_and_collectives_is_judged_by_nobody():
+    # the notebooks' one-GPU path: one rank under DDP, logging steps (the kernel once failed on its reports)
+    ddpnb.run(ddp_loop_with_a_slow_rank, nprocs=1, args=(40, 0, "sleep"), view="none", timeout=120)
+    record = ddpnb.last_run()
+    assert record.outcome.value == "succeeded" and record.ranks[0].holds_others is None
+    records = [RankRecord(rank=0)]
+    Arrivals().add(records, msg.StepTimes(rank=0, steps=4, wall=0.5, compute=0.1, step=4, arrivals=(("0", 1, 5),)))
+    assert not records[0].late
 
 
 def test_a_rank_is_flagged_only_over_the_floor_and_a_tenth_of_the_step():

@@ -729,3 +729,23 @@ print(run.done, run.outcome.value)
     assert out.error is None, out.text
     assert out.stdout.strip() == "True stopped", out.text
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_profile_merges_every_nodes_ranks_into_one_trace(slurm_kernel, cluster):
+    """--profile on Slurm (issue 30): each rank's trace travels back on its node's connection (no shared run
+    directory needed); the merged trace holds the four ranks of both nodes, each with the steps asked for."""
+    run = slurm_kernel.execute("%%ddp --engine slurm -n 4 --nodes 2 --profile 2-3\n"
+                               "def profiled(rank):\n"
+                               "    import torch, torch.distributed as dist\n"
+                               "    for step in range(5):\n"
+                               "        dist.all_reduce(torch.ones(1000))\n"
+                               "        ddpnb.log(step=step)\n", timeout=CELL_TIMEOUT)
+    assert run.error is None and "[ddpnb] profile of steps 2-3:" in run.stdout, run.text
+    found = slurm_kernel.execute("import gzip, json\nprofile = ddpnb.last_run().profile\n"
+                                 "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
+                                 "print(sorted(e['args']['name'].split(' (')[0] for e in events "
+                                 "if e['name'] == 'process_name'), [r.spans for r in profile.ranks],\n"
+                                 "      [rank.node for rank in ddpnb.last_run().ranks])")
+    assert found.stdout.strip() == ("['rank 0', 'rank 1', 'rank 2', 'rank 3'] [2, 2, 2, 2] "
+                                    "['n1', 'n1', 'n2', 'n2']"), found.text
+    assert ranks_left() == [] and steps_left(cluster) == []

@@ -28,7 +28,7 @@ class Arrivals:
         self.pending: dict[int, dict[int, tuple[tuple[str, int, int], ...]]] = {}
 
     def add(self, ranks: list[RankRecord], report: StepTimes) -> None:
-        if not report.arrivals:
+        if not report.arrivals or len(ranks) < 2:  # one rank waits for nobody
             return
         reports = self.pending.setdefault(report.step, {})
         reports[report.rank] = report.arrivals
@@ -52,7 +52,7 @@ def lateness(reports: dict[int, tuple[tuple[str, int, int], ...]]) -> dict[int, 
             issued.setdefault((group, number), {})[rank] = ns
     late: dict[int, float] = {}
     for times in issued.values():
-        if len(times) < len(reports):
+        if len(times) < max(len(reports), 2):
             continue
         for rank, ns in times.items():
             others = statistics.median(t for r, t in times.items() if r != rank)

@@ -43,8 +43,8 @@ def step_arrivals(since_ns: int) -> tuple[tuple[str, int, int], ...]:
     (process group, number, ns); none without a process group or where torch keeps no record."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return ()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ()  # one rank waits for nobody
     arrivals = _compat.collective_arrivals(str(dist.get_backend()))
     return tuple([a for a in arrivals or () if a[2] > since_ns][-ARRIVALS_KEPT:])
 
