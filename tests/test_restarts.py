@@ -486,3 +486,34 @@ def test_the_dashboard_keeps_every_attempts_curves_marks_the_restart_and_its_sum
                                      r"also in", summary), summary  # every attempt's, each shown
     assert f"{html.escape(str(record.run_dir))}/rank{{0..1}}.attempt{{0..1}}.log" in summary
     assert "ddpnb-restart-mark" in summary
+
+
+def _saves_where_rank_1_sees_another_directory(rank: int, directory: str) -> None:
+    """Rank 1 gets a directory of its own at the checkpoint directory's path, as a rank on another node does where
+    the directory is that node's own (its /tmp): a private mount namespace with a fresh tmpfs mounted there."""
+    import ctypes
+
+    import torch
+
+    if rank == 1:
+        libc = ctypes.CDLL(None, use_errno=True)
+        ms_rec, ms_private, clone_newns = 0x4000, 0x40000, 0x20000
+        if libc.unshare(clone_newns) or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) \
+                or libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, None):
+            raise OSError(ctypes.get_errno(), "no private mount for rank 1")
+    ddpnb.save_checkpoint({"weights": torch.ones(4)}, step=1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private mount for one rank needs root (CAP_SYS_ADMIN)")
+def test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save(tmp_path):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    with pytest.raises(ddpnb.WorkerError) as failure:
+        ddpnb.run(_saves_where_rank_1_sees_another_directory, nprocs=2, args=(str(directory),),
+                  checkpoint_dir=str(directory), view="none", timeout=120)
+    message = str(failure.value)
+    assert "the checkpoint directory" in message and "is not shared by every rank: rank 1 (on " in message, message
+    assert "Pass --checkpoint-dir (checkpoint_dir=) a directory on a filesystem every node shares" in message
+    assert [p.name for p in directory.rglob("*") if "step" in p.name] == [], "something was saved"
+    traceback = failure.value.record.first_failure.traceback
+    assert traceback.splitlines()[-2].strip().startswith("ddpnb.save_checkpoint(")  # raised on the user's line

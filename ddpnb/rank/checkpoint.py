@@ -39,6 +39,7 @@ class _Pending:
 
 _pending: _Pending | None = None
 _async_group: Any = None  # a process group of its own for DCP's writing thread: never the training's collectives
+_shared_root: Path | None = None  # the checkpoint directory every rank was seen to share (`_check_shared`)
 
 
 def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = False) -> None:
@@ -60,10 +61,14 @@ def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = Fa
     root = Path(spec.checkpoint_dir)
     final = root / step_dir(step)
     partial = root / f"{step_dir(step)}.attempt{spec.attempt}{PARTIAL_SUFFIX}"
+    token = root / f".shared-by-every-rank.{Path(spec.run_dir).name}.attempt{spec.attempt}"
     if dist.get_rank() == 0:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # this attempt saved this step before: start it afresh
+        if _shared_root != root:
+            token.touch()
     dist.barrier()  # no rank writes into `partial` before it is empty
+    _check_shared(root, token)
     if asynchronous:
         if _async_group is None:
             _async_group = dist.new_group(backend="gloo")
@@ -81,6 +86,33 @@ def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = Fa
     if dist.get_rank() == 0:
         _rename(partial, final, spec.keep_checkpoints)
     _announce(step, final)
+
+
+def _check_shared(root: Path, token: Path) -> None:
+    """Once per attempt, at the first save: every rank sees the file rank 0 just wrote in the checkpoint directory.
+    A directory each node has its own of (a node's /tmp, where the run directory is by default) would leave each
+    node's shards where no other node reads them: a checkpoint that cannot be loaded. Raises on every rank."""
+    global _shared_root
+    if _shared_root == root:
+        return
+    import socket
+
+    import torch.distributed as dist
+
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (token.exists(), socket.gethostname()))
+    if dist.get_rank() == 0:
+        token.unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (found, host) in enumerate(seen) if not found]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        raise the_callers(RuntimeError(
+            f"ddpnb.save_checkpoint: the checkpoint directory {root} is not shared by every rank: rank"
+            f"{'s' if len(blind) > 1 else ''} {', '.join(str(rank) for rank, _ in blind)} (on "
+            f"{', '.join(hosts)}) cannot see what rank 0 wrote there, so a checkpoint would be split between the "
+            "nodes and could not be loaded. Pass --checkpoint-dir (checkpoint_dir=) a directory on a filesystem "
+            "every node shares (your home or scratch directory); nothing was saved."))
+    _shared_root = root
 
 
 def finish() -> None:
