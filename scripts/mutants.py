@@ -348,6 +348,11 @@ MUTANTS = [
         (("    point_debug_at_the_ranks(ipython)\n", ""),),
         (DEBUGGER + "test_debug_in_the_kernel_after_a_failed_run_points_at_the_ranks_frames",),
     ),
+    Mutant(
+        "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
+        (("    _check_shared(root, token)\n", ""),),
+        (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),
+    ),
     # --- the straggler radar: who the others wait for (issue 28) -------------------------------------------------
     Mutant(
         "straggler-reports-on-unshared-steps", "ddpnb/rank/radar.py",
