@@ -353,6 +353,11 @@ MUTANTS = [
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),
     ),
+    Mutant(
+        "slurm-job-never-kept-for-the-next-launch", "ddpnb/engines/slurm/engine.py",
+        (("            self._own_job.park()\n", "            self._own_job.release()\n"),),
+        (SLURM + "test_outside_an_allocation_a_sessions_restart_keeps_its_job_and_its_end_gives_it_back",),
+    ),
     # --- the straggler radar: who the others wait for (issue 28) -------------------------------------------------
     Mutant(
         "straggler-reports-on-unshared-steps", "ddpnb/rank/radar.py",

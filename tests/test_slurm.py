@@ -299,9 +299,38 @@ def where(rank, world_size):
         result = cell.finish(timeout=CELL_TIMEOUT)
     assert result.error is None, "\n".join(result.error["traceback"]) + result.text
     assert f"slurm job {job} runs on n[1-2] after" in result.stdout, result.stdout
+    assert "it is given back 10 s after the run ends, unless the next launch asking for the same takes it" in (
+        result.stdout)
     placed = slurm_kernel.execute("print(placed)").stdout.strip()
     assert placed == f"[('n1', '{job}'), ('n2', '{job}')]"  # ranks on both nodes of the job asked for
-    assert ddpnb_jobs(cluster, within=10) == []  # given back with the run's end
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+WHERE_AND_WHO = "%%ranks\nimport os\nprint(os.environ['SLURM_JOB_ID'], os.getpid())"
+
+
+def test_outside_an_allocation_a_sessions_restart_keeps_its_job_and_its_end_gives_it_back(slurm_kernel, cluster):
+    """`%ddp_restart` on a login node: the fresh ranks run in the job the session had (no second turn in the
+    queue); `%ddp_stop` gives it back once no launch took it."""
+    with on_a_login_node(slurm_kernel):
+        try:
+            started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2 --partition debug --time 5",
+                                           timeout=CELL_TIMEOUT)
+            assert started.error is None, started.text
+            job = slurm_kernel.execute(WHERE_AND_WHO, timeout=60)
+            restarted = slurm_kernel.execute("%ddp_restart", timeout=CELL_TIMEOUT)
+            assert restarted.error is None, restarted.text
+            again = slurm_kernel.execute(WHERE_AND_WHO, timeout=60)
+        finally:
+            slurm_kernel.execute("%ddp_stop", timeout=60)
+    before, after = (re.findall(r"\[rank (\d)\] (\d+) (\d+)", cell.stdout) for cell in (job, again))
+    assert len(before) == 2 and len(after) == 2, (job.stdout, again.stdout)
+    jobs = {found[1] for found in before + after}
+    assert len(jobs) == 1 and cluster.job not in jobs, (before, after)  # one job of its own, both times
+    assert not {found[2] for found in before} & {found[2] for found in after}  # fresh ranks in it
+    assert "kept from the run before, runs this one too" in restarted.stdout, restarted.text
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
     assert ranks_left() == [] and steps_left(cluster) == []
 
 

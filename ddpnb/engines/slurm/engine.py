@@ -235,6 +235,11 @@ class SlurmEngine:
         (the views start with the ranks) while it waits, and an interrupt meanwhile cancels it (`close`)."""
         request = submit.JobRequest(name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size,
                                     gpus=self.spec.use_gpus, options=self.options)
+        kept = submit.take_kept(request)
+        if kept is not None:
+            self._own_job = kept
+            print(f"[ddpnb] slurm job {kept.job}, kept from the run before, runs this one too", flush=True)
+            return allocation.describe(kept.job)
         self._own_job = submit.OwnJob(request, say=lambda line: print(f"[ddpnb] {line}", flush=True))
         return self._own_job.wait()
 
@@ -626,8 +631,8 @@ class SlurmEngine:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
         self._selector.close()
-        if self._own_job is not None:  # the step is gone: the job asked for it goes back
-            self._own_job.release()
+        if self._own_job is not None:  # the step is gone: the job waits a moment for the next launch, then goes back
+            self._own_job.park()
             self._own_job = None
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
 

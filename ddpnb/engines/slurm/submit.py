@@ -1,5 +1,6 @@
 """A job of the run's own, for a kernel outside any allocation (a login node): asked for with `salloc`, its queue
-state said in the cell while it waits, and given back when the attempt ends.
+state said in the cell while it waits, and given back when the attempt ends — KEEP_JOB seconds later, so that the
+next launch asking for the same (a session's `%ddp_restart`, a restart, the next cell) takes it without queueing.
 
 `salloc` runs `cat` on this host for as long as the job should live: ddpnb closes `cat`'s stdin to give the job
 back, and a kernel that dies closes it too (end of file), so no allocation outlives its kernel, however it ended.
@@ -8,6 +9,8 @@ back, and a kernel that dies closes it too (end of file), so no allocation outli
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import re
 import shlex
@@ -22,6 +25,7 @@ from ddpnb.core.words import format_duration
 from ddpnb.engines.slurm import allocation
 from ddpnb.engines.slurm.options import SUBMIT_OPTIONS, SlurmOptions
 
+KEEP_JOB = 10.0  # seconds a job waits, once its run ended, for the next launch that asks for the same
 POLL = 1.0  # seconds between two looks at the job's queue state
 SAY_EVERY = 60.0  # seconds between two lines about a job whose state did not change
 RELEASE_WAIT = 10.0  # seconds salloc gets to give the job back once its `cat` ended
@@ -39,6 +43,10 @@ class JobRequest:
     gpus: bool
     options: SlurmOptions
 
+    def key(self) -> tuple[object, ...]:
+        """What a later launch must ask for to take this job: everything but the run's name."""
+        return self.tasks, self.gpus, self.options
+
     def salloc(self, salloc: str) -> list[str]:
         options = self.options
         named = {name: getattr(options, name) for name in SUBMIT_OPTIONS if name != "job_args"}
@@ -47,6 +55,43 @@ class JobRequest:
                 *(["--gpus-per-task=1"] if self.gpus else []),
                 *(f"--{key}={value}" for key, value in named.items() if value),
                 *shlex.split(options.job_args), "cat"]
+
+
+def keep_seconds() -> float:
+    """How long an ended run's job is kept for the next launch: KEEP_JOB, or DDPNB_SLURM_KEEP_JOB (0: never)."""
+    try:
+        return max(0.0, float(os.environ.get("DDPNB_SLURM_KEEP_JOB", KEEP_JOB)))
+    except ValueError:
+        return KEEP_JOB
+
+
+_kept: dict[tuple[object, ...], OwnJob] = {}  # a granted job between two runs, by what it was asked for
+_kept_lock = threading.Lock()
+
+
+def take_kept(request: JobRequest) -> OwnJob | None:
+    """The job an ended run left for a launch asking for the same, if it still runs; it is this launch's now."""
+    with _kept_lock:
+        job = _kept.pop(request.key(), None)
+    if job is None:
+        return None
+    job.unpark()
+    if job.running():
+        return job
+    job.release()
+    return None
+
+
+def release_kept() -> None:
+    """Give back every kept job at once (the kernel's end)."""
+    with _kept_lock:
+        jobs = list(_kept.values())
+        _kept.clear()
+    for job in jobs:
+        job.release()
+
+
+atexit.register(release_kept)  # also when the kernel dies outright: `cat` then reads the end of its input
 
 
 def salloc_path() -> str:
@@ -66,6 +111,7 @@ class OwnJob:
         self._salloc: subprocess.Popen[str] | None = None
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # salloc's stderr; None: it closed
         self._said: list[str] = []
+        self._expiry: threading.Timer | None = None  # while kept for the next launch: when it goes back
 
     def wait(self) -> allocation.Allocation:
         """Ask for the job and wait, however long it queues, until it runs; LaunchError, quoting Slurm, where it
@@ -97,9 +143,43 @@ class OwnJob:
                 shown, shown_at = state, time.monotonic()
         job = allocation.describe(self.job)
         waited = format_duration(time.monotonic() - asked)
+        kept = keep_seconds()
         self.say(f"slurm job {self.job} runs on {job.fields.get('NodeList', '?')} after {waited} in the queue; "
-                 "it is given back when the run ends")
+                 + (f"it is given back {format_duration(kept)} after the run ends, unless the next launch asking "
+                    "for the same takes it" if kept else "it is given back when the run ends"))
         return job
+
+    def park(self) -> None:
+        """The run is over: keep the job keep_seconds() for a launch asking for the same, then give it back (at
+        once where it never ran, or nothing is kept)."""
+        seconds = keep_seconds()
+        if not self.granted or seconds <= 0 or not self.running():
+            self.release()
+            return
+        with _kept_lock:
+            replaced = _kept.pop(self.request.key(), None)
+            _kept[self.request.key()] = self
+            self._expiry = threading.Timer(seconds, self._expire)
+            self._expiry.daemon = True
+            self._expiry.start()
+        if replaced is not None:
+            replaced.release()
+
+    def unpark(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def running(self) -> bool:
+        """Its salloc still holds it and Slurm says it runs."""
+        return self._salloc is not None and self._salloc.poll() is None and self._queue_state() == "running"
+
+    def _expire(self) -> None:
+        with _kept_lock:
+            if _kept.get(self.request.key()) is not self:
+                return  # taken by a launch meanwhile
+            del _kept[self.request.key()]
+        self.release()
 
     def release(self) -> None:
         """Give the job back: `cat` ends and salloc relinquishes the allocation; a job still in the queue is
