@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ddpnb.core.channel import EAGER
 from ddpnb.core.spec import Stream
+
+if TYPE_CHECKING:  # the kernel's side only: a node's host never replays
+    from ddpnb.core.engine import RunEvents
 
 Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data) | ("message", rank, message)
 # | ("exited", rank, exitcode, stopped)
@@ -70,3 +74,21 @@ class Relay:
     def _put(self, event: Event) -> None:
         with self.lock:
             self._reading.append(event)
+
+
+def replay(batch: list[Event], events: RunEvents, node: str, exited: Callable[[int, int | None, bool], None],
+           placed: Callable[[int, int | None], None] | None = None) -> None:
+    """A relayed batch played into the kernel's `events`, in order, as the local engine would have reported it:
+    ranks placed on `node` (then `placed`, for the engine's own word on it); each exit through `exited(rank,
+    exitcode, stopped)`, which the engine words (a crash on its node, which ranks it counts as gone)."""
+    for kind, rank, *rest in batch:
+        if kind == "output":
+            events.output(rank, *rest)
+        elif kind == "message":
+            events.message(rank, *rest)
+        elif kind == "placed":
+            events.placed(rank, rest[0], node)
+            if placed is not None:
+                placed(rank, rest[0])
+        elif kind == "exited":
+            exited(rank, *rest)

@@ -25,6 +25,7 @@ from ddpnb.engines.ray.data import ObjectStoreShipment
 from ddpnb.node import forkserver
 from ddpnb.node.forked import STACK_WAIT, STOP_GRACE
 from ddpnb.node.rank import Seat
+from ddpnb.node.relay import replay
 
 TICK = 0.1  # seconds between two checks of the run (stop, timeout, announcements) while no host has news
 HOLD = 0.5  # seconds a host's drain waits for news before it answers empty
@@ -170,19 +171,18 @@ class WarmEngine:
             self._events.tick()
 
     def _replay(self, node: str, batch: list[tuple[Any, ...]]) -> None:
-        assert self._events is not None
-        for kind, rank, *rest in batch:
-            if kind == "output":
-                self._events.output(rank, *rest)
-            elif kind == "message":
-                self._events.message(rank, *rest)
-            elif kind == "placed":
-                self._events.placed(rank, rest[0], node)
-                line = f"[ddpnb] on Ray node {node[:12]} ({self._nodes_ip(node)}), pid {rest[0]}\n"
-                self._events.output(rank, Stream.STDOUT, line.encode())
-            elif kind == "exited":
-                self._exited.add(rank)
-                self._events.exited(rank, rest[0], stopped=rest[1])
+        events = self._events
+        assert events is not None
+
+        def placed(rank: int, pid: int | None) -> None:
+            line = f"[ddpnb] on Ray node {node[:12]} ({self._nodes_ip(node)}), pid {pid}\n"
+            events.output(rank, Stream.STDOUT, line.encode())
+
+        def exited(rank: int, code: int | None, stopped: bool) -> None:
+            self._exited.add(rank)
+            events.exited(rank, code, stopped=stopped)
+
+        replay(batch, events, node, exited, placed)
 
     def _lose(self, ranks: list[int], cause: str) -> None:
         assert self._events is not None

@@ -45,6 +45,7 @@ from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, in
     send_data
 from ddpnb.node import forked
 from ddpnb.node.rank import Seat
+from ddpnb.node.relay import replay
 from ddpnb.node.shared import Shipment
 
 STOP_GRACE = forked.STOP_GRACE  # seconds between a host's SIGTERM and SIGKILL to its ranks
@@ -437,18 +438,12 @@ class SlurmEngine:
 
     def _replay(self, node: _Node, batch: list[tuple[Any, ...]]) -> None:
         assert self._events is not None
-        for kind, rank, *rest in batch:
-            if kind == "output":
-                self._events.output(rank, *rest)
-            elif kind == "message":
-                self._events.message(rank, *rest)
-            elif kind == "placed":
-                self._events.placed(rank, rest[0], node.name)
-            elif kind == "exited":
-                code, stopped = rest
-                cause = f"{describe_exit(code)} (on Slurm node {node.name})" if code and code < 0 and not stopped \
-                    else ""
-                self._end(rank, code, stopped=stopped, cause=cause)
+
+        def exited(rank: int, code: int | None, stopped: bool) -> None:
+            cause = f"{describe_exit(code)} (on Slurm node {node.name})" if code and code < 0 and not stopped else ""
+            self._end(rank, code, stopped=stopped, cause=cause)
+
+        replay(batch, self._events, node.name, exited)
 
     def _read_srun(self, fd: int) -> None:
         data = os.read(fd, 1 << 16)
