@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, needs_local_scope, no_var_expand
 from IPython.core.magic_arguments import (
     MagicHelpFormatter,
     argument,
@@ -467,10 +467,12 @@ def point_debug_at_the_ranks(ipython: Any) -> None:
     if original is None or getattr(original, "ddpnb_points", False):  # no such magic, or `%reload_ext`
         return
 
-    def debug(line: str = "", cell: str | None = None) -> Any:
+    @no_var_expand  # as IPython's own: the statement as typed ($x, {x} kept), and the caller's local namespace
+    @needs_local_scope
+    def debug(line: str = "", cell: str | None = None, local_ns: Any = None) -> Any:
         error = getattr(sys, "last_value", None)
         if line.strip() or cell is not None or not isinstance(error, (WorkerError, _session.SessionError)):
-            return original(line, cell) if cell is not None else original(line)
+            return original(line, cell, local_ns)
         print(_debug_pointer(error))
         return None
 

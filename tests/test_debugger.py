@@ -161,6 +161,8 @@ def train(rank, world_size):
     assert plain.error is not None and plain.error["ename"] == "ZeroDivisionError"
     own = kernel.execute("%debug", answer=answers("q"))
     assert own.prompts and "ipdb>" in own.prompts[0], own.prompts  # IPython's post-mortem of the kernel's error
+    statement = kernel.execute("x = 42\n%debug print('{x}')", answer=answers("c"))
+    assert "{x}" in statement.stdout, statement.text  # the statement as typed, as IPython's own %debug takes it
     kernel.execute("%ddp_start -n 2", timeout=120)
     try:
         ranks = kernel.execute("%%ranks\nraise KeyError(rank)", timeout=60)

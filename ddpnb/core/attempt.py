@@ -371,12 +371,15 @@ class Attempt:
                 if self.waiting.get(prompt.rank) is prompt:
                     return prompt
 
-    def answer(self, rank: int, line: str) -> bool:
-        """An answer to `rank`'s debugger prompt (from the waiting cell's thread, or the kernel's for the dashboard's
-        console); False where the rank was no longer waiting (another answer came first)."""
+    def answer(self, prompt: msg.Prompt, line: str) -> bool:
+        """An answer to a rank's debugger `prompt` (from the waiting cell's thread, or the kernel's for the
+        dashboard's console); False where that prompt no longer waits (another answer came first: a line typed for
+        it must not reach the rank's next prompt)."""
+        rank = prompt.rank
         with self._prompt_lock:
-            if self.waiting.pop(rank, None) is None:
+            if self.waiting.get(rank) is not prompt:
                 return False
+            del self.waiting[rank]
             self.record.ranks[rank].breakpoint_at = ""
         self.engine.send([rank], line.encode())
         return True

@@ -38,7 +38,7 @@ def environment(run_dir: str | os.PathLike[str]) -> dict[str, str]:
 def radar_environment() -> dict[str, str]:
     """What every run's ranks need in their environment for torch to keep their collectives' arrival times, which
     the straggler radar reads (`rank/radar.py`); gloo's ring since torch 2.7. NCCL runs get `environment` too."""
-    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES)}
+    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES)}  # NCCL's older name
 
 
 def request(run_dir: str | os.PathLike[str], ranks: list[int]) -> float:

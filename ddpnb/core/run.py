@@ -191,20 +191,29 @@ class Run:
             print(f"[ddpnb] rank {rank} is not at a debugger prompt"
                   + (f"; {named(at)} {'is' if len(at) == 1 else 'are'}: .debug({at[0]})" if at else "") + ".")
             return
+        print(f"[ddpnb] rank {rank}'s debugger, until it goes on (c) or quits (q); Ctrl-C returns here with the "
+              "rank still waiting", flush=True)
         seen = 0
         while not self.done:
             prompt = self.attempt.waiting.get(rank)
             if prompt is None:  # the rank is running its command: its next prompt, or its end
                 seen = self.watch(seen, TICK)
                 continue
-            if self._ask(prompt).strip().split(" ")[0] in GOES_ON:
+            line, sent = self._ask(prompt)
+            if not sent:
+                print(f"[ddpnb] rank {rank}'s prompt was answered elsewhere (the dashboard's console) first; "
+                      f"{line!r} was not sent", flush=True)
+                return
+            if line.strip().split(" ")[0] in GOES_ON:
                 return
 
-    def answer(self, rank: int, line: str) -> bool:
-        """Send `line` to `rank`'s debugger prompt; False where it waits at none (an answer came first)."""
-        return self.attempt.answer(rank, line)
+    def answer(self, prompt: msg.Prompt, line: str) -> bool:
+        """Send `line` to the rank waiting at `prompt`; False where that prompt no longer waits (answered first
+        elsewhere)."""
+        return self.attempt.answer(prompt, line)
 
-    def _ask(self, prompt: msg.Prompt) -> str:
+    def _ask(self, prompt: msg.Prompt) -> tuple[str, bool]:
+        """The front end's line for `prompt`, and whether it was sent (not answered elsewhere meanwhile)."""
         self._notify()  # the rank's output up to its breakpoint first
         said, _, ask = prompt.text.rpartition("\n")
         if said:
@@ -216,8 +225,7 @@ class Run:
             print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
                   file=sys.stderr)
             line = "c"
-        self.attempt.answer(prompt.rank, line)
-        return line
+        return line, self.attempt.answer(prompt, line)
 
     def watch(self, seen: int, timeout: float) -> int:
         """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the

@@ -16,7 +16,8 @@ from ddpnb.core.messages import StepTimes
 from ddpnb.core.stragglers import Arrivals, flag_stragglers
 
 RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
-STALL_REFRESH = 5.0  # seconds between two looks at where each rank is while the run stays stalled
+STALL_REFRESH = 5.0  # seconds to the first look again at where each rank is while the run stays stalled
+STALL_REFRESH_MAX = 60.0  # ... each look then waits twice as long as the one before, up to this
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
 
 
@@ -44,6 +45,7 @@ class Watchdog:
         self.started = self.clock
         self._stalled_latest = 0.0  # the run's latest progress when the ongoing stall began
         self._looked_at = 0.0  # when the ongoing stall's ranks were last looked at
+        self._refresh = STALL_REFRESH  # seconds until the next look
         self._radar_due = False
         self._arrivals = Arrivals()
         self._radar_at = 0.0
@@ -102,14 +104,15 @@ class Watchdog:
         if stall is not None and stall.ongoing:
             if self.stall.latest > self._stalled_latest:
                 return Alarm.RESUMED
-            if now - self._looked_at < STALL_REFRESH:
+            if now - self._looked_at < self._refresh:
                 return None
-            self._looked_at = now
+            # each look stops the reader a moment and signals every rank: less often the longer the stall lasts
+            self._looked_at, self._refresh = now, min(2 * self._refresh, STALL_REFRESH_MAX)
             return Alarm.STILL_STALLED
         if self.paused():
             self.stall.idle(now)
             return None
         if quiet <= self.stall.threshold() or not any(r.state in _RUNNING and r.rank not in returned for r in ranks):
             return None
-        self._stalled_latest, self._looked_at = self.stall.latest, now
+        self._stalled_latest, self._looked_at, self._refresh = self.stall.latest, now, STALL_REFRESH
         return Alarm.STALL

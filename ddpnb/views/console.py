@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import threading
+import warnings
 from collections import deque
 from ddpnb.core import messages as msg
 from ddpnb.core.cellnames import pdb_cell_names
@@ -28,10 +29,14 @@ class PromptConsole:
         self._transcript: deque[str] = deque(maxlen=TRANSCRIPT_LINES)
         self.title = widgets.HTML()
         self.transcript = widgets.HTML()
-        self.input = widgets.Text(placeholder="a pdb command, then Enter (c: continue)", continuous_update=False,
+        self.input = widgets.Text(placeholder="a pdb command, then Enter (c: continue)",
                                   layout=widgets.Layout(width="min(100%, 640px)"))
         self.input.add_class("ddpnb-console-input")
-        self.input.observe(lambda change: self.submit(change["new"]), names="value")
+        with warnings.catch_warnings():
+            # Enter alone sends: the suggested replacement (continuous_update=False) also sends a half-typed
+            # command when the field loses focus
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.input.on_submit(lambda text: self.submit(text.value))
         self.widget = widgets.VBox([self.title, self.transcript, self.input],
                                    layout=widgets.Layout(display="none", margin="4px 0"))
         self.widget.add_class("ddpnb-console")
@@ -66,18 +71,20 @@ class PromptConsole:
                                      f'{html.escape(chr(10).join(self._transcript))}</pre>')
 
     def submit(self, line: str) -> None:
-        """The input line, sent to the rank that waits (its value set back to empty, which sends nothing)."""
+        """The input line (Enter), sent to the prompt it was typed at, if that still waits."""
         run = self.run
-        if not line or run is None:
+        if run is None:
             return
         with self._lock:
             prompt = self._asking
             self.input.value = ""
             if prompt is None:
                 return
-            if run.answer(prompt.rank, line):
+            if run.answer(prompt, line):
                 self._transcript.append(f"(rank {prompt.rank}) (Pdb) {line}")
                 self.input.disabled = True  # until the rank's next prompt
+            else:
+                self._transcript.append(f"(rank {prompt.rank}) answered elsewhere first: {line!r} not sent")
         self.update()
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from ddpnb.engines.slurm import allocation
 from ddpnb.engines.slurm.options import SUBMIT_OPTIONS, SlurmOptions
 
 KEEP_JOB = 10.0  # seconds a job waits, once its run ended, for the next launch that asks for the same
+MIN_LEFT = 120.0  # seconds a kept job must still have before its time limit to be given to the next launch
 POLL = 1.0  # seconds between two looks at the job's queue state
 SAY_EVERY = 60.0  # seconds between two lines about a job whose state did not change
 RELEASE_WAIT = 10.0  # seconds salloc gets to give the job back once its `cat` ended
@@ -171,8 +172,25 @@ class OwnJob:
             self._expiry = None
 
     def running(self) -> bool:
-        """Its salloc still holds it and Slurm says it runs."""
-        return self._salloc is not None and self._salloc.poll() is None and self._queue_state() == "running"
+        """Its salloc still holds it, Slurm says it runs, and for MIN_LEFT more at least (a job about to reach its
+        --time would end the next run it were given to)."""
+        if self._salloc is None or self._salloc.poll() is not None or self._queue_state() != "running":
+            return False
+        left = self._time_left()
+        return left is None or left >= MIN_LEFT
+
+    def _time_left(self) -> float | None:
+        """Seconds before the job reaches its time limit, as squeue says it (None: no limit, or not known)."""
+        try:
+            done = subprocess.run(["squeue", "-h", "-j", self.job, "-o", "%L"], capture_output=True, text=True,
+                                  timeout=allocation.SCONTROL_WAIT, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", done.stdout.strip())  # [D-][H:]M:S
+        if found is None:  # UNLIMITED, NOT_SET, or nothing
+            return None
+        days, hours, minutes, seconds = (int(part or 0) for part in found.groups())
+        return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
     def _expire(self) -> None:
         with _kept_lock:
