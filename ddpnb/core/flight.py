@@ -1,9 +1,10 @@
 """NCCL's Flight Recorder for GPU runs: switched on in the ranks' environment, dumped at a stall or timeout, read.
 
-torch keeps a ring buffer of each rank's last collectives (TORCH_NCCL_TRACE_BUFFER_SIZE entries). With
+torch keeps a ring buffer of each rank's last collectives (TORCH_FR_BUFFER_SIZE entries; TORCH_NCCL_TRACE_BUFFER_SIZE
+before torch 2.7). With
 TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, each rank's NCCL monitor thread listens on a named pipe,
 `<stem><rank>.pipe`, and writing to it makes the rank dump the buffer to `<stem><rank>`
-(TORCH_NCCL_DEBUG_INFO_TEMP_FILE): a pickle of a dict whose "entries" each have "collective_seq_id",
+(TORCH_FR_DUMP_TEMP_FILE; TORCH_NCCL_DEBUG_INFO_TEMP_FILE before torch 2.7): a pickle of a dict whose "entries" each have "collective_seq_id",
 "profiling_name" ("nccl:all_reduce"), "state" ("scheduled", "started", "completed"), "process_group" (name,
 description) and more. The dump is made by torch's C++ thread, so it comes even while the rank's Python is
 blocked in a collective; the kernel only writes a byte to each pipe and reads the files.
@@ -11,7 +12,9 @@ blocked in a collective; the kernel only writes a byte to each pipe and reads th
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import pickle
 import time
 from dataclasses import dataclass
@@ -27,18 +30,25 @@ DUMP_WAIT = 3.0  # seconds the ranks get to write their dumps (torch's monitor r
 def environment(run_dir: str | os.PathLike[str]) -> dict[str, str]:
     """What an NCCL run's ranks need in their environment for the kernel to dump their flight recorders."""
     stem = str(Path(run_dir) / STEM)
-    nccl = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+    return {**radar_environment(), _name("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): stem,
             "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    # newer torch reads the backend-neutral names first (TORCH_FR_*), falling back to the NCCL ones
-    neutral = {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_FR_DUMP_TEMP_FILE": stem,
-               "TORCH_FR_DEBUG_INFO_PIPE_FILE": stem}
-    return {**nccl, **neutral}
 
 
 def radar_environment() -> dict[str, str]:
     """What every run's ranks need in their environment for torch to keep their collectives' arrival times, which
     the straggler radar reads (`rank/radar.py`); gloo's ring since torch 2.7. NCCL runs get `environment` too."""
-    return {"TORCH_FR_BUFFER_SIZE": str(ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(ENTRIES)}  # NCCL's older name
+    return {_name("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(ENTRIES)}
+
+
+def _name(current: str, older: str) -> str:
+    """The variable's name the installed torch reads: the Flight Recorder's own since torch 2.7, which warns on
+    every rank where the older NCCL name is set; the NCCL one before. Read from the package's metadata: the kernel
+    never imports torch."""
+    try:
+        major, minor = (int(part) for part in re.findall(r"\d+", importlib.metadata.version("torch"))[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return current
+    return current if (major, minor) >= (2, 7) else older
 
 
 def request(run_dir: str | os.PathLike[str], ranks: list[int]) -> float:
