@@ -6,9 +6,10 @@ import codecs
 import re
 import threading
 from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpnb.core.record import OutputLine
+from ddpnb.core.record import Attempt, OutputLine
 from ddpnb.core.spec import Stream
 
 MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
@@ -102,3 +103,17 @@ class LineBuffer:
             count = self.count
         new.reverse()
         return new, count - seen - len(new), count
+
+
+def split_at_restarts(new: list[OutputLine], attempts: Sequence[Attempt], seen: int
+                      ) -> Iterator[tuple[list[OutputLine], Attempt | None]]:
+    """New lines cut where each of `attempts` (ended, not marked in the view yet) had its last line, once the view
+    read up to line `seen`: (the lines before the restart, the attempt that ended there), then (the rest, None).
+    How views put a restart's line where it happened."""
+    for attempt in attempts:
+        if attempt.last_line > seen:
+            break
+        before = [line for line in new if line.seq <= attempt.last_line]
+        new = new[len(before):]
+        yield before, attempt
+    yield new, None

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import OutputLine
 from ddpnb.core.report import restart_line
 from ddpnb.core.run import TICK, Run
@@ -213,20 +214,15 @@ class Dashboard:
         new, _, self._seen = run.lines_since(self._seen)
         new = [line._replace(text=line.text[:MAX_LINE_CHARS]) for line in new]
         now = time.monotonic()
-        # a restart's mark goes where it happened, as the text view's line: after the last line of the attempt it
-        # ended, once read
-        for attempt in self.record.attempts[self._restarts_shown:]:
-            if attempt.last_line > self._seen:
-                break
-            before = [line for line in new if line.seq <= attempt.last_line]
-            new = new[len(before):]
-            self._add(before, self._folder.add(before, now) + self._folder.flush())
-            self._restarts_shown += 1
-            mark = RestartMark(restart_line(attempt, self.record.max_restarts))
-            for lines in (self._all, *self._per_rank):
-                lines.append((mark, any_line_html(mark)))
-            self._lines_changed = True
-        self._add(new, self._folder.add(new, now) + (self._folder.flush() if done else []))
+        # a restart's mark goes where it happened, as the text view's line
+        for lines, attempt in split_at_restarts(new, self.record.attempts[self._restarts_shown:], self._seen):
+            self._add(lines, self._folder.add(lines, now) + (self._folder.flush() if attempt or done else []))
+            if attempt is not None:
+                self._restarts_shown += 1
+                mark = RestartMark(restart_line(attempt, self.record.max_restarts))
+                for shown in (self._all, *self._per_rank):
+                    shown.append((mark, any_line_html(mark)))
+                self._lines_changed = True
 
     def _add(self, new: list[OutputLine], folded: list[FoldedLine]) -> None:
         """Lines as printed, into each rank's log; as folded, into the all-ranks log."""

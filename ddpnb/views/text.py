@@ -12,6 +12,7 @@ import sys
 import time
 
 from ddpnb.core import checkpoints
+from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
 from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, named,
                                restart_line, stall_headline, summary_table)
@@ -51,14 +52,10 @@ class TextView:
         self.skipped += skipped_by_window
         now = time.monotonic()
         # a restart's line goes where it happened: after the last line of the attempt it ended, once read
-        for attempt in run.record.attempts[self.restarts_shown:]:
-            if attempt.last_line > self.seen:
-                break
-            before = [line for line in new if line.seq <= attempt.last_line]
-            new = new[len(before):]
-            self._write(self._limit(self.folder.add(before, now) + self.folder.flush()))
-            self._restarted(attempt)
-        self._write(self._limit(self.folder.add(new, now) + (self.folder.flush() if done else [])))
+        for lines, attempt in split_at_restarts(new, run.record.attempts[self.restarts_shown:], self.seen):
+            self._write(self._limit(self.folder.add(lines, now) + (self.folder.flush() if attempt or done else [])))
+            if attempt is not None:
+                self._restarted(attempt)
         self._stall()
         self.out.flush()
         self.err.flush()
