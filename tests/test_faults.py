@@ -94,6 +94,18 @@ def stray_processes() -> list[psutil.Process]:
             if process.pid not in keep and _alive(process)]
 
 
+def described(processes: list[psutil.Process]) -> list[str]:
+    """What a test's failure says of stray processes: enough to find the test that left them."""
+    said = []
+    for process in processes:
+        try:
+            said.append(f"{process.pid}, started {time.time() - process.create_time():.0f} s ago: "
+                        f"{' '.join(process.cmdline())}")
+        except psutil.NoSuchProcess:
+            said.append(f"{process.pid}, gone since")
+    return said
+
+
 def _alive(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE
@@ -109,7 +121,7 @@ def assert_nothing_left(record: ddpnb.RunRecord, also: list[int] = ()) -> None:
     deadline = time.monotonic() + GRACE
     while (stray := stray_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not stray, [(p.pid, " ".join(p.cmdline())) for p in stray]
+    assert not stray, described(stray)
 
 
 def read_log(record: ddpnb.RunRecord, rank: int) -> str:
@@ -836,7 +848,7 @@ def test_unpicklable_function_fails_before_any_process_starts(runs_dir, fn_kind,
     assert path in message
     assert "Create that object inside the function" in message  # what to do next
     assert _count_runs(runs_dir) == runs_before and ddpnb.last_run() is last_before  # nothing started
-    assert stray_processes() == []
+    assert not (stray := stray_processes()), described(stray)
 
 
 UNPICKLABLE_CELL = textwrap.dedent('''\
@@ -894,7 +906,7 @@ def test_two_runs_started_at_the_same_moment_from_two_threads_both_succeed():
     for thread in threads:
         thread.join(120)
     assert results == {0: 1.0, 1: 1.0}
-    assert stray_processes() == []
+    assert not (stray := stray_processes()), described(stray)
 
 
 CONCURRENT_SCRIPT = textwrap.dedent('''\
