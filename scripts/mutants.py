@@ -296,6 +296,11 @@ MUTANTS = [
          SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left"),
     ),
     Mutant(
+        "slurm-door-checks-one-connection-at-a-time", "ddpnb/engines/slurm/door.py",
+        (("            check.start()\n", "            check.run()\n"),),  # a silent stranger holds the hosts up
+        (SLURM + "test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on",),
+    ),
+    Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
         (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
         (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),

@@ -211,6 +211,7 @@ def waits(rank):
 
 run = ddpnb.launch(waits, engine="slurm", nprocs=2, nodes=2, view="none")
 doors = listening() - before
+silent = [socket.create_connection(tuple(door)) for door in doors]  # in before the hosts, then says nothing
 guesses = []
 for door in doors:
     try:
@@ -221,13 +222,16 @@ for door in doors:
     with socket.create_connection(tuple(door)) as stranger:  # says nothing sensible, then hangs up
         stranger.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
 print(len(doors), guesses, run.result(), run.outcome.value)
-print(open(os.path.join(run.record.run_dir, "channel.log")).read().count("refused a connection from"))
+refused = open(os.path.join(run.record.run_dir, "channel.log")).read()
+print(refused.count("refused a connection from"), refused.count("the run ended before it proved the secret"))
 print(len(listening() - before))
+for stranger in silent:
+    stranger.close()
 ''', timeout=CELL_TIMEOUT)
     assert out.error is None, out.error
     lines = out.stdout.splitlines()
     assert lines[0] == "1 ['refused'] done succeeded", out.stdout + out.stderr
-    assert lines[1] == "2"  # both logged
+    assert lines[1] == "3 1"  # all three logged; the silent one held no host up, and its check ended with the run
     assert lines[2] == "0"  # the listener closed with the run
 
 

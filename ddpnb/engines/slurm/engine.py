@@ -29,8 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,6 +39,7 @@ from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
 from ddpnb.engines.slurm import allocation, submit
+from ddpnb.engines.slurm.door import Door
 from ddpnb.engines.slurm.options import SlurmOptions
 from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, invitation, keepalive, layout, \
     send_data
@@ -159,7 +159,7 @@ class SlurmEngine:
         self.world_size = spec.world_size
         self._events: RunEvents | None = None
         self._srun: subprocess.Popen[bytes] | None = None
-        self._listener: Listener | None = None
+        self._door: Door | None = None
         self._closing = False
         self._stopping = False
         self._arrivals: queue.SimpleQueue[tuple[Connection, Hello]] = queue.SimpleQueue()
@@ -203,8 +203,7 @@ class SlurmEngine:
                 first += count
             secret = secrets.token_bytes(32)
             host = allocation.reachable_address(job.nodes[0])
-            self._listener = Listener((host, 0), family="AF_INET", authkey=secret)
-            threading.Thread(target=self._accept, name="ddpnb-slurm-accept", daemon=True).start()
+            self._door = Door(host, secret, admit=self._admit, refuse=self._refused)
             command = [srun, f"--jobid={job.job}", f"--nodes={len(counts)}", f"--ntasks={len(counts)}",
                        "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}", "--overlap", "--kill-on-bad-exit=0",
                        "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
@@ -217,7 +216,7 @@ class SlurmEngine:
                                           stderr=subprocess.PIPE, start_new_session=True)
             assert self._srun.stdin is not None
             try:
-                self._srun.stdin.write(invitation(*self._listener.address, secret))  # srun gives it to every host
+                self._srun.stdin.write(invitation(*self._door.address, secret))  # srun gives it to every host
                 self._srun.stdin.close()
             except BrokenPipeError:  # srun failed at once: `serve` reads why
                 pass
@@ -268,32 +267,13 @@ class SlurmEngine:
         return [each + (index < extra) for index in range(nodes)]
 
     # --- the channel's door -------------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        """Admit the hosts: each connection must prove the secret (the listener's HMAC challenge), then say which
-        node it is. Anything else is dropped and logged, and the door stays open for the hosts."""
-        listener = self._listener
-        assert listener is not None
-        while not self._closing:
-            try:
-                conn = listener.accept()
-            except (AuthenticationError, EOFError, OSError, ValueError) as exc:
-                if self._closing:
-                    return
-                self._refused(listener.last_accepted, exc)
-                continue
-            try:
-                hello = pickle.loads(conn.recv_bytes())
-                if not isinstance(hello, Hello):
-                    raise TypeError(f"not a host's hello: {type(hello).__name__}")
-            except (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError) as exc:
-                conn.close()
-                self._refused(listener.last_accepted, exc)
-                continue
-            if self._closing:
-                conn.close()
-                return
-            self._arrivals.put((conn, hello))
-            self._wake()
+    def _admit(self, conn: Connection, hello: Hello) -> None:
+        """A host proved the secret (the door's HMAC challenge) and said which node it is: the reader takes it."""
+        if self._closing:
+            conn.close()
+            return
+        self._arrivals.put((conn, hello))
+        self._wake()
 
     def _refused(self, peer: Any, exc: BaseException) -> None:
         line = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} refused a connection from {_peer(peer)}: "
@@ -614,10 +594,9 @@ class SlurmEngine:
             for pipe in (srun.stdin, srun.stdout, srun.stderr):
                 if pipe is not None:
                     pipe.close()
-        if self._listener is not None:
-            _knock(self._listener.address)  # wakes the acceptor's accept(), which then sees `_closing`
-            self._listener.close()
-            self._listener = None
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         while not self._arrivals.empty():
             self._arrivals.get_nowait()[0].close()
         with self._wake_lock:
@@ -692,13 +671,6 @@ def _task_ids(text: str) -> list[int]:
         first, _, last = part.partition("-")
         ids += range(int(first), int(last or first) + 1)
     return ids
-
-
-def _knock(address: tuple[str, int]) -> None:
-    try:
-        socket.create_connection(address, timeout=1).close()
-    except OSError:
-        return
 
 
 def _peer(peer: Any) -> str:
