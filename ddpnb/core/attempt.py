@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,7 +87,8 @@ class Attempt:
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
-        self.prompts: queue.SimpleQueue[msg.Prompt] = queue.SimpleQueue()  # debugger prompts as they came
+        # debugger prompts as they came, those still waiting only (under `_prompt_lock`)
+        self.prompts: deque[msg.Prompt] = deque()
         # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
         # dashboard's console and `Run.debug` answer it, whichever comes first
         self.waiting: dict[int, msg.Prompt] = {}
@@ -252,7 +253,9 @@ class Attempt:
                 # a prompt after `p x` says no place: the rank is where its last one said
                 record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
                 self._where[rank] = record.breakpoint_at
-            self.prompts.put(message)
+                # those answered meanwhile (the dashboard's console) go: the queue holds what still waits
+                self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
+                self.prompts.append(message)
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
@@ -362,14 +365,12 @@ class Attempt:
 
     def next_prompt(self) -> msg.Prompt | None:
         """The oldest prompt still waiting for an answer (one answered meanwhile elsewhere is passed over)."""
-        while True:
-            try:
-                prompt = self.prompts.get_nowait()
-            except queue.Empty:
-                return None
-            with self._prompt_lock:
+        with self._prompt_lock:
+            while self.prompts:
+                prompt = self.prompts.popleft()
                 if self.waiting.get(prompt.rank) is prompt:
                     return prompt
+            return None
 
     def answer(self, prompt: msg.Prompt, line: str) -> bool:
         """An answer to a rank's debugger `prompt` (from the waiting cell's thread, or the kernel's for the
