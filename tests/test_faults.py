@@ -1363,3 +1363,34 @@ def test_a_hundred_runs_leak_nothing(runs_dir):
         gc.collect()
     assert after == before
     assert _count_runs(runs_dir) <= rundir.KEEP_RUNS
+
+
+# --- 13. a bug in ddpnb's own reading of the ranks (the kernel's side) -----------------------------------------
+
+def sends_step_times_the_kernel_cannot_read(rank):
+    from ddpnb.core import messages as msg
+    from ddpnb.rank import context
+
+    for step in range(1, 6):  # once both ranks' report of a step has come, the radar reads its collectives
+        context.current().send(msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step,
+                                             arrivals=(("gloo", step),)))  # (group, number): no arrival time
+    return f"rank {rank} trained"
+
+
+def test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_the_run_goes_on():
+    run = ddpnb.launch(sends_step_times_the_kernel_cannot_read, nprocs=2, view="none")
+    assert run.result() == "rank 0 trained"
+    record = run.record
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED
+    said = [line for line in run.lines_since(0)[0] if "step times" in line.text]
+    assert len(said) == 1, said  # five broken readings, one line
+    assert said[0].text == (f"[ddpnb] could not read rank {said[0].rank}'s step times (ValueError: not enough values "
+                            "to unpack (expected 3, got 2)): a ddpnb bug, please report it with the run directory; "
+                            "the run goes on")
+    assert said[0].text in read_log(record, said[0].rank)
+    [kept] = record.internal_errors
+    assert kept.startswith(f"reading rank {said[0].rank}'s step times:\nTraceback (most recent call last):")
+    assert "in lateness" in kept and kept.endswith("ValueError: not enough values to unpack (expected 3, got 2)")
+    assert repr(record).endswith(", 1 ddpnb error in .internal_errors>")
+    assert_nothing_left(record)
+

@@ -8,12 +8,14 @@ policy's decision (`core.policy`), acted on by the run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddpnb.core import flight, hints
@@ -87,6 +89,7 @@ class Attempt:
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
+        self._said: set[str] = set()  # what ddpnb could not read, said once an attempt (`_aside`)
         # debugger prompts as they came, those still waiting only (under `_prompt_lock`)
         self.prompts: deque[msg.Prompt] = deque()
         # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
@@ -212,7 +215,9 @@ class Attempt:
         record = self.record.ranks[rank]
         turn = isinstance(message, (msg.Started, msg.Returned, msg.Failed, msg.Reply))
         self.announcer.mark(turn)
-        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too
+        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too.
+        # What only feeds views and diagnostics is read `_aside`: a bug of ddpnb's there must not end the training.
+        # A metric is not: it is the user's own value, which the record promises to keep, and a step's progress.
         if isinstance(message, msg.Metric):
             self.watchdog.stamp(rank)
             for name, value in message.values.items():
@@ -221,16 +226,21 @@ class Attempt:
             self.output(rank, Stream(message.stream), message.data)
         elif isinstance(message, msg.Progress):
             self.watchdog.stamp(rank)
-            record.update_progress(message)
+            with self._aside(rank, "progress bars"):
+                record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
-            record.gpu_memory = (message.reserved, message.peak)
+            with self._aside(rank, "GPU memory"):
+                record.gpu_memory = (message.reserved, message.peak)
         elif isinstance(message, msg.StepTimes):
-            record.step_times.append(message)
-            self.watchdog.step_reported(self.record.ranks, message)
+            with self._aside(rank, "step times"):
+                record.step_times.append(message)
+                self.watchdog.step_reported(self.record.ranks, message)
         elif isinstance(message, msg.Hardware):
-            record.hardware.append(message)
+            with self._aside(rank, "hardware samples"):
+                record.hardware.append(message)
         elif isinstance(message, msg.Imported):
-            self.record.hint = hints.preload_hint(message)
+            with self._aside(rank, "import times"):
+                self.record.hint = hints.preload_hint(message)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
             self.watchdog.stamp(rank)
@@ -246,7 +256,8 @@ class Attempt:
         elif isinstance(message, msg.Failed):
             self._failed(rank, message)
         elif isinstance(message, msg.Profiled):
-            self.traces.add(message)
+            with self._aside(rank, "profile"):
+                self.traces.add(message)
         elif isinstance(message, msg.Prompt):
             with self._prompt_lock:
                 self.waiting[rank] = message
@@ -257,6 +268,22 @@ class Attempt:
                 self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
                 self.prompts.append(message)
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
+
+    @contextlib.contextmanager
+    def _aside(self, rank: int, what: str) -> Iterator[None]:
+        """Reading what only feeds views and diagnostics (`what`: "step times"): an error there is a bug of
+        ddpnb's, said once an attempt in the rank's output and log, its traceback kept in the record; the run goes
+        on."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - said and kept below: a view's data must not end the training
+            if what in self._said:
+                return
+            self._said.add(what)
+            self.record.internal_errors.append(f"reading rank {rank}'s {what}:\n{_formatted(exc)}")
+            assert self.logs is not None  # open while the engine reports
+            self.logs.say(rank, f"could not read rank {rank}'s {what} ({type(exc).__name__}: {exc}): a ddpnb bug, "
+                                "please report it with the run directory; the run goes on")
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
         self.record.ranks[rank].state = RankState.FAILED
@@ -400,6 +427,10 @@ class Attempt:
 
     def running_ranks(self) -> list[int]:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
+
+
+def _formatted(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 class Relay:

@@ -71,6 +71,14 @@ class RankLogs:
             record.last_text = record.last_text if text is None else text
         return explained
 
+    def say(self, rank: int, text: str) -> None:
+        """ddpnb's own line about the rank, `[ddpnb] text`, among its output (its stderr) and in its log."""
+        line = f"[ddpnb] {text}"
+        cut = any(self._decoders[(rank, stream)].partial for stream in Stream)  # a line of the rank's own is open
+        self._logs[rank].write((b"\n" if cut else b"") + f"{line}\n".encode())
+        self._ranks[rank].lines += 1
+        self._lines.add(rank, Stream.STDERR, [line])
+
     def explain_crash(self, rank: int) -> bool:
         """A rank killed by a signal, with faulthandler's report read: its failure says where, in the user's code,
         it died (`killed by SIGSEGV in crash (Cell In[3], line 4)`), and holds the report as its traceback.
