@@ -1394,3 +1394,35 @@ def test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_
     assert repr(record).endswith(", 1 ddpnb error in .internal_errors>")
     assert_nothing_left(record)
 
+
+def sends_output_of_a_stream_that_does_not_exist(rank, handshake):
+    from ddpnb.core import messages as msg
+    from ddpnb.rank import context
+
+    if rank == 0:
+        child = subprocess.Popen(["sleep", "600"])  # something the rank started: it must die with the rank
+        write_atomically(Path(handshake, "child"), str(child.pid))
+    else:
+        wait_for_file(Path(handshake, "child"))
+        context.current().send(msg.Output(rank=rank, stream="nowhere", data=b"lost\n"))
+    time.sleep(600)  # only ddpnb's stop ends it
+
+
+def test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_stops_every_rank(tmp_path):
+    error = run_failing(sends_output_of_a_stream_that_does_not_exist, args=(str(tmp_path),), timeout=60)
+    record = error.record
+    report = str(error)
+
+    note = ("ddpnb's reader failed: ValueError: 'nowhere' is not a valid Stream — a ddpnb bug; every rank was "
+            "stopped")
+    assert record.outcome is ddpnb.Outcome.FAILED and record.note == note
+    assert report.splitlines()[0] == f"ddpnb: run failed: {note}"
+    assert [r.state for r in record.ranks] == [ddpnb.RankState.STOPPED] * 2  # none still says running
+    [kept] = record.internal_errors
+    assert kept.startswith("ddpnb's reader failed:\nTraceback (most recent call last):") and kept in report
+    assert kept.endswith("ValueError: 'nowhere' is not a valid Stream")
+    assert "ddpnb failed, not your code: please report it with the run directory" in report
+    for rank in (0, 1):
+        assert log_ending(record, rank) == f"[ddpnb] rank {rank} stopped by ddpnb: {note}\n"
+    assert_nothing_left(record, also=[int(Path(tmp_path, "child").read_text())])
+    assert_next_run_works()

@@ -90,6 +90,7 @@ class Attempt:
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
         self._said: set[str] = set()  # what ddpnb could not read, said once an attempt (`_aside`)
+        self.reader_failed = False  # ddpnb's own handling of the ranks raised (`failed_inside`)
         # debugger prompts as they came, those still waiting only (under `_prompt_lock`)
         self.prompts: deque[msg.Prompt] = deque()
         # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
@@ -146,9 +147,12 @@ class Attempt:
         """The attempt's ranks are gone: close its engine (unless the next attempt keeps it), end its logs."""
         self.state = AttemptState.ENDED
         try:
-            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             if close_engine:
-                self.engine.close()
+                self.engine.close()  # first: whatever fails below, nothing of the attempt outlives it
+                for rank in self.record.ranks:  # never reported gone (ddpnb's reader failed): the close ended it
+                    if rank.state in _RUNNING:
+                        rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
+            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             self._merge_profile()
         finally:
             if self.logs is not None:
@@ -179,6 +183,15 @@ class Attempt:
         if self.channel is not None:
             self.channel.release()
 
+    def failed_inside(self, exc: Exception) -> None:
+        """ddpnb's own handling of the ranks raised `exc` (a bug of ddpnb's): the attempt ends failed, saying so,
+        its traceback in the record; `end` closes the engine, which stops every rank. No restart follows."""
+        self.reader_failed = True
+        self.record.internal_errors.append(f"ddpnb's reader failed:\n{_formatted(exc)}")
+        self._stop = (Outcome.FAILED, f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every "
+                                      "rank was stopped")
+        self.announcer.mark(turn=True)
+
     def outcome(self) -> StopAsk:
         """The attempt's outcome from its stop and its ranks' states."""
         if self._stop is not None:
@@ -188,7 +201,8 @@ class Attempt:
         return Outcome.FAILED, "not every rank finished"
 
     def snapshot(self) -> AttemptSnapshot:
-        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None)
+        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None,
+                               reader_failed=self.reader_failed)
 
     def refuse_restart(self) -> None:
         """The engine restarted its ranks itself, but the run ends: stop what it started."""

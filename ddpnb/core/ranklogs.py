@@ -121,8 +121,9 @@ class RankLogs:
             failure = failures.get(rank.rank)
             if failure is not None:
                 ending = f"rank {rank.rank} failed: {failure.summary}\n{failure.traceback}".rstrip()
-            elif rank.state is RankState.STOPPED:
-                ending = f"rank {rank.rank} stopped by ddpnb ({describe_exit(rank.exitcode)}): {stop_note}"
+            elif rank.state is RankState.STOPPED:  # no exit code where the engine's close ended it
+                how = f" ({describe_exit(rank.exitcode)})" if rank.exitcode is not None else ""
+                ending = f"rank {rank.rank} stopped by ddpnb{how}: {stop_note}"
             else:
                 ending = f"rank {rank.rank} {describe_exit(rank.exitcode)}"
             log.write(f"\n[ddpnb] {ending}\n".encode())
