@@ -375,6 +375,19 @@ MUTANTS = [
         (("t for r, t in times.items() if r != rank)", "times.values())"),),
         ("tests/test_radar.py::test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of_the_step",),
     ),
+    # --- a bug of ddpnb's own in the reader ----------------------------------------------------------------------------
+    Mutant(
+        "a-views-data-bug-ends-the-run", "ddpnb/core/attempt.py",
+        (("            if what in self._said:\n                return\n", "            raise\n"),),
+        (FAULTS + "test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_the_run_goes_on",),
+    ),
+    Mutant(
+        "a-reader-bug-left-to-the-threads-excepthook", "ddpnb/core/run.py",
+        (("            self.attempt.engine.serve()\n        except Exception as exc:  # noqa: BLE001 - said in the run's "
+          "outcome, not only on the kernel's stderr\n            self.attempt.failed_inside(exc)\n",
+          "            self.attempt.engine.serve()\n        except Exception:\n            raise\n"),),
+        (FAULTS + "test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_stops_every_rank",),
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

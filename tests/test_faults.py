@@ -1375,3 +1375,66 @@ def test_a_hundred_runs_leak_nothing(runs_dir):
         gc.collect()
     assert after == before
     assert _count_runs(runs_dir) <= rundir.KEEP_RUNS
+
+
+# --- 13. a bug in ddpnb's own reading of the ranks (the kernel's side) -----------------------------------------
+
+def sends_step_times_the_kernel_cannot_read(rank):
+    from ddpnb.core import messages as msg
+    from ddpnb.rank import context
+
+    for step in range(1, 6):  # once both ranks' report of a step has come, the radar reads its collectives
+        context.current().send(msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step,
+                                             arrivals=(("gloo", step),)))  # (group, number): no arrival time
+    return f"rank {rank} trained"
+
+
+def test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_the_run_goes_on():
+    run = ddpnb.launch(sends_step_times_the_kernel_cannot_read, nprocs=2, view="none")
+    assert run.result() == "rank 0 trained"
+    record = run.record
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED
+    said = [line for line in run.lines_since(0)[0] if "step times" in line.text]
+    assert len(said) == 1, said  # five broken readings, one line
+    assert said[0].text == (f"[ddpnb] could not read rank {said[0].rank}'s step times (ValueError: not enough values "
+                            "to unpack (expected 3, got 2)): a ddpnb bug, please report it with the run directory; "
+                            "the run goes on")
+    assert said[0].text in read_log(record, said[0].rank)
+    [kept] = record.internal_errors
+    assert kept.startswith(f"reading rank {said[0].rank}'s step times:\nTraceback (most recent call last):")
+    assert "in lateness" in kept and kept.endswith("ValueError: not enough values to unpack (expected 3, got 2)")
+    assert repr(record).endswith(", 1 ddpnb error in .internal_errors>")
+    assert_nothing_left(record)
+
+
+def sends_output_of_a_stream_that_does_not_exist(rank, handshake):
+    from ddpnb.core import messages as msg
+    from ddpnb.rank import context
+
+    if rank == 0:
+        child = subprocess.Popen(["sleep", "600"])  # something the rank started: it must die with the rank
+        write_atomically(Path(handshake, "child"), str(child.pid))
+    else:
+        wait_for_file(Path(handshake, "child"))
+        context.current().send(msg.Output(rank=rank, stream="nowhere", data=b"lost\n"))
+    time.sleep(600)  # only ddpnb's stop ends it
+
+
+def test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_stops_every_rank(tmp_path):
+    error = run_failing(sends_output_of_a_stream_that_does_not_exist, args=(str(tmp_path),), timeout=60)
+    record = error.record
+    report = str(error)
+
+    note = ("ddpnb's reader failed: ValueError: 'nowhere' is not a valid Stream — a ddpnb bug; every rank was "
+            "stopped")
+    assert record.outcome is ddpnb.Outcome.FAILED and record.note == note
+    assert report.splitlines()[0] == f"ddpnb: run failed: {note}"
+    assert [r.state for r in record.ranks] == [ddpnb.RankState.STOPPED] * 2  # none still says running
+    [kept] = record.internal_errors
+    assert kept.startswith("ddpnb's reader failed:\nTraceback (most recent call last):") and kept in report
+    assert kept.endswith("ValueError: 'nowhere' is not a valid Stream")
+    assert "ddpnb failed, not your code: please report it with the run directory" in report
+    for rank in (0, 1):
+        assert log_ending(record, rank) == f"[ddpnb] rank {rank} stopped by ddpnb: {note}\n"
+    assert_nothing_left(record, also=[int(Path(tmp_path, "child").read_text())])
+    assert_next_run_works()

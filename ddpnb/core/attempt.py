@@ -8,12 +8,14 @@ policy's decision (`core.policy`), acted on by the run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-import queue
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ddpnb.core import flight, hints
@@ -87,7 +89,10 @@ class Attempt:
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
         self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
-        self.prompts: queue.SimpleQueue[msg.Prompt] = queue.SimpleQueue()  # debugger prompts as they came
+        self._said: set[str] = set()  # what ddpnb could not read, said once an attempt (`_aside`)
+        self.reader_failed = False  # ddpnb's own handling of the ranks raised (`failed_inside`)
+        # debugger prompts as they came, those still waiting only (under `_prompt_lock`)
+        self.prompts: deque[msg.Prompt] = deque()
         # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
         # dashboard's console and `Run.debug` answer it, whichever comes first
         self.waiting: dict[int, msg.Prompt] = {}
@@ -142,9 +147,12 @@ class Attempt:
         """The attempt's ranks are gone: close its engine (unless the next attempt keeps it), end its logs."""
         self.state = AttemptState.ENDED
         try:
-            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             if close_engine:
-                self.engine.close()
+                self.engine.close()  # first: whatever fails below, nothing of the attempt outlives it
+                for rank in self.record.ranks:  # never reported gone (ddpnb's reader failed): the close ended it
+                    if rank.state in _RUNNING:
+                        rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
+            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             self._merge_profile()
         finally:
             if self.logs is not None:
@@ -175,6 +183,15 @@ class Attempt:
         if self.channel is not None:
             self.channel.release()
 
+    def failed_inside(self, exc: Exception) -> None:
+        """ddpnb's own handling of the ranks raised `exc` (a bug of ddpnb's): the attempt ends failed, saying so,
+        its traceback in the record; `end` closes the engine, which stops every rank. No restart follows."""
+        self.reader_failed = True
+        self.record.internal_errors.append(f"ddpnb's reader failed:\n{_formatted(exc)}")
+        self._stop = (Outcome.FAILED, f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every "
+                                      "rank was stopped")
+        self.announcer.mark(turn=True)
+
     def outcome(self) -> StopAsk:
         """The attempt's outcome from its stop and its ranks' states."""
         if self._stop is not None:
@@ -184,7 +201,8 @@ class Attempt:
         return Outcome.FAILED, "not every rank finished"
 
     def snapshot(self) -> AttemptSnapshot:
-        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None)
+        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None,
+                               reader_failed=self.reader_failed)
 
     def refuse_restart(self) -> None:
         """The engine restarted its ranks itself, but the run ends: stop what it started."""
@@ -211,7 +229,9 @@ class Attempt:
         record = self.record.ranks[rank]
         turn = isinstance(message, (msg.Started, msg.Returned, msg.Failed, msg.Reply))
         self.announcer.mark(turn)
-        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too
+        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too.
+        # What only feeds views and diagnostics is read `_aside`: a bug of ddpnb's there must not end the training.
+        # A metric is not: it is the user's own value, which the record promises to keep, and a step's progress.
         if isinstance(message, msg.Metric):
             self.watchdog.stamp(rank)
             for name, value in message.values.items():
@@ -220,16 +240,21 @@ class Attempt:
             self.output(rank, Stream(message.stream), message.data)
         elif isinstance(message, msg.Progress):
             self.watchdog.stamp(rank)
-            record.update_progress(message)
+            with self._aside(rank, "progress bars"):
+                record.update_progress(message)
         elif isinstance(message, msg.GpuMemory):
-            record.gpu_memory = (message.reserved, message.peak)
+            with self._aside(rank, "GPU memory"):
+                record.gpu_memory = (message.reserved, message.peak)
         elif isinstance(message, msg.StepTimes):
-            record.step_times.append(message)
-            self.watchdog.step_reported(self.record.ranks, message)
+            with self._aside(rank, "step times"):
+                record.step_times.append(message)
+                self.watchdog.step_reported(self.record.ranks, message)
         elif isinstance(message, msg.Hardware):
-            record.hardware.append(message)
+            with self._aside(rank, "hardware samples"):
+                record.hardware.append(message)
         elif isinstance(message, msg.Imported):
-            self.record.hint = hints.preload_hint(message)
+            with self._aside(rank, "import times"):
+                self.record.hint = hints.preload_hint(message)
         elif isinstance(message, msg.Started):
             record.state, record.device = RankState.RUNNING, message.device
             self.watchdog.stamp(rank)
@@ -245,15 +270,34 @@ class Attempt:
         elif isinstance(message, msg.Failed):
             self._failed(rank, message)
         elif isinstance(message, msg.Profiled):
-            self.traces.add(message)
+            with self._aside(rank, "profile"):
+                self.traces.add(message)
         elif isinstance(message, msg.Prompt):
             with self._prompt_lock:
                 self.waiting[rank] = message
                 # a prompt after `p x` says no place: the rank is where its last one said
                 record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
                 self._where[rank] = record.breakpoint_at
-            self.prompts.put(message)
+                # those answered meanwhile (the dashboard's console) go: the queue holds what still waits
+                self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
+                self.prompts.append(message)
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
+
+    @contextlib.contextmanager
+    def _aside(self, rank: int, what: str) -> Iterator[None]:
+        """Reading what only feeds views and diagnostics (`what`: "step times"): an error there is a bug of
+        ddpnb's, said once an attempt in the rank's output and log, its traceback kept in the record; the run goes
+        on."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - said and kept below: a view's data must not end the training
+            if what in self._said:
+                return
+            self._said.add(what)
+            self.record.internal_errors.append(f"reading rank {rank}'s {what}:\n{_formatted(exc)}")
+            assert self.logs is not None  # open while the engine reports
+            self.logs.say(rank, f"could not read rank {rank}'s {what} ({type(exc).__name__}: {exc}): a ddpnb bug, "
+                                "please report it with the run directory; the run goes on")
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
         self.record.ranks[rank].state = RankState.FAILED
@@ -362,14 +406,12 @@ class Attempt:
 
     def next_prompt(self) -> msg.Prompt | None:
         """The oldest prompt still waiting for an answer (one answered meanwhile elsewhere is passed over)."""
-        while True:
-            try:
-                prompt = self.prompts.get_nowait()
-            except queue.Empty:
-                return None
-            with self._prompt_lock:
+        with self._prompt_lock:
+            while self.prompts:
+                prompt = self.prompts.popleft()
                 if self.waiting.get(prompt.rank) is prompt:
                     return prompt
+            return None
 
     def answer(self, prompt: msg.Prompt, line: str) -> bool:
         """An answer to a rank's debugger `prompt` (from the waiting cell's thread, or the kernel's for the
@@ -399,6 +441,10 @@ class Attempt:
 
     def running_ranks(self) -> list[int]:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
+
+
+def _formatted(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 class Relay:

@@ -25,6 +25,9 @@ def _next_step(record: RunRecord) -> str:
     if record.outcome is Outcome.STOPPED:
         return "Run the cell again to start afresh; the kernel and its variables are unchanged."
     first = record.first_failure
+    if first is None and record.internal_errors:
+        return ("ddpnb failed, not your code: please report it with the run directory (the tracebacks above are in "
+                "its record's `internal_errors`); the kernel and its variables are unchanged.")
     if first and first.summary.startswith("killed by"):
         return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
                 "output and, after a crash, where Python was.")

@@ -26,11 +26,12 @@ class AttemptSnapshot:
     number: int  # 0 for the first attempt
     outcome: Outcome
     stop_asked: bool  # an interrupt or `stop()` asked the run to end
+    reader_failed: bool = False  # ddpnb's own handling of the ranks raised: a bug, which a restart would meet again
 
 
 class RestartPolicy:
     """`--max-restarts N`: an attempt that failed or timed out is followed by a fresh one, N times at most; an
-    interrupt or `stop()` never restarts."""
+    interrupt, `stop()` or a bug of ddpnb's never restarts."""
 
     RESTARTABLE = (Outcome.FAILED, Outcome.TIMED_OUT)
 
@@ -42,6 +43,7 @@ class RestartPolicy:
         return 0 if stop_asked else max(0, self.max_restarts - number)
 
     def decide(self, snapshot: AttemptSnapshot) -> Decision:
-        if snapshot.outcome in self.RESTARTABLE and self.restarts_left(snapshot.number, snapshot.stop_asked):
+        if snapshot.outcome in self.RESTARTABLE and not snapshot.reader_failed \
+                and self.restarts_left(snapshot.number, snapshot.stop_asked):
             return Decision.RESTART
         return Decision.END

@@ -71,6 +71,14 @@ class RankLogs:
             record.last_text = record.last_text if text is None else text
         return explained
 
+    def say(self, rank: int, text: str) -> None:
+        """ddpnb's own line about the rank, `[ddpnb] text`, among its output (its stderr) and in its log."""
+        line = f"[ddpnb] {text}"
+        cut = any(self._decoders[(rank, stream)].partial for stream in Stream)  # a line of the rank's own is open
+        self._logs[rank].write((b"\n" if cut else b"") + f"{line}\n".encode())
+        self._ranks[rank].lines += 1
+        self._lines.add(rank, Stream.STDERR, [line])
+
     def explain_crash(self, rank: int) -> bool:
         """A rank killed by a signal, with faulthandler's report read: its failure says where, in the user's code,
         it died (`killed by SIGSEGV in crash (Cell In[3], line 4)`), and holds the report as its traceback.
@@ -113,8 +121,9 @@ class RankLogs:
             failure = failures.get(rank.rank)
             if failure is not None:
                 ending = f"rank {rank.rank} failed: {failure.summary}\n{failure.traceback}".rstrip()
-            elif rank.state is RankState.STOPPED:
-                ending = f"rank {rank.rank} stopped by ddpnb ({describe_exit(rank.exitcode)}): {stop_note}"
+            elif rank.state is RankState.STOPPED:  # no exit code where the engine's close ended it
+                how = f" ({describe_exit(rank.exitcode)})" if rank.exitcode is not None else ""
+                ending = f"rank {rank.rank} stopped by ddpnb{how}: {stop_note}"
             else:
                 ending = f"rank {rank.rank} {describe_exit(rank.exitcode)}"
             log.write(f"\n[ddpnb] {ending}\n".encode())

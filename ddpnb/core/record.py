@@ -247,12 +247,16 @@ class RunRecord:
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
     profile: Profile | None = None  # --profile: the latest attempt's merged trace and breakdown (`core.profile`)
+    # bugs of ddpnb's own while it read the ranks, each what it was reading and the traceback (`core.attempt`)
+    internal_errors: list[str] = field(default_factory=list)
 
     def __repr__(self) -> str:
         first = self.first_failure
+        bugs = len(self.internal_errors)
+        said = f", {bugs} ddpnb error{'s' if bugs > 1 else ''} in .internal_errors" if bugs else ""
         return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
                 f"{f', rank {first.rank} failed first' if first else ''}, {self.world_size} ranks ({self.backend}), "
-                f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}>")
+                f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>")
 
     def _repr_html_(self) -> str:
         """In a notebook: the one line, and a row per rank (where it ran, its state and exit); the rest is in the

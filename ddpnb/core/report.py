@@ -15,6 +15,7 @@ from ddpnb.core.words import describe_exit, format_duration, size_text, sparklin
 
 TABLE_WIDTH = 120  # characters in a row of the summary table: what a notebook's output shows on one line
 LAST_LINE_MIN = 20  # characters of a rank's last line the table keeps, however wide its other columns
+_RUNNING = (RankState.STARTING, RankState.RUNNING)
 
 
 def summary_table(record: RunRecord) -> str:
@@ -23,7 +24,8 @@ def summary_table(record: RunRecord) -> str:
     radar = radar_columns(record.ranks)
     states = [state_words(record, r) for r in record.ranks]
     width = max(9, *(len(state) for state in states))
-    exits = [describe_exit(r.exitcode) for r in record.ranks]
+    # no exit code for a rank that has ended: the engine's close ended it, unreported
+    exits = [describe_exit(r.exitcode) if r.exitcode is not None or r.state in _RUNNING else "" for r in record.ranks]
     exit_width = max(4, *(len(text) for text in exits))
     head = f"{'rank':>4}  {'state':<{width}} {'exit':<{exit_width}} {'time':>10}  {radar[0]}"
     # the last line gets what is left of TABLE_WIDTH (a front end wraps a longer row inside its words)
@@ -245,6 +247,10 @@ class WorkerError(RuntimeError):
             parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
                          "the earlier ones, each ended by stopping every rank and starting them all again:")
             parts.extend(f"  attempt {a.number}: {attempt_line(a)}" for a in record.attempts)
+        if record.internal_errors:
+            parts.append("\nddpnb's own errors while it read the ranks (a bug in ddpnb: please report it with the run "
+                         "directory):")
+            parts.extend(record.internal_errors)
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")

@@ -299,16 +299,26 @@ class Run:
         """Serve each attempt until it ends; the policy decides whether another follows; then conclude."""
         try:
             while True:
-                try:
-                    self.attempt.engine.serve()
-                finally:
-                    self.attempt.end()
+                self._serve_attempt()
                 if self.setup.policy.decide(self.attempt.snapshot()) is Decision.END or not self._next_attempt():
                     return
         finally:  # whatever failed above (a full disk), release everything and let `wait()` return
             self.attempt.release_waiters()
             self._release()
             self._conclude()
+
+    def _serve_attempt(self) -> None:
+        """Serve the attempt until its ranks have ended, then end it. An error of ddpnb's own in either (a bug)
+        ends the attempt failed, saying so, its traceback in the record; `end` closes the engine: no rank is left."""
+        try:
+            self.attempt.engine.serve()
+        except Exception as exc:  # noqa: BLE001 - said in the run's outcome, not only on the kernel's stderr
+            self.attempt.failed_inside(exc)
+        finally:
+            try:
+                self.attempt.end()
+            except Exception as exc:  # noqa: BLE001 - likewise
+                self.attempt.failed_inside(exc)
 
     def _next_attempt(self, engine: Engine | None = None) -> bool:
         """Keep the attempt that ended in the record and begin the next, on a fresh engine (or on `engine`, which
