@@ -219,6 +219,7 @@ class Session:
         began = time.monotonic()
         ending_at: float | None = None  # a rank failed or was interrupted: the others answer by then, or are stuck
         interrupted = False
+        queue_said: tuple[str, str] | None = None
         try:
             while len(answers) < len(selected):
                 try:  # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost
@@ -243,6 +244,12 @@ class Session:
                 if run.done:
                     self._died(run)
                 now = time.monotonic()
+                queued = run.record.queued
+                if queued is not None and queued.ongoing:  # the ranks' job waits its turn: no command's time yet
+                    began = now
+                    if (queued.what, queued.state) != queue_said:
+                        queue_said = (queued.what, queued.state)
+                        self._say(f"{queued.words()} (interrupt to cancel it)")
                 if timeout is not None and ending_at is None and now - began > timeout:
                     channel.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = now + GRACE

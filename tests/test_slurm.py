@@ -302,12 +302,50 @@ def where(rank, world_size):
         cluster.run("scontrol", "release", job)
         result = cell.finish(timeout=CELL_TIMEOUT)
     assert result.error is None, "\n".join(result.error["traceback"]) + result.text
-    assert f"slurm job {job} runs on n[1-2] after" in result.stdout, result.stdout
-    assert "it is given back 10 s after the run ends, unless the next launch asking for the same takes it" in (
-        result.stdout)
+    assert re.search(rf"\[ddpnb\] slurm job {job} queued [\d.]+ s\n", result.stdout), result.stdout
     placed = slurm_kernel.execute("print(placed)").stdout.strip()
     assert placed == f"[('n1', '{job}'), ('n2', '{job}')]"  # ranks on both nodes of the job asked for
     assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
+def test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job(slurm_kernel,
+                                                                                                     cluster):
+    """`launch` returns while the job waits: the run reads *queued*, with the job's state, and its timeout waits
+    for the ranks; released, it runs. A second run is stopped while it waits: its job is cancelled."""
+    with on_a_login_node(slurm_kernel):
+        launched = slurm_kernel.execute('''
+from ddpnb.views.html import header_html, overall_state
+def where(rank):
+    return os.environ["SLURM_JOB_ID"]
+run = ddpnb.launch(where, engine="slurm", nprocs=2, nodes=2, job_args="--hold", timeout=10, view="none")
+print(run.done)
+''', timeout=CELL_TIMEOUT)
+        assert launched.error is None and launched.stdout == "False\n", launched.text
+        job = held_job(cluster)
+        for _ in range(100):  # the engine says the state it polls
+            queued = slurm_kernel.execute("print(overall_state(run.record), '|', header_html(run.record))").stdout
+            if "JobHeldUser" in queued:
+                break
+            time.sleep(0.2)
+        assert queued.startswith("queued |") and f"slurm job {job} pending (JobHeldUser), " in queued, queued
+        time.sleep(11)  # past the run's 10 s timeout: a job in the queue is no time of the ranks'
+        assert slurm_kernel.execute("print(run.done)").stdout == "False\n"
+        cluster.run("scontrol", "release", job)
+        ran = slurm_kernel.execute("print(run.result(), run.record.outcome.value, run.record.queued.words())",
+                                   timeout=CELL_TIMEOUT)
+        assert ran.error is None, ran.text
+        assert re.fullmatch(rf"{job} succeeded slurm job {job} queued [\d.]+ s\n", ran.stdout), ran.stdout
+        stopped = slurm_kernel.execute('''
+run = ddpnb.launch(where, engine="slurm", nprocs=2, job_args="--hold", view="none")
+''', timeout=CELL_TIMEOUT)
+        assert stopped.error is None, stopped.text
+        job = held_job(cluster)
+        stopped = slurm_kernel.execute("run.stop(); print(run.record.outcome.value, "
+                                       "[r.state.value for r in run.record.ranks], overall_state(run.record))",
+                                       timeout=CELL_TIMEOUT)
+    assert stopped.stdout == "stopped ['stopped', 'stopped'] stopped\n", stopped.text
+    assert ddpnb_jobs(cluster, within=20) == []  # cancelled; the first given back once nothing took it
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
@@ -346,7 +384,8 @@ def test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_not
         slurm_kernel.manager.interrupt_kernel()
         result = cell.finish(timeout=60)
     assert result.error is not None and result.error["ename"] == "RunInterrupted", result.text
-    assert "interrupted while the ranks were starting; none is running" in "\n".join(result.error["traceback"])
+    assert f"interrupted while slurm job {job} waited in the queue (pending (JobHeldUser)); it was cancelled, and " \
+           "no rank started" in "\n".join(result.error["traceback"]), result.error["traceback"]
     assert ddpnb_jobs(cluster, within=10) == []  # cancelled, not left waiting for a turn nobody wants
     assert ranks_left(within=0) == []
 
@@ -370,7 +409,10 @@ def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster):
             "from ddpnb.engines.slurm.options import SlurmOptions\n"
             "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
             "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=SlurmOptions())\n"
-            "job = OwnJob(request, say=print).wait()\n"
+            "job = OwnJob(request)\n"
+            "job.ask()\n"
+            "while not job.granted_within(1):\n"
+            "    pass\n"
             "print('JOB', job.job, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}

@@ -30,7 +30,7 @@ from ddpnb.core.failures import Failure, FrameLocals, is_knock_on
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import AttemptSnapshot
 from ddpnb.core.ranklogs import RankLogs
-from ddpnb.core.record import Diagnosis, Outcome, Point, RankState, RunRecord, Stall
+from ddpnb.core.record import Diagnosis, Outcome, Point, Queued, RankState, RunRecord, Stall
 from ddpnb.core.result import ResultSlot
 from ddpnb.core.spec import Stream, WorkerSpec
 from ddpnb.core.stacks import readable
@@ -299,6 +299,17 @@ class Attempt:
             self.logs.say(rank, f"could not read rank {rank}'s {what} ({type(exc).__name__}: {exc}): a ddpnb bug, "
                                 "please report it with the run directory; the run goes on")
 
+    def queued(self, what: str, state: str) -> None:
+        queued = self.record.queued
+        if state:
+            if queued is None or not queued.ongoing or queued.what != what:
+                self.record.queued = Queued(what, state)
+            else:
+                queued.state = state
+        elif queued is not None and queued.ongoing:
+            queued.until = time.time()
+        self.announcer.mark(turn=True)
+
     def _failed(self, rank: int, message: msg.Failed) -> None:
         self.record.ranks[rank].state = RankState.FAILED
         if message.exc_type == "SystemExit":
@@ -352,7 +363,7 @@ class Attempt:
         if asked and self._stop is None:
             self._begin_stop(*asked)
         alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
-                                    armed=self._stop is None, held=bool(self.waiting))
+                                    armed=self._stop is None, held=bool(self.waiting) or self.is_queued())
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
@@ -403,6 +414,9 @@ class Attempt:
                 kept.stack, kept.stalled_state = stack, kept.state
         recorded = flight.summarise(flight.collect(self.spec.run_dir, running, asked), running) if recorder else []
         return diagnose(self.record.ranks, stacks, self.watchdog.active, self._returned, recorded)
+
+    def is_queued(self) -> bool:
+        return self.record.queued is not None and self.record.queued.ongoing
 
     def next_prompt(self) -> msg.Prompt | None:
         """The oldest prompt still waiting for an answer (one answered meanwhile elsewhere is passed over)."""
@@ -459,4 +473,5 @@ class Relay:
         # bound methods, not forwarding calls: an event costs what it cost before there were several attempts
         self.attempt = attempt
         self.placed, self.message, self.output = attempt.placed, attempt.message, attempt.output
+        self.queued = attempt.queued
         self.exited, self.tick, self.quiet = attempt.exited, attempt.tick, attempt.quiet

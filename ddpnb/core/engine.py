@@ -78,6 +78,11 @@ class RunEvents(Protocol):
         ranks have all `exited`. The run keeps that attempt and opens the next; where its policy says the run ends
         after all (a stop was asked meanwhile), it stops the new ranks through `Engine.stop`."""
 
+    def queued(self, what: str, state: str) -> None:
+        """The ranks wait for resources the engine asked for (`what`, 'slurm job 1234', is in its cluster's queue),
+        `state` in the engine's words ('pending (Priority)'), said again when it changes; `state` '' once they no
+        longer wait. Meanwhile neither the timeout's clock runs nor is the quiet a stall, and a stop cancels it."""
+
     def tick(self) -> None:
         """Called after every wake-up of the engine's loop: the attempt checks its stop, watchdog and announcements."""
 
@@ -91,7 +96,8 @@ class Engine(Protocol):
 
     def start(self, events: RunEvents, start: AttemptStart) -> None:
         """Start every rank, or raise with nothing left running. Pickle the spec with `start.shipment` and give
-        every rank what it refers to."""
+        every rank what it refers to. An engine whose resources wait in a queue may return once they are asked
+        for, and start the ranks from `serve` when they come (`RunEvents.queued`)."""
 
     def serve(self) -> None:
         """Read what the ranks send, delivering it to `events`, until every rank has ended."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import Stream
+from ddpnb.core.words import format_duration
 from ddpnb.core.words import Named
 
 if TYPE_CHECKING:
@@ -206,6 +207,26 @@ class Stall:
         return self.resumed is None
 
 
+@dataclass
+class Queued:
+    """The ranks waited for their engine's resources before starting (a job in Slurm's queue): no clock of the
+    run's ran meanwhile (timeout, stall)."""
+
+    what: str  # what waited, as the engine names it: 'slurm job 1234'
+    state: str  # its latest state, as the engine said it: 'pending (Priority)'
+    since: float = field(default_factory=time.time)
+    until: float | None = None  # when it stopped waiting (granted, or the run ended)
+
+    @property
+    def ongoing(self) -> bool:
+        return self.until is None
+
+    def words(self) -> str:
+        """'slurm job 1234 pending (Priority), 2 min so far' while it waits; 'slurm job 1234 queued 2 min'."""
+        waited = format_duration((self.until or time.time()) - self.since)
+        return f"{self.what} {self.state}, {waited} so far" if self.ongoing else f"{self.what} queued {waited}"
+
+
 @dataclass(frozen=True)
 class DataSent:
     """What a launch sent the ranks through shared memory (`node.shared`) or Ray's object store rather than in a
@@ -249,6 +270,7 @@ class RunRecord:
     profile: Profile | None = None  # --profile: the latest attempt's merged trace and breakdown (`core.profile`)
     # bugs of ddpnb's own while it read the ranks, each what it was reading and the traceback (`core.attempt`)
     internal_errors: list[str] = field(default_factory=list)
+    queued: Queued | None = None  # the latest attempt's wait for its engine's resources, ongoing or over
 
     def __repr__(self) -> str:
         first = self.first_failure

@@ -279,13 +279,24 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, record: RunRecord, starting: bool = False) -> None:
         self.record = record
         self.starting = starting  # before every rank had started: nothing ran, nothing is kept
-        super().__init__("ddpnb: interrupted while the ranks were starting; none is running" if starting else
-                         f"ddpnb: run interrupted after {format_duration(record.duration)}; every rank was stopped")
+        queued = record.queued
+        # the ranks' job was cancelled in the queue: no rank ever started
+        self.queued = queued is not None and all(rank.pid is None for rank in record.ranks)
+        if starting:
+            said = "ddpnb: interrupted while the ranks were starting; none is running"
+        elif queued is not None and self.queued:
+            said = (f"ddpnb: interrupted while {queued.what} waited in the queue ({queued.state}); it was cancelled, "
+                    "and no rank started")
+        else:
+            said = f"ddpnb: run interrupted after {format_duration(record.duration)}; every rank was stopped"
+        super().__init__(said)
 
     def report(self) -> str:
         if self.starting:
             return (f"KeyboardInterrupt: {self.args[0]}.\nRun the cell again when ready (a kernel's first run waits "
                     "while ddpnb's worker process imports torch); the kernel and its variables are unchanged.")
+        if self.queued:
+            return f"KeyboardInterrupt: {self.args[0]}.\nThe kernel and its variables are unchanged."
         return "\n".join([
             f"KeyboardInterrupt: {self.args[0]}.", "", summary_table(self.record), "",
             f"full per-rank logs: {self.record.run_dir}",

@@ -64,6 +64,8 @@ def overall_state(record: RunRecord) -> str:
     """The run's state in the words the rank rows use: 'running', 'at a breakpoint', 'stalled', 'finished', ..."""
     if record.outcome is Outcome.RUNNING and any(r.breakpoint_at for r in record.ranks):
         return "at a breakpoint"
+    if record.outcome is Outcome.RUNNING and record.queued is not None and record.queued.ongoing:
+        return "queued"
     if record.stalled:
         return "stalled"
     return "finished" if record.outcome is Outcome.SUCCEEDED else record.outcome.value
@@ -109,8 +111,9 @@ def header_html(record: RunRecord) -> str:
     attempt = [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"] \
         if record.max_restarts else []
     note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
+    queued = [record.queued.words()] if record.queued is not None else []  # its job's turn in the queue
     meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
-                       _devices(record), *note, *attempt, format_duration(record.duration)])
+                       _devices(record), *note, *queued, *attempt, format_duration(record.duration)])
     colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
     # spaces between the parts, not only margins: copied, or shown without styles, the words stay apart
     return (f'<div class="ddpnb-head" style="padding:2px 0">'

@@ -23,6 +23,9 @@ from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.profile import profile_text
 
 
+QUEUE_SAY_EVERY = 60.0  # seconds between two lines about a job whose queue state did not change
+
+
 class TextView:
     def __init__(self, run: Run, max_lines: int, fold: bool = True) -> None:
         self.run = run
@@ -37,6 +40,8 @@ class TextView:
         self.stall_shown: Stall | None = None  # the stall whose lines were written
         self.places_shown = ""  # ... and where its ranks were, as last written
         self.resume_shown: Stall | None = None  # ... and whose end was
+        self.queue_said: tuple[str, str, bool] | None = None  # the job's queue state as last written
+        self.queue_said_at = 0.0
         record = run.record
         self.folder = Folder(record.world_size, enabled=fold)
         devices = ", ".join(sorted({r.device for r in record.ranks}))
@@ -56,6 +61,7 @@ class TextView:
             self._write(self._limit(self.folder.add(lines, now) + (self.folder.flush() if attempt or done else [])))
             if attempt is not None:
                 self._restarted(attempt)
+        self._queued()
         self._stall()
         self.out.flush()
         self.err.flush()
@@ -78,6 +84,17 @@ class TextView:
                 stream = self.err if shown[start].stream is Stream.STDERR else self.out
                 stream.write("".join(f"{line.tag} {line.text}\n" for line in shown[start:end]))
                 start = end
+
+    def _queued(self) -> None:
+        """The run's job's queue state as it changes, and once a minute while it stays; then how long it waited."""
+        queued = self.run.record.queued
+        if queued is None:
+            return
+        said, now = (queued.what, queued.state, queued.ongoing), time.monotonic()
+        if said != self.queue_said or (queued.ongoing and now - self.queue_said_at > QUEUE_SAY_EVERY):
+            self.queue_said, self.queue_said_at = said, now
+            tail = " (interrupt or stop the run to cancel it)" if queued.ongoing else ""
+            self.out.write(f"[ddpnb] {queued.words()}{tail}\n")
 
     def _stall(self) -> None:
         """A stall's lines and the ranks' stacks where it was found, again when a later look finds a rank

@@ -183,56 +183,72 @@ class SlurmEngine:
         self._cancelled = False  # the step was cancelled (`_cancel_step`, once)
         self._srun_done_at: float | None = None
         self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
+        # a session's commands sent while the run's own job waits in the queue (ranks, command, shipment)
+        self._early: list[tuple[list[int], bytes, Any]] = []
+        self._early_lock = threading.Lock()
 
     # --- start -------------------------------------------------------------------------------------------------
     def start(self, events: RunEvents, start: AttemptStart) -> None:
+        """The step on the allocation the kernel runs in, or on a job of the run's own: one kept from the run
+        before or granted at once starts the step now; one that waits in the queue, once it runs (`serve`)."""
         self._events = events
         self._commands = start.commands
-        spec = self.spec
-        srun = allocation.srun_path()
+        allocation.srun_path()
         try:
-            self._payload = pickling.dump_spec(spec, start.shipment)  # first: args that cannot be sent
+            self._payload = pickling.dump_spec(self.spec, start.shipment)  # first: args that cannot be sent
             self._data = start.shipment.fds() if isinstance(start.shipment, Shipment) else {}
             job = allocation.current() if allocation.inside() else self._ask_for_job()
-            counts = self._spread(self._node_count(job))
-            first = 0
-            for index, count in enumerate(counts):
-                node = _Node(index, list(range(first, first + count)))
-                node.holdings = Holdings(self._data)
-                self._nodes.append(node)
-                first += count
-            secret = secrets.token_bytes(32)
-            host = allocation.reachable_address(job.nodes[0])
-            self._door = Door(host, secret, admit=self._admit, refuse=self._refused)
-            command = [srun, f"--jobid={job.job}", f"--nodes={len(counts)}", f"--ntasks={len(counts)}",
-                       "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}", "--overlap", "--kill-on-bad-exit=0",
-                       "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
-                       *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if spec.use_gpus else []),
-                       *shlex.split(self.options.srun_args or ""),
-                       sys.executable, "-c", HOST_MAIN]
-            # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
-            # which would cancel the step at once; ddpnb stops it in its own order
-            self._srun = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, start_new_session=True)
-            assert self._srun.stdin is not None
-            try:
-                self._srun.stdin.write(invitation(*self._door.address, secret))  # srun gives it to every host
-                self._srun.stdin.close()
-            except BrokenPipeError:  # srun failed at once: `serve` reads why
-                pass
+            if job is not None:
+                self._launch(job)
         except BaseException:
             self.close()
             raise
-        for pipe, stream in ((self._srun.stdout, Stream.STDOUT), (self._srun.stderr, Stream.STDERR)):
+
+    def _launch(self, job: allocation.Allocation) -> None:
+        """The step: a host per node, each given the door's address and the secret on srun's stdin."""
+        spec = self.spec
+        counts = self._spread(self._node_count(job))
+        first = 0
+        nodes = []
+        for index, count in enumerate(counts):
+            node = _Node(index, list(range(first, first + count)))
+            node.holdings = Holdings(self._data)
+            nodes.append(node)
+            first += count
+        secret = secrets.token_bytes(32)
+        host = allocation.reachable_address(job.nodes[0])
+        self._door = Door(host, secret, admit=self._admit, refuse=self._refused)
+        command = [allocation.srun_path(), f"--jobid={job.job}", f"--nodes={len(counts)}", f"--ntasks={len(counts)}",
+                   "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}", "--overlap", "--kill-on-bad-exit=0",
+                   "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
+                   *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if spec.use_gpus else []),
+                   *shlex.split(self.options.srun_args or ""),
+                   sys.executable, "-c", HOST_MAIN]
+        # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
+        # which would cancel the step at once; ddpnb stops it in its own order
+        srun = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        assert srun.stdin is not None
+        try:
+            srun.stdin.write(invitation(*self._door.address, secret))  # srun gives it to every host
+            srun.stdin.close()
+        except BrokenPipeError:  # srun failed at once: `serve` reads why
+            pass
+        for pipe, stream in ((srun.stdout, Stream.STDOUT), (srun.stderr, Stream.STDERR)):
             assert pipe is not None
             self._streams[pipe.fileno()] = stream
             self._pending_lines[pipe.fileno()] = b""
             self._selector.register(pipe.fileno(), selectors.EVENT_READ, self._read_srun)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._welcome)
+        with self._early_lock:  # a session's commands sent while the job waited go first, in order
+            self._nodes, self._srun = nodes, srun
+            early, self._early = self._early, []
+        for ranks, command_bytes, shipment in early:
+            self.send(ranks, command_bytes, shipment)
 
-    def _ask_for_job(self) -> allocation.Allocation:
-        """Outside an allocation: a job of this attempt's own, for its ranks; its queue state is said in the cell
-        (the views start with the ranks) while it waits, and an interrupt meanwhile cancels it (`close`)."""
+    def _ask_for_job(self) -> allocation.Allocation | None:
+        """Outside an allocation: a job of this attempt's own, for its ranks. A job kept from the run before, or
+        one granted at once, is returned; None: it waits in the queue (`_await_job`)."""
         request = submit.JobRequest(name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size,
                                     gpus=self.spec.use_gpus, options=self.options)
         kept = submit.take_kept(request)
@@ -240,8 +256,42 @@ class SlurmEngine:
             self._own_job = kept
             print(f"[ddpnb] slurm job {kept.job}, kept from the run before, runs this one too", flush=True)
             return allocation.describe(kept.job)
-        self._own_job = submit.OwnJob(request, say=lambda line: print(f"[ddpnb] {line}", flush=True))
-        return self._own_job.wait()
+        self._own_job = submit.OwnJob(request)
+        self._own_job.ask()
+        return allocation.describe(self._own_job.job) if self._own_job.granted else None
+
+    def _await_job(self) -> bool:
+        """The run's own job waits in the queue: say its state to the run, then start the step once it runs (True).
+        False where every rank ended before: the run was stopped (the job is cancelled with `close`), or Slurm
+        ended the job in the queue, or the step could not start on it."""
+        events, job = self._events, self._own_job
+        assert events is not None and job is not None
+        said = job.state() or "pending"
+        events.queued(job.what, said)  # at once: no clock of the run's runs from now on
+        try:
+            while not self._stopping and not job.granted_within(submit.POLL):
+                state = job.state()
+                if state and state != said:
+                    events.queued(job.what, state)
+                    said = state
+                events.tick()  # a stop, the views
+        except LaunchError as exc:
+            return self._never_started(stopped=False, cause=f"{job.what} ended in the queue: {exc}")
+        finally:
+            events.queued(job.what, "")
+        if self._stopping:
+            return self._never_started(stopped=True)
+        try:
+            self._launch(allocation.describe(job.job))
+        except (LaunchError, OSError) as exc:
+            return self._never_started(stopped=False, cause=f"could not start on {job.what}: {exc}")
+        return True
+
+    def _never_started(self, stopped: bool, cause: str = "") -> bool:
+        assert self._events is not None
+        for rank in range(self.world_size):
+            self._events.exited(rank, None, stopped=stopped, cause=cause)
+        return False
 
     def _node_count(self, job: allocation.Allocation) -> int:
         """How many nodes the step spans; LaunchError where the allocation cannot hold the run, quoting Slurm."""
@@ -361,7 +411,11 @@ class SlurmEngine:
         """Read the hosts' connections, srun's pipes and new arrivals until every rank has ended and srun with
         them. While every rank is busy, wake-ups are COALESCE apart (the views redraw no more often)."""
         events = self._events
-        assert events is not None and self._srun is not None
+        assert events is not None
+        if self._srun is None and not self._await_job():
+            self._selector.close()
+            return
+        assert self._srun is not None
         last_wake = 0.0
         try:
             while True:
@@ -548,6 +602,10 @@ class SlurmEngine:
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
         """A session's command to each of `ranks`, through its node's host, with the notebook data its pickle
         refers to that the host does not hold yet (once per node)."""
+        with self._early_lock:
+            if self._srun is None:  # the job waits in the queue: sent once the step starts
+                self._early.append((ranks, command, shipment))
+                return
         files = shipment.fds() if isinstance(shipment, Shipment) else {}
         senders = []
         for node in self._nodes:

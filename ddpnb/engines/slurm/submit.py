@@ -1,5 +1,5 @@
 """A job of the run's own, for a kernel outside any allocation (a login node): asked for with `salloc`, its queue
-state said in the cell while it waits, and given back when the attempt ends — KEEP_JOB seconds later, so that the
+state said to the run while it waits (the engine's `serve`), and given back when the attempt ends — KEEP_JOB seconds later, so that the
 next launch asking for the same (a session's `%ddp_restart`, a restart, the next cell) takes it without queueing.
 
 `salloc` runs `cat` on this host for as long as the job should live: ddpnb closes `cat`'s stdin to give the job
@@ -17,18 +17,15 @@ import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpnb.core.spec import LaunchError
-from ddpnb.core.words import format_duration
 from ddpnb.engines.slurm import allocation
 from ddpnb.engines.slurm.options import SUBMIT_OPTIONS, SlurmOptions
 
 KEEP_JOB = 10.0  # seconds a job waits, once its run ended, for the next launch that asks for the same
 MIN_LEFT = 120.0  # seconds a kept job must still have before its time limit to be given to the next launch
 POLL = 1.0  # seconds between two looks at the job's queue state
-SAY_EVERY = 60.0  # seconds between two lines about a job whose state did not change
 RELEASE_WAIT = 10.0  # seconds salloc gets to give the job back once its `cat` ended
 # salloc's own lines (src/salloc): "salloc: Pending job allocation 12", "salloc: Granted job allocation 12"
 JOB_ID = re.compile(r"job allocation (\d+)")
@@ -102,53 +99,57 @@ def salloc_path() -> str:
 
 
 class OwnJob:
-    """One salloc'd job: `wait` until it runs (saying its queue state), `release` to give it back."""
+    """One salloc'd job: `ask` for it, `granted_within` until it runs (its queue state from `state`), `release` to
+    give it back."""
 
-    def __init__(self, request: JobRequest, say: Callable[[str], None]) -> None:
+    def __init__(self, request: JobRequest) -> None:
         self.request = request
-        self.say = say
         self.job = ""
         self.granted = False
+        self.asked = 0.0  # when (monotonic)
         self._salloc: subprocess.Popen[str] | None = None
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # salloc's stderr; None: it closed
         self._said: list[str] = []
         self._expiry: threading.Timer | None = None  # while kept for the next launch: when it goes back
 
-    def wait(self) -> allocation.Allocation:
-        """Ask for the job and wait, however long it queues, until it runs; LaunchError, quoting Slurm, where it
-        is refused. An interrupt meanwhile raises here: the caller's `release` cancels the job."""
+    @property
+    def what(self) -> str:
+        return f"slurm job {self.job}"
+
+    def ask(self) -> None:
+        """Ask for the job, and wait for salloc's first word: the job's ID (it waits in the queue, or runs at
+        once). LaunchError, quoting Slurm, where it is refused. An interrupt meanwhile raises here: the caller's
+        `release` cancels the job."""
         self._salloc = subprocess.Popen(self.request.salloc(salloc_path()), stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         start_new_session=True)  # the kernel's interrupt is ddpnb's to act on
+        self.asked = time.monotonic()
         threading.Thread(target=self._read, name="ddpnb-salloc", daemon=True).start()
-        asked = time.monotonic()
-        shown, shown_at = "", 0.0
+        while not self.job and not self.granted_within(POLL):
+            continue
+
+    def granted_within(self, seconds: float) -> bool:
+        """Whether the job runs, reading what salloc says for at most `seconds`; LaunchError, quoting Slurm, where
+        salloc ended without it (refused, or cancelled in the queue)."""
+        assert self._salloc is not None
+        deadline = time.monotonic() + seconds
         while not self.granted:
             try:
-                line = self._lines.get(timeout=POLL)
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                line = ""
-            if line is None or (not line and self._salloc.poll() is not None):
+                if self._salloc.poll() is not None and self._lines.empty():
+                    raise LaunchError(self._refusal()) from None
+                return False
+            if line is None:
                 raise LaunchError(self._refusal())
-            if line:
-                self._said.append(line)
-                found = JOB_ID.search(line)
-                self.job = self.job or (found.group(1) if found else "")
-                self.granted = GRANTED in line
-                continue
-            state = self._queue_state()
-            waited = time.monotonic() - asked
-            if state and (state != shown or time.monotonic() - shown_at > SAY_EVERY):
-                self.say(f"slurm job {self.job} {state}, waited {format_duration(waited)} (interrupt or stop the "
-                         "run to cancel it)")
-                shown, shown_at = state, time.monotonic()
-        job = allocation.describe(self.job)
-        waited = format_duration(time.monotonic() - asked)
-        kept = keep_seconds()
-        self.say(f"slurm job {self.job} runs on {job.fields.get('NodeList', '?')} after {waited} in the queue; "
-                 + (f"it is given back {format_duration(kept)} after the run ends, unless the next launch asking "
-                    "for the same takes it" if kept else "it is given back when the run ends"))
-        return job
+            self._said.append(line)
+            found = JOB_ID.search(line)
+            self.job = self.job or (found.group(1) if found else "")
+            self.granted = GRANTED in line
+        return True
+
+    def waited(self) -> float:
+        return time.monotonic() - self.asked
 
     def park(self) -> None:
         """The run is over: keep the job keep_seconds() for a launch asking for the same, then give it back (at
@@ -174,7 +175,7 @@ class OwnJob:
     def running(self) -> bool:
         """Its salloc still holds it, Slurm says it runs, and for MIN_LEFT more at least (a job about to reach its
         --time would end the next run it were given to)."""
-        if self._salloc is None or self._salloc.poll() is not None or self._queue_state() != "running":
+        if self._salloc is None or self._salloc.poll() is not None or self.state() != "running":
             return False
         left = self._time_left()
         return left is None or left >= MIN_LEFT
@@ -230,7 +231,7 @@ class OwnJob:
             self._lines.put(line.strip())
         self._lines.put(None)
 
-    def _queue_state(self) -> str:
+    def state(self) -> str:
         """'pending (Priority)', 'configuring', ... as squeue says it; '' before the job has an ID."""
         if not self.job:
             return ""
