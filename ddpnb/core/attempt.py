@@ -152,6 +152,8 @@ class Attempt:
                 for rank in self.record.ranks:  # never reported gone (ddpnb's reader failed): the close ended it
                     if rank.state in _RUNNING:
                         rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
+            if self.is_queued():  # the engine ended without saying the wait was over
+                self.queued(self.record.queued.what, "")  # type: ignore[union-attr]
             self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
             self._merge_profile()
         finally:

@@ -330,7 +330,7 @@ class Run:
         record.attempts.append(AttemptRecord(number=ended.number, ranks=record.ranks, failures=record.failures,
                                              outcome=outcome, note=note, started=ended.started, ended=time.time(),
                                              last_line=self._lines.count))
-        record.stall = record.at_timeout = None
+        record.stall = record.at_timeout = record.queued = None
         spec = replace(ended.spec, attempt=ended.number + 1)
         self.attempt = self._new_attempt(ended.number + 1, spec)
         assert self._relay is not None  # released only when the run ends
