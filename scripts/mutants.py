@@ -301,6 +301,18 @@ MUTANTS = [
         (SLURM + "test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on",),
     ),
     Mutant(
+        "queue-wait-counts-toward-the-timeout", "ddpnb/core/attempt.py",
+        (("held=bool(self.waiting) or self.is_queued())", "held=bool(self.waiting))"),),
+        (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",),
+    ),
+    Mutant(
+        "stop-ignored-while-the-job-waits-in-the-queue", "ddpnb/engines/slurm/engine.py",
+        (("            while not self._stopping and not job.granted_within(submit.POLL):\n",
+          "            while not job.granted_within(submit.POLL):\n"),),
+        (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",
+         SLURM + "test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_nothing"),
+    ),
+    Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
         (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
         (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),
