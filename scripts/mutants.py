@@ -313,6 +313,12 @@ MUTANTS = [
          SLURM + "test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_nothing"),
     ),
     Mutant(
+        "queued-job-outlives-its-kernel", "ddpnb/engines/slurm/submit.py",
+        (('[sys.executable, "-I", KEEPER, *self.request.salloc(salloc_path())]',
+          'self.request.salloc(salloc_path())'),),
+        (SLURM + "test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it[in the queue]",),
+    ),
+    Mutant(
         "own-job-never-given-back", "ddpnb/engines/slurm/submit.py",
         (("        salloc = self._salloc\n        if salloc is None:\n            return\n", "        return\n"),),
         (SLURM + "test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back",),

@@ -403,22 +403,26 @@ def test_a_job_slurm_refuses_is_a_clear_error_quoting_it_and_inside_an_allocatio
            f"job {cluster.job}" in run.stderr, run.stderr
 
 
-def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster):
-    """The job's `salloc` runs `cat` on ddpnb's pipe: a kernel killed outright closes it, and the job ends."""
+@pytest.mark.parametrize("when", ["running", "in the queue"])
+def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster, when):
+    """The job's `salloc` runs `cat` on ddpnb's pipe, under a keeper that reads it too: a kernel killed outright
+    closes it, and the job ends, or is cancelled while it waits (held) in the queue."""
+    held = when == "in the queue"
     code = ("import os, signal\n"
             "from ddpnb.engines.slurm.options import SlurmOptions\n"
             "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
-            "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=SlurmOptions())\n"
+            f"options = SlurmOptions(job_args={'--hold' if held else ''!r})\n"
+            "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=options)\n"
             "job = OwnJob(request)\n"
             "job.ask()\n"
-            "while not job.granted_within(1):\n"
+            f"while not {held} and not job.granted_within(1):\n"
             "    pass\n"
-            "print('JOB', job.job, flush=True)\n"
+            "print('JOB', job.job, job.granted, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**env, **cluster.env}, check=False)
-    assert done.returncode == -9 and "JOB " in done.stdout, done.stdout + done.stderr
+    assert done.returncode == -9 and re.search(rf"JOB \d+ {not held}\n", done.stdout), done.stdout + done.stderr
     assert ddpnb_jobs(cluster, within=10) == []
 
 

@@ -3,8 +3,9 @@ state said to the run while it waits (the engine's `serve`), and given back when
 next launch asking for the same (a session's `%ddp_restart`, a restart, the next cell) takes it without queueing.
 
 `salloc` runs `cat` on this host for as long as the job should live: ddpnb closes `cat`'s stdin to give the job
-back, and a kernel that dies closes it too (end of file), so no allocation outlives its kernel, however it ended.
-`scancel` backs that up. The ranks then run as a step of that job, exactly as inside an allocation.
+back, and a kernel that dies closes it too (end of file), so no allocation outlives its kernel, however it ended;
+salloc's parent, `keeper.py`, reads the same pipe, so a job still in the queue goes the same way. `scancel` backs
+that up. The ranks then run as a step of that job, exactly as inside an allocation.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import queue
 import re
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddpnb.core.spec import LaunchError
 from ddpnb.engines.slurm import allocation
@@ -30,6 +33,7 @@ RELEASE_WAIT = 10.0  # seconds salloc gets to give the job back once its `cat` e
 # salloc's own lines (src/salloc): "salloc: Pending job allocation 12", "salloc: Granted job allocation 12"
 JOB_ID = re.compile(r"job allocation (\d+)")
 GRANTED = "Granted job allocation"
+KEEPER = str(Path(__file__).with_name("keeper.py"))
 
 
 @dataclass(frozen=True)
@@ -120,9 +124,11 @@ class OwnJob:
         """Ask for the job, and wait for salloc's first word: the job's ID (it waits in the queue, or runs at
         once). LaunchError, quoting Slurm, where it is refused. An interrupt meanwhile raises here: the caller's
         `release` cancels the job."""
-        self._salloc = subprocess.Popen(self.request.salloc(salloc_path()), stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True)  # the kernel's interrupt is ddpnb's to act on
+        # salloc under its keeper, which ends it once this pipe closes: a job waiting in the queue goes with a
+        # kernel that dies, too (`keeper.py`)
+        self._salloc = subprocess.Popen([sys.executable, "-I", KEEPER, *self.request.salloc(salloc_path())],
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True, start_new_session=True)  # the kernel's interrupt is ddpnb's
         self.asked = time.monotonic()
         threading.Thread(target=self._read, name="ddpnb-salloc", daemon=True).start()
         while not self.job and not self.granted_within(POLL):
