@@ -222,41 +222,42 @@ class Session:
         queue_said: tuple[str, str] | None = None
         try:
             while len(answers) < len(selected):
-                try:  # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost
+                # an interrupt may land anywhere in here (a busy kernel): it is the cell's, never lost, and a reply
+                # is kept the moment it is taken
+                try:
                     run.answer_prompts()  # a rank at breakpoint(): this cell's input box answers it
                     try:
                         reply = channel.replies.get(timeout=0.1)
                     except queue.Empty:
                         reply = None
+                    if reply is not None and reply.command == command.number:
+                        answers[reply.rank] = reply
+                        if reply.exc_type and ending_at is None:
+                            ending_at = time.monotonic() + GRACE
                     new, skipped, seen = run.lines_since(seen)  # read before shown: an interrupt shows none twice
                     self._show_output(run, new, skipped, folder)
+                    if run.done:
+                        self._died(run)
+                    now = time.monotonic()
+                    queued = run.record.queued
+                    if queued is not None and queued.ongoing:  # the ranks' job waits its turn: no command's time yet
+                        began = now
+                        if (queued.what, queued.state) != queue_said:
+                            queue_said = (queued.what, queued.state)
+                            self._say(f"{queued.words()} (interrupt to cancel it)")
+                    if timeout is not None and ending_at is None and now - began > timeout:
+                        channel.interrupt([rank for rank in selected if rank not in answers])
+                        ending_at = now + GRACE
+                    if ending_at is not None and now > ending_at and len(answers) < len(selected):
+                        timed_out = timeout is not None and now - began > timeout
+                        cause = "an interrupt" if interrupted or timed_out else "a failure"
+                        self._break(selected, answers, f"within {GRACE:g} s of {cause}")
                 except KeyboardInterrupt:
                     if interrupted:  # a second interrupt: stop waiting for ranks that do not come back
                         self._break(selected, answers, "a second interrupt ended the wait")
                     interrupted = True
                     channel.interrupt([rank for rank in selected if rank not in answers])
                     ending_at = time.monotonic() + GRACE
-                    continue
-                if reply is not None and reply.command == command.number:
-                    answers[reply.rank] = reply
-                    if reply.exc_type and ending_at is None:
-                        ending_at = time.monotonic() + GRACE
-                if run.done:
-                    self._died(run)
-                now = time.monotonic()
-                queued = run.record.queued
-                if queued is not None and queued.ongoing:  # the ranks' job waits its turn: no command's time yet
-                    began = now
-                    if (queued.what, queued.state) != queue_said:
-                        queue_said = (queued.what, queued.state)
-                        self._say(f"{queued.words()} (interrupt to cancel it)")
-                if timeout is not None and ending_at is None and now - began > timeout:
-                    channel.interrupt([rank for rank in selected if rank not in answers])
-                    ending_at = now + GRACE
-                if ending_at is not None and now > ending_at and len(answers) < len(selected):
-                    timed_out = timeout is not None and now - began > timeout
-                    cause = "an interrupt" if interrupted or timed_out else "a failure"
-                    self._break(selected, answers, f"within {GRACE:g} s of {cause}")
         finally:  # however the wait ended, every line read is shown, those still waiting to be folded too
             new, skipped, seen = run.lines_since(seen)
             self._show_output(run, new, skipped, folder, final=True)
