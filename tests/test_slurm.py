@@ -352,6 +352,27 @@ run = ddpnb.launch(where, engine="slurm", nprocs=2, job_args="--hold", view="non
 WHERE_AND_WHO = "%%ranks\nimport os\nprint(os.environ['SLURM_JOB_ID'], os.getpid())"
 
 
+def test_outside_an_allocation_a_session_waits_for_its_job_saying_so_and_its_first_command_follows(slurm_kernel,
+                                                                                                   cluster):
+    """`%ddp_start` while the job is held in the queue: the cell says the job's state, the session's first command
+    (sent at once) waits for the step, and the session works once the job runs."""
+    with on_a_login_node(slurm_kernel):
+        try:
+            cell = Cell(slurm_kernel, "%ddp_start --engine slurm -n 2 --nodes 2 --job-args '--hold'")
+            job = held_job(cluster)
+            cell.read_until(lambda out: f"slurm job {job} pending (JobHeldUser)" in out.stdout, timeout=60)
+            cluster.run("scontrol", "release", job)
+            started = cell.finish(timeout=CELL_TIMEOUT)
+            assert started.error is None, started.text
+            assert "(interrupt to cancel it)" in started.stdout, started.stdout
+            ran = slurm_kernel.execute(WHERE_AND_WHO, timeout=60)
+        finally:
+            slurm_kernel.execute("%ddp_stop", timeout=60)
+    assert re.findall(r"\[rank (\d)\] (\d+) \d+", ran.stdout) == [("0", job), ("1", job)], ran.text
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ranks_left() == [] and steps_left(cluster) == []
+
+
 def test_outside_an_allocation_a_sessions_restart_keeps_its_job_and_its_end_gives_it_back(slurm_kernel, cluster):
     """`%ddp_restart` on a login node: the fresh ranks run in the job the session had (no second turn in the
     queue); `%ddp_stop` gives it back once no launch took it."""

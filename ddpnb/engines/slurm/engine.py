@@ -242,9 +242,9 @@ class SlurmEngine:
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._welcome)
         with self._early_lock:  # a session's commands sent while the job waited go first, in order
             self._nodes, self._srun = nodes, srun
-            early, self._early = self._early, []
-        for ranks, command_bytes, shipment in early:
-            self.send(ranks, command_bytes, shipment)
+            for ranks, command_bytes, shipment in self._early:
+                self._send_now(ranks, command_bytes, shipment)  # queued behind each node's setup: at once
+            self._early = []
 
     def _ask_for_job(self) -> allocation.Allocation | None:
         """Outside an allocation: a job of this attempt's own, for its ranks. A job kept from the run before, or
@@ -606,6 +606,9 @@ class SlurmEngine:
             if self._srun is None:  # the job waits in the queue: sent once the step starts
                 self._early.append((ranks, command, shipment))
                 return
+        self._send_now(ranks, command, shipment)
+
+    def _send_now(self, ranks: list[int], command: bytes, shipment: Any) -> None:
         files = shipment.fds() if isinstance(shipment, Shipment) else {}
         senders = []
         for node in self._nodes:
