@@ -1,6 +1,7 @@
 """A job of the run's own, for a kernel outside any allocation (a login node): asked for with `salloc`, its queue
-state said to the run while it waits (the engine's `serve`), and given back when the attempt ends — KEEP_JOB seconds later, so that the
-next launch asking for the same (a session's `%ddp_restart`, a restart, the next cell) takes it without queueing.
+state said to the run while it waits (the engine's `serve`), and given back when the attempt ends — KEEP_JOB
+seconds later, so that the next launch asking for the same (a session's `%ddp_restart`, a restart, the next cell)
+takes it without queueing.
 
 `salloc` runs `cat` on this host for as long as the job should live: ddpnb closes `cat`'s stdin to give the job
 back, and a kernel that dies closes it too (end of file), so no allocation outlives its kernel, however it ended;
@@ -110,7 +111,6 @@ class OwnJob:
         self.request = request
         self.job = ""
         self.granted = False
-        self.asked = 0.0  # when (monotonic)
         self._salloc: subprocess.Popen[str] | None = None
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # salloc's stderr; None: it closed
         self._said: list[str] = []
@@ -129,7 +129,6 @@ class OwnJob:
         self._salloc = subprocess.Popen([sys.executable, "-I", KEEPER, *self.request.salloc(salloc_path())],
                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True, start_new_session=True)  # the kernel's interrupt is ddpnb's
-        self.asked = time.monotonic()
         threading.Thread(target=self._read, name="ddpnb-salloc", daemon=True).start()
         while not self.job and not self.granted_within(POLL):
             continue
@@ -153,9 +152,6 @@ class OwnJob:
             self.job = self.job or (found.group(1) if found else "")
             self.granted = GRANTED in line
         return True
-
-    def waited(self) -> float:
-        return time.monotonic() - self.asked
 
     def park(self) -> None:
         """The run is over: keep the job keep_seconds() for a launch asking for the same, then give it back (at
