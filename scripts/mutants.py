@@ -372,6 +372,17 @@ MUTANTS = [
         (DEBUGGER + "test_debug_in_the_kernel_after_a_failed_run_points_at_the_ranks_frames",),
     ),
     Mutant(
+        "debug-opens-a-post-mortem-on-a-knock-on", "ddpnb/rank/main.py",
+        (("                and not is_knock_on(type(exc).__name__, str(exc)):", "                and True:"),),
+        (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[knock-on]",),
+    ),
+    Mutant(
+        "a-stopping-run-asks-a-ranks-prompt", "ddpnb/core/attempt.py",
+        (("            if self._stop is not None:  # every rank is being stopped", "            if False:  # every rank is being stopped"),
+         ("                self.waiting.pop(rank, None)\n                self.record.ranks[rank].breakpoint_at = \"\"\n", "")),
+        (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own error]",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

@@ -108,6 +108,35 @@ def train(rank, world_size):
     assert len(pids) == 2 and wait_gone(pids, within=10) == []
 
 
+@pytest.mark.parametrize("after_peer", ["knock-on", "own error"])
+def test_debug_asks_only_the_rank_that_failed_first(kernel, after_peer):
+    """--debug's post-mortem is the first failure's. Rank 0 ignores SIGTERM, so it outlives the stop long enough to
+    see rank 1 go: gloo's peer error there (a knock-on) opens no post-mortem and reaches the report as rank 0's
+    own failure; an error of its own raised then opens one on the rank, but a run being stopped asks nobody."""
+    raise_after = "raise" if after_peer == "knock-on" else 'raise ValueError("rank 0 after its peer")'
+    run = kernel.execute(f'''%%ddp -n 2 --debug
+def train(rank, world_size):
+    import signal, torch, torch.distributed as dist
+    batch = torch.ones(3) * 7
+    if rank == 1:
+        raise ValueError("bad batch")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        dist.all_reduce(batch)
+    except RuntimeError:
+        {raise_after}
+''', timeout=120, answer=answers("q"))
+    assert run.prompts == ["(rank 1) (Pdb) "], run.prompts
+    assert run.error is not None and run.error["ename"] == "WorkerError", run.text
+    assert "rank 1 of 2 failed first: ValueError: bad batch" in "\n".join(run.error["traceback"])
+    ranks = kernel.execute("r = ddpnb.last_run()\nprint(*[r.pid for r in r.ranks])\n"
+                           "print(*[f.rank for f in r.failures if f.knock_on])")
+    pids, knocked_on = ranks.stdout.splitlines()
+    if after_peer == "knock-on":  # rank 0 reported its peer error at once, instead of waiting at a prompt
+        assert knocked_on == "0", ranks.text
+    assert wait_gone([int(pid) for pid in pids.split()], within=10) == []
+
+
 def test_debug_without_a_front_end_that_takes_input_says_so_and_the_run_fails_as_usual(kernel):
     run = kernel.execute('''%%ddp -n 2 --debug
 def train(rank):

@@ -275,6 +275,8 @@ class Attempt:
             with self._aside(rank, "profile"):
                 self.traces.add(message)
         elif isinstance(message, msg.Prompt):
+            if self._stop is not None:  # every rank is being stopped: nobody is asked (the engine ends this one)
+                return
             with self._prompt_lock:
                 self.waiting[rank] = message
                 # a prompt after `p x` says no place: the rank is where its last one said
@@ -398,8 +400,11 @@ class Attempt:
         going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
                  and r.state is not RankState.FAILED]  # a failed rank exits by itself
         now = time.time()
-        for rank in going:
-            self._stopping.setdefault(rank, now)
+        with self._prompt_lock:  # a rank being stopped is asked nothing more: its prompt goes with it
+            for rank in going:
+                self._stopping.setdefault(rank, now)
+                self.waiting.pop(rank, None)
+                self.record.ranks[rank].breakpoint_at = ""
         after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
         self._escalate_at = None if after is None else time.monotonic() + after
 

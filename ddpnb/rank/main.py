@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpnb.core import messages as msg
+from ddpnb.core.failures import is_knock_on
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_locals, user_traceback
 from ddpnb.rank import cells, checkpoint, data, debug, group, progress, radar
@@ -62,8 +63,10 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         _report(context, exc, message=repr(exc.code) if exc.code is not None else "")
         raise
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the user's failure: report it as data, exit non-zero
-        if context.spec is not None and context.spec.debug and not isinstance(exc, KeyboardInterrupt):
-            debug.post_mortem(context, exc)  # --debug: at the raising frame first, then the usual report
+        # --debug: at the raising frame first, then the usual report; not where the rank only saw a peer fail
+        if context.spec is not None and context.spec.debug and not isinstance(exc, KeyboardInterrupt) \
+                and not is_knock_on(type(exc).__name__, str(exc)):
+            debug.post_mortem(context, exc)
         _report(context, exc, message=str(exc))
         raise SystemExit(1) from None
 
