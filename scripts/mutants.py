@@ -380,7 +380,7 @@ MUTANTS = [
         "a-stopping-run-asks-a-ranks-prompt", "ddpnb/core/attempt.py",
         (("            if self._stop is not None:  # every rank is being stopped", "            if False:  # every rank is being stopped"),
          ("                self.waiting.pop(rank, None)\n                self.record.ranks[rank].breakpoint_at = \"\"\n", "")),
-        (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own error]",),
+        (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own-error]",),
     ),
     Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",

@@ -108,7 +108,7 @@ def train(rank, world_size):
     assert len(pids) == 2 and wait_gone(pids, within=10) == []
 
 
-@pytest.mark.parametrize("after_peer", ["knock-on", "own error"])
+@pytest.mark.parametrize("after_peer", ["knock-on", "own-error"])
 def test_debug_asks_only_the_rank_that_failed_first(kernel, after_peer):
     """--debug's post-mortem is the first failure's. Rank 0 ignores SIGTERM, so it outlives the stop long enough to
     see rank 1 go: gloo's peer error there (a knock-on) opens no post-mortem and reaches the report as rank 0's
