@@ -383,6 +383,11 @@ MUTANTS = [
         (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own-error]",),
     ),
     Mutant(
+        "a-straggler-verdict-bug-ends-the-run", "ddpnb/core/attempt.py",
+        (("        with self._aside(None, \"judge the stragglers\"):\n            self.watchdog", "        if True:\n            self.watchdog"),),
+        (FAULTS + "test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

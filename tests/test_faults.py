@@ -1407,6 +1407,36 @@ def test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_
     assert_nothing_left(record)
 
 
+def sends_steps_for_the_radar(rank):
+    from ddpnb.core import messages as msg
+    from ddpnb.rank import context
+
+    for step in range(1, 6):  # both ranks' reports of each step: the radar has a verdict to give
+        context.current().send(msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step,
+                                             arrivals=(("gloo", step, time.time_ns()),)))
+    return f"rank {rank} trained"
+
+
+def test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on(monkeypatch):
+    """The radar's verdict runs on the reader's thread each pass, apart from the run's clocks: ddpnb's own bug there
+    (injected: nothing the ranks send can break it) is said, kept, and ends nothing."""
+    def broken(ranks):
+        raise ZeroDivisionError("injected")
+
+    monkeypatch.setattr("ddpnb.core.watchdog.flag_stragglers", broken)
+    run = ddpnb.launch(sends_steps_for_the_radar, nprocs=2, view="none")
+    assert run.result() == "rank 0 trained"
+    record = run.record
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED
+    said = [line for line in run.lines_since(0)[0] if "stragglers" in line.text]
+    assert [(line.rank, line.text) for line in said] == [
+        (0, "[ddpnb] could not judge the stragglers (ZeroDivisionError: injected): a ddpnb bug, please report it "
+            "with the run directory; the run goes on")]
+    [kept] = record.internal_errors
+    assert kept.startswith("trying to judge the stragglers:\nTraceback (most recent call last):"), kept
+    assert_nothing_left(record)
+
+
 def sends_output_of_a_stream_that_does_not_exist(rank, handshake):
     from ddpnb.core import messages as msg
     from ddpnb.rank import context

@@ -154,7 +154,7 @@ class Attempt:
                         rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
             if self.is_queued():  # the engine ended without saying the wait was over
                 self.queued(self.record.queued.what, "")  # type: ignore[union-attr]
-            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once=True)  # the last count too
+            self._judge_stragglers(at_once=True)  # the last count too
             self._merge_profile()
         finally:
             if self.logs is not None:
@@ -288,20 +288,26 @@ class Attempt:
             self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
     @contextlib.contextmanager
-    def _aside(self, rank: int, what: str) -> Iterator[None]:
-        """Reading what only feeds views and diagnostics (`what`: "step times"): an error there is a bug of
-        ddpnb's, said once an attempt in the rank's output and log, its traceback kept in the record; the run goes
-        on."""
+    def _aside(self, rank: int | None, what: str) -> Iterator[None]:
+        """Reading what only feeds views and diagnostics (`what`: rank `rank`'s "step times"; with no rank, what
+        is done with every rank's: "judge the stragglers"): an error there is a bug of ddpnb's, said once an
+        attempt in the rank's output and log (rank 0's), its traceback kept in the record; the run goes on."""
         try:
             yield
         except Exception as exc:  # noqa: BLE001 - said and kept below: a view's data must not end the training
             if what in self._said:
                 return
             self._said.add(what)
-            self.record.internal_errors.append(f"reading rank {rank}'s {what}:\n{_formatted(exc)}")
+            doing, done = (f"reading rank {rank}'s {what}", f"read rank {rank}'s {what}") if rank is not None \
+                else (f"trying to {what}", what)
+            self.record.internal_errors.append(f"{doing}:\n{_formatted(exc)}")
             assert self.logs is not None  # open while the engine reports
-            self.logs.say(rank, f"could not read rank {rank}'s {what} ({type(exc).__name__}: {exc}): a ddpnb bug, "
-                                "please report it with the run directory; the run goes on")
+            self.logs.say(rank or 0, f"could not {done} ({type(exc).__name__}: {exc}): a ddpnb bug, please report "
+                                     "it with the run directory; the run goes on")
+
+    def _judge_stragglers(self, at_once: bool = False) -> None:
+        with self._aside(None, "judge the stragglers"):
+            self.watchdog.judge_stragglers(self.record.ranks, time.monotonic(), at_once)
 
     def queued(self, what: str, state: str) -> None:
         queued = self.record.queued
@@ -366,6 +372,7 @@ class Attempt:
         asked = self._request.asked
         if asked and self._stop is None:
             self._begin_stop(*asked)
+        self._judge_stragglers()
         alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
                                     armed=self._stop is None, held=bool(self.waiting) or self.is_queued())
         if alarm is Alarm.TIMEOUT:

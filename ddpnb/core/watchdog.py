@@ -1,4 +1,4 @@
-"""One attempt's clocks: its timeout, the stall doctor and the straggler radar, behind one `check(now)`.
+"""One attempt's clocks: its timeout and the stall doctor behind one `check(now)`, and the straggler radar's pace.
 
 The watchdog decides and the attempt acts: `check` says what it found (`Alarm`), and the attempt takes the stacks,
 writes the record and stops the ranks. Progress is stamped with the reader's clock, read once a pass.
@@ -72,6 +72,8 @@ class Watchdog:
         self._radar_due = True
 
     def judge_stragglers(self, ranks: list[RankRecord], now: float, at_once: bool = False) -> None:
+        """The radar's verdict on the steps reported since the last, at most once a RADAR_INTERVAL (unless
+        `at_once`); the attempt asks each pass, apart from `check`: a bug in it must not stop the clocks."""
         if self._radar_due and (at_once or now - self._radar_at >= RADAR_INTERVAL):
             self._radar_due, self._radar_at = False, now
             flag_stragglers(ranks)
@@ -82,11 +84,10 @@ class Watchdog:
 
     def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
               armed: bool = True, held: bool = False) -> Alarm | None:
-        """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (only the
-        stragglers are judged then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs
+        """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (nothing is due
+        then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs
         meanwhile nor is anyone's waiting a stall."""
         self.clock = now
-        self.judge_stragglers(ranks, now)
         if held:
             self._held_at = self._held_at or now
             self.stall.idle(now)
