@@ -137,6 +137,21 @@ def train(rank, world_size):
     assert wait_gone([int(pid) for pid in pids.split()], within=10) == []
 
 
+def test_debug_of_an_error_about_a_ddpnb_call_opens_at_the_users_line(kernel):
+    """ddpnb.log's error about its arguments ends its traceback on the user's line, and --debug's post-mortem
+    opens there too, with the user's locals: ddpnb's frame below it is the user's to reach with `down` only."""
+    run = kernel.execute('''%%ddp -n 1 --debug
+def train(rank):
+    import ddpnb
+    losses = [1.5, 2.5]
+    ddpnb.log(loss=losses)
+''', timeout=120, answer=answers("p losses", "q"))
+    assert run.prompts == ["(rank 0) (Pdb) ", "(rank 0) (Pdb) "], run.prompts
+    assert re.search(r"^> Cell In\[\d+\], line 5, in train\(\)$", run.stdout, re.MULTILINE), run.stdout
+    assert "[1.5, 2.5]" in run.stdout, run.stdout
+    assert run.error is not None and "ddpnb.log: loss must be a number" in "\n".join(run.error["traceback"])
+
+
 def test_debug_without_a_front_end_that_takes_input_says_so_and_the_run_fails_as_usual(kernel):
     run = kernel.execute('''%%ddp -n 2 --debug
 def train(rank):

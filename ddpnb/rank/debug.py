@@ -12,10 +12,11 @@ from __future__ import annotations
 import io
 import pdb
 import sys
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 from ddpnb.core import messages as msg
+from ddpnb.core.stacks import PACKAGE_DIR
 from ddpnb.rank import cells
 from ddpnb.rank import context as ctx
 
@@ -47,20 +48,31 @@ class _Answers:
 
 
 class RankPdb(pdb.Pdb):
-    """pdb reading from the kernel's answers and writing into the next prompt."""
+    """pdb reading from the kernel's answers and writing into the next prompt. `at_callers`: a post-mortem of an
+    error ddpnb's API raised about how it was called (`the_callers`) opens at the user's line, not in ddpnb."""
 
-    def __init__(self, context: ctx.RankContext) -> None:
+    def __init__(self, context: ctx.RankContext, at_callers: bool = False) -> None:
         gathered = _Gathered()
         # stepping never stops inside ddpnb or torch: a prompt always lands on the user's own line
         super().__init__(stdin=_Answers(context, gathered), stdout=gathered,  # type: ignore[arg-type]
                          skip=["ddpnb.*", "torch.*"], nosigint=True)
         self.use_rawinput = False
         self.prompt = "(Pdb) "
+        self._at_callers = at_callers
+
+    def setup(self, f: FrameType | None, tb: TracebackType | None) -> Any:
+        began = super().setup(f, tb)
+        if self._at_callers:  # `down` still shows ddpnb's frames below, as `w` lists them
+            while self.curindex > 0 and self.stack[self.curindex][0].f_code.co_filename.startswith(PACKAGE_DIR):
+                self.curindex -= 1
+            self.curframe = self.stack[self.curindex][0]
+            self.curframe_locals = self.curframe.f_locals
+        return began
 
 
 def post_mortem(context: ctx.RankContext, exc: BaseException) -> None:
     """pdb at the frame that raised `exc` (`--debug`), until the user leaves it (q, c)."""
-    debugger = RankPdb(context)
+    debugger = RankPdb(context, at_callers=getattr(exc, "__ddpnb_callers__", False))
     debugger.reset()
     try:
         debugger.interaction(None, exc.__traceback__)
