@@ -26,6 +26,7 @@ from ddpnb.core.report import WorkerError
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import where
+from ddpnb.core.words import ranks_text
 from ddpnb.rank.session import serve
 from ddpnb.views.fold import Folder
 from ddpnb.views.text import stall_lines
@@ -111,7 +112,7 @@ class Session:
     def _start(self) -> None:
         self.run = _api.start(serve, self._launch, foreground=False, commands=True)
         record = self.run.record
-        self._say(f"session of {record.world_size} ranks ({record.engine}, {record.backend}, "
+        self._say(f"session of {ranks_text(record.world_size)} ({record.engine}, {record.backend}, "
                   f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}")
         self.state, self.stopped_by = SessionState.READY, ""
         # a name every rank's namespace has, as the notebook's does (a module travels by name)
@@ -141,7 +142,9 @@ class Session:
             run.wait(STOP_WAIT)
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
-            self._say(f"session stopped: its {run.record.world_size} ranks have ended, and their namespaces with them")
+            size = run.record.world_size
+            self._say(f"session stopped: its {ranks_text(size)} {'has' if size == 1 else 'have'} ended, and their "
+                      "namespaces with them")
         self.state = SessionState.STOPPED
 
     def __enter__(self) -> Session:  # noqa: PYI034 - Python 3.10 has no typing.Self
@@ -151,7 +154,7 @@ class Session:
         self.stop()
 
     def __repr__(self) -> str:
-        ranks = f"{self.world_size} ranks" if self.run is not None else "no ranks"
+        ranks = ranks_text(self.world_size) if self.run is not None else "no ranks"
         why = f" ({self.stopped_by})" if self.stopped_by else ""
         return f"<ddpnb session of {ranks}: {self.state.value}{why}>"
 
@@ -372,7 +375,7 @@ def start_for_magics(**options: Any) -> Session:
     """`%ddp_start`: one session per kernel."""
     global _current
     if _current is not None and _current.state is SessionState.READY:
-        raise _api.LaunchError(f"a session of {_current.world_size} ranks is already running in this kernel: "
+        raise _api.LaunchError(f"a session of {ranks_text(_current.world_size)} is already running in this kernel: "
                                "%ddp_restart gives fresh ranks with its flags, %ddp_stop ends it (then %ddp_start "
                                "with new flags).")
     _current = Session(**options)

@@ -149,6 +149,7 @@ def train(rank):
     assert run.prompts == ["(rank 0) (Pdb) ", "(rank 0) (Pdb) "], run.prompts
     assert re.search(r"^> Cell In\[\d+\], line 5, in train\(\)$", run.stdout, re.MULTILINE), run.stdout
     assert "[1.5, 2.5]" in run.stdout, run.stdout
+    assert "[ddpnb] train on 1 rank, backend gloo" in run.stdout, run.stdout  # one GPU's run reads right
     assert run.error is not None and "ddpnb.log: loss must be a number" in "\n".join(run.error["traceback"])
 
 

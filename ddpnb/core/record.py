@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import Stream
-from ddpnb.core.words import format_duration
+from ddpnb.core.words import format_duration, ranks_text
 from ddpnb.core.words import Named
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ class RunRecord:
         bugs = len(self.internal_errors)
         said = f", {bugs} ddpnb error{'s' if bugs > 1 else ''} in .internal_errors" if bugs else ""
         return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
-                f"{f', rank {first.rank} failed first' if first else ''}, {self.world_size} ranks ({self.backend}), "
+                f"{f', rank {first.rank} failed first' if first else ''}, {ranks_text(self.world_size)} ({self.backend}), "
                 f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>")
 
     def _repr_html_(self) -> str:

@@ -33,7 +33,7 @@ from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
 from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary, named
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.watchdog import Watchdog
-from ddpnb.core.words import format_duration
+from ddpnb.core.words import format_duration, ranks_text
 
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 GOES_ON = frozenset({"c", "cont", "continue", "q", "quit", "exit"})  # pdb commands that leave its prompt
@@ -148,7 +148,7 @@ class Run:
 
     def __repr__(self) -> str:
         record = self.record  # read when shown, so a handle displayed again later says how the run is now
-        return (f"<ddpnb run of {record.function or 'a function'} on {record.world_size} ranks ({record.backend}): "
+        return (f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} ({record.backend}): "
                 f"{self.status}; .wait() .result() .stop()>")
 
     def wait(self, timeout: float | None = None) -> RunRecord:

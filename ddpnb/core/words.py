@@ -30,6 +30,11 @@ def format_duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
 
 
+def ranks_text(count: int) -> str:
+    """'1 rank', '4 ranks': a one-GPU run is common enough to read right."""
+    return f"{count} rank{'' if count == 1 else 's'}"
+
+
 def size_text(count: float) -> str:
     """Bytes as '512.0 MiB', '1.2 GiB': the one byte format of every view, binary as torch's memory summaries
     and nvidia-smi print memory, so a number reads the same in both."""

@@ -20,6 +20,7 @@ from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import OutputLine
 from ddpnb.core.report import restart_line
 from ddpnb.core.run import TICK, Run
+from ddpnb.core.words import ranks_text
 from ddpnb.views.console import PromptConsole
 from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.html import (
@@ -138,7 +139,7 @@ class Dashboard:
         bundle = self.widget._repr_mimebundle_()
         # what a saved notebook keeps of a run that had not ended (the summary takes the widget's place when it
         # ends), and what a page without the kernel's widgets shows of it: GitHub, nbviewer, nbconvert
-        saved = (f"{self.record.function} on {self.record.world_size} ranks: still running when this notebook was "
+        saved = (f"{self.record.function} on {ranks_text(self.record.world_size)}: still running when this notebook was "
                  "saved (its live dashboard needs the kernel that ran it). Logs: ")
         bundle["text/plain"] = f"[ddpnb] {saved}{self.record.run_dir}"
         bundle["text/html"] = (f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '

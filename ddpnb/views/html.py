@@ -24,7 +24,7 @@ from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRec
 from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, hardware_text,
                                locals_lines, named, stall_headline, straggler_text)
 from ddpnb.core.spec import Stream
-from ddpnb.core.words import describe_exit, format_duration, size_text
+from ddpnb.core.words import describe_exit, format_duration, ranks_text, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
 from ddpnb.views.profile import profile_html
 
@@ -112,7 +112,7 @@ def header_html(record: RunRecord) -> str:
         if record.max_restarts else []
     note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
     queued = [record.queued.words()] if record.queued is not None else []  # its job's turn in the queue
-    meta = " · ".join([record.function, record.engine, record.backend, f"{record.world_size} ranks",
+    meta = " · ".join([record.function, record.engine, record.backend, ranks_text(record.world_size),
                        _devices(record), *note, *queued, *attempt, format_duration(record.duration)])
     colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
     # spaces between the parts, not only margins: copied, or shown without styles, the words stay apart

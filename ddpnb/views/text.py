@@ -18,7 +18,7 @@ from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stack
                                restart_line, stall_headline, summary_table)
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
-from ddpnb.core.words import format_duration
+from ddpnb.core.words import format_duration, ranks_text
 from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.profile import profile_text
 
@@ -46,7 +46,7 @@ class TextView:
         self.folder = Folder(record.world_size, enabled=fold)
         devices = ", ".join(sorted({r.device for r in record.ranks}))
         note = f"; {record.launch_note}" if record.launch_note else ""
-        self.out.write(f"[ddpnb] {record.function} on {record.world_size} ranks, backend {record.backend}, "
+        self.out.write(f"[ddpnb] {record.function} on {ranks_text(record.world_size)}, backend {record.backend}, "
                        f"devices {devices}{note}; logs in {record.run_dir}\n")
         run.subscribe(self.update)
 
