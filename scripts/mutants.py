@@ -388,6 +388,11 @@ MUTANTS = [
         (FAULTS + "test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on",),
     ),
     Mutant(
+        "a-short-log-write-loses-the-rest-silently", "ddpnb/core/ranklogs.py",
+        (("            while view:  # a write", "            if view:  # a write"),),
+        (FAULTS + "test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

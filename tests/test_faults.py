@@ -1377,6 +1377,46 @@ def test_a_hundred_runs_leak_nothing(runs_dir):
     assert _count_runs(runs_dir) <= rundir.KEEP_RUNS
 
 
+# --- 12b. a log the disk cannot take ---------------------------------------------------------------------------
+
+FULL_DISK_SCRIPT = """
+import resource, signal, sys
+import ddpnb
+
+def chatty(rank):
+    for i in range(600):  # 47 KB each: every line still in the run's last 2000
+        print(f"rank {rank} line {i} " + "x" * 60)
+    return "trained"
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's does
+resource.setrlimit(resource.RLIMIT_FSIZE, (32768, resource.RLIM_INFINITY))
+run = ddpnb.launch(chatty, nprocs=2, view="none")
+print("result:", run.result())
+for line in run.lines_since(0)[0]:
+    if "log stops" in line.text or line.text.startswith(f"rank {line.rank} line 599 "):
+        print(f"[{line.rank}] {line.text}")
+print("logs:", *[r.log_path for r in run.record.ranks])
+"""
+
+
+def test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on(tmp_path):
+    """A real file size limit (RLIMIT_FSIZE, in a child Python: the kernel's log writes fail with EFBIG, as with a
+    full disk): each rank's log stops at the limit, that is said once in its output, which reaches the cell
+    whole; the run succeeds."""
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "result: trained" in lines, done.stdout
+    for rank in (0, 1):
+        said = [line for line in lines if line.startswith(f"[{rank}] [ddpnb] rank {rank}'s log stops at 32.0 KiB")]
+        assert len(said) == 1 and "failed (OSError: [Errno 27] File too large)" in said[0], done.stdout
+        assert "its output goes on here, and the run with it" in said[0]
+        assert any(line.startswith(f"[{rank}] rank {rank} line 599 ") for line in lines), done.stdout
+    [logs] = [line.split()[1:] for line in lines if line.startswith("logs: ")]
+    assert [os.path.getsize(log) for log in logs] == [32768, 32768]
+
+
 # --- 13. a bug in ddpnb's own reading of the ranks (the kernel's side) -----------------------------------------
 
 def sends_step_times_the_kernel_cannot_read(rank):

@@ -8,6 +8,8 @@ attempt ends, each log closes with how its rank ended, so the file alone tells t
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,38 @@ from ddpnb.core.output import LineBuffer, LineDecoder, last_text
 from ddpnb.core.record import RankRecord, RankState
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import FATAL_ERROR, CrashDump
-from ddpnb.core.words import describe_exit
+from ddpnb.core.words import describe_exit, size_text
 
 
 def log_paths(run_dir: Path, world_size: int, attempt: int, restarts: bool) -> list[Path]:
     """Each rank's log; with restarts, each attempt has its own (`rank1.attempt0.log`)."""
     return [run_dir / (f"rank{r}.attempt{attempt}.log" if restarts else f"rank{r}.log") for r in range(world_size)]
+
+
+class _Log:
+    """A rank's log file that a full disk (or a file size limit) cuts short, not the run: the first write that
+    fails is said once, in the rank's output, and the log takes nothing more."""
+
+    def __init__(self, file: Any, cut: Callable[[OSError], None]) -> None:
+        self.file = file
+        self.written = 0
+        self._cut = cut
+        self.failed: OSError | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.failed is not None or not data:
+            return
+        view = memoryview(data)
+        try:
+            while view:  # a write that meets the limit writes part: the next says why
+                count = self.file.write(view) or 0
+                self.written, view = self.written + count, view[count:]
+        except OSError as exc:  # the training goes on: its output still reaches the cell
+            self.failed = exc
+            self._cut(exc)
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class RankLogs:
@@ -38,7 +66,8 @@ class RankLogs:
         self._crashes: dict[int, CrashDump] = {}  # faulthandler's report in each rank's stderr, once it starts
         try:
             for record in ranks:
-                log = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
+                file = open(record.log_path, "wb", buffering=0, opener=rundir.private)  # noqa: SIM115
+                log = _Log(file, functools.partial(self._cut, record.rank))
                 self._logs.append(log)
                 for stream in Stream:
                     self._decoders[(record.rank, stream)] = LineDecoder(log)
@@ -77,6 +106,13 @@ class RankLogs:
         cut = any(self._decoders[(rank, stream)].partial for stream in Stream)  # a line of the rank's own is open
         self._logs[rank].write((b"\n" if cut else b"") + f"{line}\n".encode())
         self._ranks[rank].lines += 1
+        self._lines.add(rank, Stream.STDERR, [line])
+
+    def _cut(self, rank: int, exc: OSError) -> None:
+        log = self._logs[rank]
+        line = (f"[ddpnb] rank {rank}'s log stops at {size_text(log.written)}: writing {self._ranks[rank].log_path} "
+                f"failed ({type(exc).__name__}: {exc}); its output goes on here, and the run with it. Free space in "
+                "the run directory's file system (or point DDPNB_RUNS_DIR elsewhere) for the next run's logs.")
         self._lines.add(rank, Stream.STDERR, [line])
 
     def explain_crash(self, rank: int) -> bool:
