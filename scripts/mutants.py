@@ -393,6 +393,11 @@ MUTANTS = [
         (FAULTS + "test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on",),
     ),
     Mutant(
+        "a-nodes-relay-holds-without-bound", "ddpnb/node/relay.py",
+        (("            self.lock.wait_for(lambda: self._ready_bytes < self.hold_bytes or self.abandoned)\n", ""),),
+        ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

@@ -90,3 +90,37 @@ def test_launch_options_are_checked_once_into_a_launch_with_the_engine_and_its_p
     assert (launch.plan.world_size, launch.plan.backend, launch.stall, launch.engine.name) == (3, "gloo", 0.0, "local")
     with pytest.raises(ddpnb.LaunchError, match="max_restarts must be a whole number of 0 or more"):
         ddpnb.LaunchOptions(max_restarts=-1).check()
+
+
+def test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind():
+    """A Ray or Slurm node's relay of its ranks' events: past `hold_bytes` not yet taken by the kernel, its reader
+    waits at the end of its read pass (so the ranks' pipes fill and their writes wait, as on the local engine)
+    until the kernel takes them; a host that closes lets it go at once."""
+    import threading
+
+    from ddpnb.core.spec import Stream
+    from ddpnb.node.relay import Relay
+
+    relay = Relay(hold_bytes=1000)
+    passes: list[int] = []
+
+    def read_passes() -> None:  # as `ForkedRanks.serve` does: events, then the end of the pass
+        for number in range(10):
+            relay.output(0, Stream.STDOUT, b"x" * 600)
+            relay.tick()
+            passes.append(number)
+        relay.finish()
+
+    reader = threading.Thread(target=read_passes, daemon=True)
+    reader.start()
+    reader.join(0.5)  # unheld, the ten passes take microseconds
+    assert reader.is_alive() and passes == [0], passes  # 1200 bytes wait after the second pass
+    batch, done = relay.take(0)
+    assert [event[3] for event in batch] == [b"x" * 600] * 2 and not done
+    reader.join(0.5)
+    assert reader.is_alive() and passes == [0, 1, 2], passes
+    relay.abandon()  # the host closes: nothing waits for the kernel now
+    reader.join(10)
+    assert not reader.is_alive() and passes == list(range(10))
+    batch, done = relay.take(0)
+    assert len(batch) == 8 and done

@@ -16,6 +16,9 @@ from ddpnb.core.spec import Stream
 if TYPE_CHECKING:  # the kernel's side only: a node's host never replays
     from ddpnb.core.engine import RunEvents
 
+HOLD_BYTES = 64 << 20  # the events a node holds for the kernel before its reader waits for the kernel to take them
+EVENT_BYTES = 256  # what an event but output is counted as, whatever it holds
+
 Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data) | ("message", rank, message)
 # | ("exited", rank, exitcode, stopped)
 
@@ -23,13 +26,18 @@ Event = tuple[Any, ...]  # ("placed", rank, pid) | ("output", rank, stream, data
 class Relay:
     """The forked ranks' events (`RunEvents`), queued for the kernel's next `drain`. Events become visible at the
     end of each read pass (`tick`), as the local engine announces them: an answer never overtakes the output its
-    rank wrote before it."""
+    rank wrote before it. A kernel that takes them slower than the ranks write holds the reader back once
+    `hold_bytes` wait: the ranks' pipes fill and their writes wait, as on the local engine, instead of this
+    node's memory filling."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_bytes: int = HOLD_BYTES) -> None:
         self.lock = threading.Condition()
         self._reading: list[Event] = []  # this read pass's events
         self._ready: list[Event] = []  # passes over, not drained yet
+        self._reading_bytes = self._ready_bytes = 0
+        self.hold_bytes = hold_bytes
         self.done = False
+        self.abandoned = False  # the kernel takes nothing more: the reader never waits for it
         self.commanded = 0.0  # when the kernel last sent a command: answers are awaited
 
     def placed(self, rank: int, pid: int | None, node: str = "") -> None:
@@ -52,8 +60,16 @@ class Relay:
         with self.lock:
             if self._reading:
                 self._ready += self._reading
-                self._reading = []
+                self._ready_bytes += self._reading_bytes
+                self._reading, self._reading_bytes = [], 0
                 self.lock.notify_all()
+            self.lock.wait_for(lambda: self._ready_bytes < self.hold_bytes or self.abandoned)
+
+    def abandon(self) -> None:
+        """The host is closing: its reader waits for no kernel any more."""
+        with self.lock:
+            self.abandoned = True
+            self.lock.notify_all()
 
     def quiet(self) -> bool:
         return time.monotonic() - self.commanded > EAGER
@@ -68,12 +84,14 @@ class Relay:
         """What is ready, once something is or after `wait` seconds; and whether the ranks' reader is done."""
         with self.lock:
             self.lock.wait_for(lambda: self._ready or self.done, timeout=wait)
-            batch, self._ready = self._ready, []
+            batch, self._ready, self._ready_bytes = self._ready, [], 0
+            self.lock.notify_all()  # a reader held back goes on
             return batch, self.done and not self._reading
 
     def _put(self, event: Event) -> None:
         with self.lock:
             self._reading.append(event)
+            self._reading_bytes += len(event[3]) if event[0] == "output" else EVENT_BYTES
 
 
 def replay(batch: list[Event], events: RunEvents, node: str, exited: Callable[[int, int | None, bool], None],

@@ -153,6 +153,7 @@ class Host:
         with hosted.turn:  # after a `start` or command in progress; none after this
             hosted.closed = True
             hosted.turn.notify_all()
+        hosted.relay.abandon()  # its reader waits for no drain now
         hosted.ranks.escalate()  # whatever still runs: SIGKILL, so the reader sees every rank end
         if hosted.reader is not None:
             hosted.reader.join(READER_WAIT)

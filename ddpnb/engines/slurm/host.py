@@ -108,6 +108,7 @@ class Host:
 
     def close(self) -> None:
         """Nothing of this node's part may outlive the run."""
+        self.relay.abandon()
         self.ranks.escalate()
         if self.reader is not None:
             self.reader.join(READER_WAIT)
