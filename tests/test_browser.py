@@ -217,6 +217,8 @@ def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summar
     output.locator(".ddpnb-line", has_text="step").first.wait_for()
     output.locator(".ddpnb-progress[data-total='80'] .ddpnb-bar").first.wait_for()
     assert live.is_visible()  # the ranks wait at step 40 for dashboard-go
+    bar = output.locator(".ddpnb .widget-hbox:has(.widget-toggle-buttons)")  # "output" and the log's rank picker
+    assert bar.evaluate("el => getComputedStyle(el).columnGap") == "10px"
     page.wait_for_timeout(1500)
     cells.nth(1).screenshot(path=str(_screenshot(lab, "dashboard-live.png")))
     (lab[2] / "dashboard-go").touch()

@@ -127,7 +127,7 @@ class Dashboard:
         self.log = widgets.HTML()
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))
         log_bar = widgets.HBox([widgets.HTML(section_html("output")), self.log_picker],
-                               layout=widgets.Layout(align_items="center", gap="10px"))
+                               layout=widgets.Layout(align_items="center", grid_gap="10px"))  # CSS gap's alias: flex too
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
