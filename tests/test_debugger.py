@@ -153,6 +153,32 @@ def train(rank):
     assert run.error is not None and "ddpnb.log: loss must be a number" in "\n".join(run.error["traceback"])
 
 
+def test_a_line_typed_at_a_prompt_the_run_ended_meanwhile_is_not_sent_and_that_is_said(kernel, tmp_path):
+    """Rank 1 waits at its breakpoint; while the input box shows its prompt, rank 0 fails and the run stops rank 1.
+    The line typed then reaches no rank, and the cell says why before the run's usual report."""
+    def answer_once_rank_1_is_gone(prompt: str) -> str:
+        (tmp_path / "asked").touch()  # rank 0 fails now
+        pid = int((tmp_path / "rank1.pid").read_text())
+        assert wait_gone([pid], within=60) == [], "rank 1 was not stopped"
+        return "p rank"
+
+    run = kernel.execute(f'''%%ddp -n 2
+def train(rank, world_size):
+    import os, pathlib, time
+    if rank == 1:
+        pathlib.Path("{tmp_path}/rank1.pid").write_text(str(os.getpid()))
+        breakpoint()
+    while not pathlib.Path("{tmp_path}/asked").exists():
+        time.sleep(0.05)
+    raise ValueError("rank 0 fails while rank 1 is at its prompt")
+''', timeout=120, answer=answer_once_rank_1_is_gone)
+    assert run.prompts == ["(rank 1) (Pdb) "], run.prompts
+    assert "[ddpnb] 'p rank' was not sent: rank 1 no longer waits at that prompt: the run is ending (rank 0 " \
+           "raised ValueError)" in run.stdout, run.stdout
+    assert run.error is not None and "rank 0 of 2 failed first: ValueError: rank 0 fails while rank 1 is at its " \
+        "prompt" in "\n".join(run.error["traceback"]), run.text
+
+
 def test_debug_without_a_front_end_that_takes_input_says_so_and_the_run_fails_as_usual(kernel):
     run = kernel.execute('''%%ddp -n 2 --debug
 def train(rank):

@@ -454,6 +454,14 @@ class Attempt:
         self.engine.send([rank], line.encode())
         return True
 
+    def not_waiting(self, rank: int) -> str:
+        """Why `rank`'s prompt took no answer: words after "no longer waits at that prompt: "."""
+        if self._stop is not None:
+            return f"the run is ending ({self._stop[1]})"
+        if self.record.ranks[rank].state not in _RUNNING:
+            return f"rank {rank} has ended"
+        return "it was answered elsewhere first (the dashboard's console, or another cell's .debug)"
+
     def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}
 

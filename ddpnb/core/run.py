@@ -201,8 +201,6 @@ class Run:
                 continue
             line, sent = self._ask(prompt)
             if not sent:
-                print(f"[ddpnb] rank {rank}'s prompt was answered elsewhere (the dashboard's console) first; "
-                      f"{line!r} was not sent", flush=True)
                 return
             if line.strip().split(" ")[0] in GOES_ON:
                 return
@@ -212,8 +210,13 @@ class Run:
         elsewhere)."""
         return self.attempt.answer(prompt, line)
 
+    def not_waiting(self, rank: int) -> str:
+        """Why `rank`'s prompt took no answer (`answer` said False)."""
+        return self.attempt.not_waiting(rank)
+
     def _ask(self, prompt: msg.Prompt) -> tuple[str, bool]:
-        """The front end's line for `prompt`, and whether it was sent (not answered elsewhere meanwhile)."""
+        """The front end's line for `prompt`, and whether it was sent; where not (answered elsewhere meanwhile, or
+        the run ended while the input box waited), says so."""
         self._notify()  # the rank's output up to its breakpoint first
         said, _, ask = prompt.text.rpartition("\n")
         if said:
@@ -225,7 +228,11 @@ class Run:
             print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
                   file=sys.stderr)
             line = "c"
-        return line, self.attempt.answer(prompt, line)
+        sent = self.attempt.answer(prompt, line)
+        if not sent:
+            print(f"[ddpnb] {line!r} was not sent: rank {prompt.rank} no longer waits at that prompt: "
+                  f"{self.attempt.not_waiting(prompt.rank)}", flush=True)
+        return line, sent
 
     def watch(self, seen: int, timeout: float) -> int:
         """Wait until the reader announces news after announcement number `seen`, or `timeout` passes; return the

@@ -84,7 +84,8 @@ class PromptConsole:
                 self._transcript.append(f"(rank {prompt.rank}) (Pdb) {line}")
                 self.input.disabled = True  # until the rank's next prompt
             else:
-                self._transcript.append(f"(rank {prompt.rank}) answered elsewhere first: {line!r} not sent")
+                self._transcript.append(f"(rank {prompt.rank}) {line!r} not sent: no longer waits at that prompt: "
+                                        f"{run.not_waiting(prompt.rank)}")
         self.update()
 
     def close(self) -> None:
