@@ -398,6 +398,11 @@ MUTANTS = [
         ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),
     ),
     Mutant(
+        "a-line-for-a-prompt-gone-meanwhile-vanishes-silently", "ddpnb/core/run.py",
+        (("        if not sent:\n            print(f\"[ddpnb] {line!r} was not sent", "        if False:\n            print(f\"[ddpnb] {line!r} was not sent"),),
+        (DEBUGGER + "test_a_line_typed_at_a_prompt_the_run_ended_meanwhile_is_not_sent_and_that_is_said",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),
