@@ -403,6 +403,11 @@ MUTANTS = [
         (DEBUGGER + "test_a_line_typed_at_a_prompt_the_run_ended_meanwhile_is_not_sent_and_that_is_said",),
     ),
     Mutant(
+        "a-views-bug-costs-the-cell-its-result", "ddpnb/core/run.py",
+        (("            except Exception as exc:  # noqa: BLE001 - a view's bug", "            except ZeroDivisionError as exc:  # noqa: BLE001 - a view's bug"),),
+        (FAULTS + "test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

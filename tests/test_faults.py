@@ -1477,6 +1477,26 @@ def test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on(monkeyp
     assert_nothing_left(record)
 
 
+def test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end(monkeypatch, capsys):
+    """The views draw in the waiting cell's thread: ddpnb's own bug there (injected into the text view's summary
+    and its lines: nothing a rank sends reaches them broken) is said once, kept in the record, and costs the cell
+    neither its result nor its end."""
+    def broken(*args, **kwargs):
+        raise KeyError("injected")
+
+    monkeypatch.setattr("ddpnb.views.text.summary_table", broken)
+    monkeypatch.setattr("ddpnb.views.text.TextView._write", broken)
+    assert ddpnb.run(sum_of_ranks, nprocs=2, view="text") == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if "could not draw" in line]
+    assert said == ["[ddpnb] the TextView could not draw (KeyError: 'injected'): a ddpnb bug, please report it with "
+                    "the run directory; the run and its result are unaffected"], said
+    record = ddpnb.last_run()
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED
+    [kept] = record.internal_errors
+    assert kept.startswith("drawing the TextView:\nTraceback (most recent call last):") and "KeyError" in kept
+    assert_nothing_left(record)
+
+
 def sends_output_of_a_stream_that_does_not_exist(rank, handshake):
     from ddpnb.core import messages as msg
     from ddpnb.rank import context

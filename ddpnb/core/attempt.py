@@ -13,7 +13,6 @@ import dataclasses
 import enum
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,7 +188,7 @@ class Attempt:
         """ddpnb's own handling of the ranks raised `exc` (a bug of ddpnb's): the attempt ends failed, saying so,
         its traceback in the record; `end` closes the engine, which stops every rank. No restart follows."""
         self.reader_failed = True
-        self.record.internal_errors.append(f"ddpnb's reader failed:\n{_formatted(exc)}")
+        self.record.internal_error("ddpnb's reader failed", exc)
         self._stop = (Outcome.FAILED, f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every "
                                       "rank was stopped")
         self.announcer.mark(turn=True)
@@ -300,7 +299,7 @@ class Attempt:
             self._said.add(what)
             doing, done = (f"reading rank {rank}'s {what}", f"read rank {rank}'s {what}") if rank is not None \
                 else (f"trying to {what}", what)
-            self.record.internal_errors.append(f"{doing}:\n{_formatted(exc)}")
+            self.record.internal_error(doing, exc)
             assert self.logs is not None  # open while the engine reports
             self.logs.say(rank or 0, f"could not {done} ({type(exc).__name__}: {exc}): a ddpnb bug, please report "
                                      "it with the run directory; the run goes on")
@@ -477,10 +476,6 @@ class Attempt:
 
     def running_ranks(self) -> list[int]:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
-
-
-def _formatted(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 class Relay:

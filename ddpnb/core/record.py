@@ -7,6 +7,7 @@ exceptions a run raises) is `core.report`'s.
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from html import escape
 from dataclasses import dataclass, field
@@ -268,17 +269,21 @@ class RunRecord:
     stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
     at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
     profile: Profile | None = None  # --profile: the latest attempt's merged trace and breakdown (`core.profile`)
-    # bugs of ddpnb's own while it read the ranks, each what it was reading and the traceback (`core.attempt`)
+    # bugs of ddpnb's own (reading the ranks, drawing a view), each what it was doing and the traceback
     internal_errors: list[str] = field(default_factory=list)
     queued: Queued | None = None  # the latest attempt's wait for its engine's resources, ongoing or over
+
+    def internal_error(self, doing: str, exc: BaseException) -> None:
+        """Keep a bug of ddpnb's own: what it was `doing` ("reading rank 1's step times") and its traceback."""
+        self.internal_errors.append(f"{doing}:\n{''.join(traceback.format_exception(exc)).rstrip()}")
 
     def __repr__(self) -> str:
         first = self.first_failure
         bugs = len(self.internal_errors)
         said = f", {bugs} ddpnb error{'s' if bugs > 1 else ''} in .internal_errors" if bugs else ""
         return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
-                f"{f', rank {first.rank} failed first' if first else ''}, {ranks_text(self.world_size)} ({self.backend}), "
-                f"attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>")
+                f"{f', rank {first.rank} failed first' if first else ''}, {ranks_text(self.world_size)} "
+                f"({self.backend}), attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>")
 
     def _repr_html_(self) -> str:
         """In a notebook: the one line, and a row per rank (where it ran, its state and exit); the rest is in the

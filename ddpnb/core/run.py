@@ -77,6 +77,7 @@ class Run:
         self._locks: list[int] = []  # the run directory's, and those on directories it reads (`hold`)
         self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
         self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
+        self._views_failed: set[str] = set()  # the views whose bug was said (`_view_failed`)
         self.attempt = self._new_attempt(0, spec)
         self._relay: Relay | None = Relay(self.attempt, self._restarted)
 
@@ -148,8 +149,8 @@ class Run:
 
     def __repr__(self) -> str:
         record = self.record  # read when shown, so a handle displayed again later says how the run is now
-        return (f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} ({record.backend}): "
-                f"{self.status}; .wait() .result() .stop()>")
+        return (f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} "
+                f"({record.backend}): {self.status}; .wait() .result() .stop()>")
 
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
@@ -283,10 +284,23 @@ class Run:
 
     def _notify(self, ending: bool = False) -> None:
         for callback in [*self._listeners, *(self._enders if ending else ())]:
-            callback()
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - a view's bug must cost the run neither its result nor its end
+                self._view_failed(callback, exc)
         if ending and self._done.is_set():  # the views have drawn the end: let go of them, so that the run and
             self._listeners.clear()        # its value go with the caller's last reference, not at the next gc
             self._enders.clear()
+
+    def _view_failed(self, callback: Callable[[], None], exc: Exception) -> None:
+        """Said once a view (a bug of ddpnb's), on the kernel's stderr, its traceback kept in the record."""
+        view = getattr(callback, "__qualname__", repr(callback)).split(".")[0]
+        if view in self._views_failed:
+            return
+        self._views_failed.add(view)
+        self.record.internal_error(f"drawing the {view}", exc)
+        print(f"[ddpnb] the {view} could not draw ({type(exc).__name__}: {exc}): a ddpnb bug, please report it with "
+              "the run directory; the run and its result are unaffected", file=sys.stderr, flush=True)
 
     def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
         """Every running rank's Python stack now, as a traceback reads: `{rank: text}`, the threads that run your

@@ -127,7 +127,8 @@ class Dashboard:
         self.log = widgets.HTML()
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))
         log_bar = widgets.HBox([widgets.HTML(section_html("output")), self.log_picker],
-                               layout=widgets.Layout(align_items="center", grid_gap="10px"))  # CSS gap's alias: flex too
+                               # grid_gap: ipywidgets has no `gap`; CSS's `grid-gap` is its alias, for flex too
+                               layout=widgets.Layout(align_items="center", grid_gap="10px"))
         self.widget = widgets.VBox(
             [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
                                                layout=widgets.Layout(align_items="center")),
