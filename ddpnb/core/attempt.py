@@ -459,7 +459,7 @@ class Attempt:
             return f"the run is ending ({self._stop[1]})"
         if self.record.ranks[rank].state not in _RUNNING:
             return f"rank {rank} has ended"
-        return "it was answered elsewhere first (the dashboard's console, or another cell's .debug)"
+        return "it was answered elsewhere first (the waiting cell, the dashboard's console or a .debug cell)"
 
     def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}
