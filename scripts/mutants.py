@@ -240,7 +240,10 @@ MUTANTS = [
     ),
     Mutant(
         "stdout-and-stderr-fold-together", "ddpnb/views/fold.py",
-        (("            key = (line.stream, line.text)\n", "            key = line.text\n"),),
+        ((r'            key = (line.stream, GLOG_TIME.sub(r"[\1 ", text))' + "\n",
+          r'            key = (Stream.STDOUT, GLOG_TIME.sub(r"[\1 ", text))' + "\n"),
+         (r'            key = (folded.stream, GLOG_TIME.sub(r"[\1 ", folded.text))' + "\n",
+          r'            key = (Stream.STDOUT, GLOG_TIME.sub(r"[\1 ", folded.text))' + "\n")),
         (FOLD + "test_stdout_and_stderr_fold_apart",),
     ),
     # --- stall -------------------------------------------------------------------------------------------------------
