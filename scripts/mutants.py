@@ -411,6 +411,11 @@ MUTANTS = [
         (FAULTS + "test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end",),
     ),
     Mutant(
+        "debug-of-a-callers-error-opens-in-ddpnb", "ddpnb/rank/debug.py",
+        (("        tb = _to_the_callers(tb)\n", "        pass\n"),),
+        (DEBUGGER + "test_debug_of_an_error_about_a_ddpnb_call_opens_at_the_users_line",),
+    ),
+    Mutant(
         "checkpoint-directory-sharing-unchecked", "ddpnb/rank/checkpoint.py",
         (("    _check_shared(root, token)\n", ""),),
         (RESTARTS + "test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_save",),

@@ -85,8 +85,8 @@ class Watchdog:
     def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
               armed: bool = True, held: bool = False) -> Alarm | None:
         """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (nothing is due
-        then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs
-        meanwhile nor is anyone's waiting a stall."""
+        then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs meanwhile nor is anyone's
+        waiting a stall."""
         self.clock = now
         if held:
             self._held_at = self._held_at or now

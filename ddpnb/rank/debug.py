@@ -48,36 +48,41 @@ class _Answers:
 
 
 class RankPdb(pdb.Pdb):
-    """pdb reading from the kernel's answers and writing into the next prompt. `at_callers`: a post-mortem of an
-    error ddpnb's API raised about how it was called (`the_callers`) opens at the user's line, not in ddpnb."""
+    """pdb reading from the kernel's answers and writing into the next prompt."""
 
-    def __init__(self, context: ctx.RankContext, at_callers: bool = False) -> None:
+    def __init__(self, context: ctx.RankContext) -> None:
         gathered = _Gathered()
         # stepping never stops inside ddpnb or torch: a prompt always lands on the user's own line
         super().__init__(stdin=_Answers(context, gathered), stdout=gathered,  # type: ignore[arg-type]
                          skip=["ddpnb.*", "torch.*"], nosigint=True)
         self.use_rawinput = False
         self.prompt = "(Pdb) "
-        self._at_callers = at_callers
-
-    def setup(self, f: FrameType | None, tb: TracebackType | None) -> Any:
-        began = super().setup(f, tb)
-        if self._at_callers:  # `down` still shows ddpnb's frames below, as `w` lists them
-            while self.curindex > 0 and self.stack[self.curindex][0].f_code.co_filename.startswith(PACKAGE_DIR):
-                self.curindex -= 1
-            self.curframe = self.stack[self.curindex][0]
-            self.curframe_locals = self.curframe.f_locals
-        return began
 
 
 def post_mortem(context: ctx.RankContext, exc: BaseException) -> None:
     """pdb at the frame that raised `exc` (`--debug`), until the user leaves it (q, c)."""
-    debugger = RankPdb(context, at_callers=getattr(exc, "__ddpnb_callers__", False))
+    tb = exc.__traceback__
+    if getattr(exc, "__ddpnb_callers__", False):  # an error about how ddpnb was called: at the user's line
+        tb = _to_the_callers(tb)
+    debugger = RankPdb(context)
     debugger.reset()
     try:
-        debugger.interaction(None, exc.__traceback__)
+        debugger.interaction(None, tb)
     except Exception:  # noqa: BLE001 - pdb's own quit (BdbQuit) or a broken channel: the report follows anyway
         return
+
+
+def _to_the_callers(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` up to its last frame outside ddpnb, as the error's report shows it (`stacks.user_traceback`)."""
+    kept = []
+    while tb is not None:
+        kept.append(tb)
+        tb = tb.tb_next
+    while len(kept) > 1 and kept[-1].tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        kept.pop()
+    for link in reversed(kept):
+        tb = TracebackType(tb, link.tb_frame, link.tb_lasti, link.tb_lineno)
+    return tb
 
 
 def install(context: ctx.RankContext, prompts: bool) -> None:
