@@ -24,4 +24,4 @@ if [[ " $* " != *" no:randomly "* ]]; then
     echo "scripts/test.sh: tests in random order, seed $seed (again: DDPNB_TEST_SEED=$seed bash scripts/test.sh)"
     order=(--randomly-seed="$seed" --randomly-dont-reset-seed)
 fi
-exec python -m pytest -q -ra "${order[@]}" "$@"
+exec python -m pytest -q -ra --durations=15 "${order[@]}" "$@"
