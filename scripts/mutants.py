@@ -478,6 +478,8 @@ def _run_tests(mutant: Mutant) -> tuple[bool, dict[str, str], str]:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:randomly",
                            *mutant.tests],
                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    # a mutant that breaks the Slurm keeper leaves the `salloc` it should have ended: end it here
+    subprocess.run(["pkill", "-9", "-f", "salloc --job-name=ddpnb-|ddpnb/engines/slurm/keeper.py"], check=False)
     failed = dict(re.findall(r"^FAILED (\S+?)(?: - (.*))?$", done.stdout, re.MULTILINE))
     last = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode not in (0, 1):  # interrupted, a usage error, no tests collected: not a kill
