@@ -412,7 +412,7 @@ MUTANTS = [
     ),
     Mutant(
         "debug-of-a-callers-error-opens-in-ddpnb", "ddpnb/rank/debug.py",
-        (("        tb = _to_the_callers(tb)\n", "        pass\n"),),
+        (("        tb = to_the_callers(tb)\n", "        pass\n"),),
         (DEBUGGER + "test_debug_of_an_error_about_a_ddpnb_call_opens_at_the_users_line",),
     ),
     Mutant(

@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 import traceback
+from types import TracebackType
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddpnb/
 _STARTERS = (os.path.dirname(multiprocessing.__file__), "<string>")  # what starts a local rank
@@ -40,11 +41,22 @@ def user_traceback(exc: BaseException) -> str:
         return ""
     if not getattr(exc, "__ddpnb_callers__", False):
         return "".join(traceback.format_exception(type(exc), exc, tb))
-    frames = traceback.extract_tb(tb)
-    while len(frames) > 1 and frames[-1].filename.startswith(PACKAGE_DIR):
-        frames.pop()
-    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
-                    *traceback.format_exception_only(type(exc), exc)])
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(traceback.extract_tb(
+        to_the_callers(tb))), *traceback.format_exception_only(type(exc), exc)])
+
+
+def to_the_callers(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` up to its last frame outside ddpnb: where an error about the user's call (`the_callers`) is shown, and
+    where `--debug` opens it."""
+    kept = []
+    while tb is not None:
+        kept.append(tb)
+        tb = tb.tb_next
+    while len(kept) > 1 and kept[-1].tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        kept.pop()
+    for link in reversed(kept):
+        tb = TracebackType(tb, link.tb_frame, link.tb_lasti, link.tb_lineno)
+    return tb
 
 
 def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel", only_users: bool = False) -> str:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import io
 import pdb
 import sys
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 from ddpnb.core import messages as msg
-from ddpnb.core.stacks import PACKAGE_DIR
+from ddpnb.core.stacks import to_the_callers
 from ddpnb.rank import cells
 from ddpnb.rank import context as ctx
 
@@ -63,26 +63,13 @@ def post_mortem(context: ctx.RankContext, exc: BaseException) -> None:
     """pdb at the frame that raised `exc` (`--debug`), until the user leaves it (q, c)."""
     tb = exc.__traceback__
     if getattr(exc, "__ddpnb_callers__", False):  # an error about how ddpnb was called: at the user's line
-        tb = _to_the_callers(tb)
+        tb = to_the_callers(tb)
     debugger = RankPdb(context)
     debugger.reset()
     try:
         debugger.interaction(None, tb)
     except Exception:  # noqa: BLE001 - pdb's own quit (BdbQuit) or a broken channel: the report follows anyway
         return
-
-
-def _to_the_callers(tb: TracebackType | None) -> TracebackType | None:
-    """`tb` up to its last frame outside ddpnb, as the error's report shows it (`stacks.user_traceback`)."""
-    kept = []
-    while tb is not None:
-        kept.append(tb)
-        tb = tb.tb_next
-    while len(kept) > 1 and kept[-1].tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
-        kept.pop()
-    for link in reversed(kept):
-        tb = TracebackType(tb, link.tb_frame, link.tb_lasti, link.tb_lineno)
-    return tb
 
 
 def install(context: ctx.RankContext, prompts: bool) -> None:

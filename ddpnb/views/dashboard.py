@@ -140,8 +140,8 @@ class Dashboard:
         bundle = self.widget._repr_mimebundle_()
         # what a saved notebook keeps of a run that had not ended (the summary takes the widget's place when it
         # ends), and what a page without the kernel's widgets shows of it: GitHub, nbviewer, nbconvert
-        saved = (f"{self.record.function} on {ranks_text(self.record.world_size)}: still running when this notebook was "
-                 "saved (its live dashboard needs the kernel that ran it). Logs: ")
+        saved = (f"{self.record.function} on {ranks_text(self.record.world_size)}: still running when this notebook "
+                 "was saved (its live dashboard needs the kernel that ran it). Logs: ")
         bundle["text/plain"] = f"[ddpnb] {saved}{self.record.run_dir}"
         bundle["text/html"] = (f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '
                                f'{html.escape(saved)}<code>{html.escape(str(self.record.run_dir))}</code></div>')
