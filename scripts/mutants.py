@@ -411,6 +411,11 @@ MUTANTS = [
         (FAULTS + "test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end",),
     ),
     Mutant(
+        "a-callers-error-shows-ddpnbs-frames", "ddpnb/core/stacks.py",
+        (("traceback.extract_tb(\n        to_the_callers(tb))", "traceback.extract_tb(\n        tb)"),),
+        ("tests/test_core.py::test_logging_something_that_is_not_a_number_names_it_raised_on_the_users_line",),
+    ),
+    Mutant(
         "debug-of-a-callers-error-opens-in-ddpnb", "ddpnb/rank/debug.py",
         (("        tb = to_the_callers(tb)\n", "        pass\n"),),
         (DEBUGGER + "test_debug_of_an_error_about_a_ddpnb_call_opens_at_the_users_line",),
