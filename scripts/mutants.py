@@ -396,6 +396,12 @@ MUTANTS = [
         (FAULTS + "test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on",),
     ),
     Mutant(
+        "a-host-lost-while-it-forks-is-a-ray-failure", "ddpnb/engines/ray/warm.py",
+        (("            except ray.exceptions.RayActorError as exc:\n                self._host_lost(node, exc)\n",
+          "            except ZeroDivisionError as exc:\n                self._host_lost(node, exc)\n"),),
+        (RAY + "test_a_host_lost_while_it_forks_the_ranks_fails_them_saying_so_and_the_next_launch_gets_a_new_one",),
+    ),
+    Mutant(
         "a-nodes-relay-holds-without-bound", "ddpnb/node/relay.py",
         (("            self.lock.wait_for(lambda: self._ready_bytes < self.hold_bytes or self.abandoned)\n", ""),),
         ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),

@@ -332,7 +332,10 @@ def test_runs_find_the_cluster_through_ray_address_and_ray_start_and_never_stop_
 def ray_kernel():
     if not HAVE_RAY:
         pytest.skip("ray[train] is not installed (pip install -e '.[ray]')")
-    kernel = Kernel(env=KERNEL_ENV)
+    helpers = Path(tempfile.mkdtemp(prefix="ddpnb-test-modules-"))  # on the kernel's path, and so on Ray's workers'
+    (helpers / f"{HOST_KILLER}.py").write_text(HOST_KILLER_SOURCE)
+    kernel = Kernel(env={**KERNEL_ENV, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(helpers), os.environ.get("PYTHONPATH")]))})
     kernel.execute("%load_ext ddpnb")
     kernel.execute("import os, time\nimport torch\nimport torch.distributed as dist\nimport ddpnb, ray")
     yield kernel
@@ -340,6 +343,7 @@ def ray_kernel():
         "import psutil\nprint(*[p.pid for p in psutil.Process().children(recursive=True)])").stdout.split()]
     kernel.execute("import ray\nray.shutdown()", timeout=CELL_TIMEOUT)
     kernel.shutdown()
+    shutil.rmtree(helpers)
     assert wait_gone(ray_processes, within=30) == []
 
 
@@ -478,6 +482,42 @@ def test_a_lost_host_fails_its_ranks_with_rays_own_line_and_the_next_launch_gets
     assert all(line in died.stderr + later_stderr for line in ray_lines)
     assert len(cell_value(ray_kernel, FRESH_CELL, "seen")) == 2
     assert run_actors_left([ray_kernel.pid]) == []
+
+
+# a module that kills the Ray host whose new forkserver imports it (`ddpnb.preload`, during the host's `start`),
+# once: after `ARMED` is made; where the kernel imports it, or its forkserver, it does nothing
+HOST_KILLER = "ddpnb_test_host_killer"
+HOST_KILLER_SOURCE = f"""import os, signal, tempfile
+ARMED = os.path.join(tempfile.gettempdir(), "{HOST_KILLER}-armed")
+with open(f"/proc/{{os.getppid()}}/cmdline", "rb") as cmdline:
+    in_a_ray_host = b"ray::Host" in cmdline.read()
+if in_a_ray_host and os.path.exists(ARMED):
+    os.unlink(ARMED)
+    os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+def test_a_host_lost_while_it_forks_the_ranks_fails_them_saying_so_and_the_next_launch_gets_a_new_one(ray_kernel):
+    """The host dies inside its `start` call, before it answers (as when a rank kills it the moment it is forked,
+    or the node is lost then): that node's ranks fail as lost with their node, as when the host dies later, not as
+    a Ray failure of the whole run."""
+    ray_kernel.execute(f"ddpnb.preload({HOST_KILLER!r})", timeout=CELL_TIMEOUT)
+    armed = Path(tempfile.gettempdir()) / f"{HOST_KILLER}-armed"
+    armed.touch()
+    try:
+        died = ray_kernel.execute(FRESH_CELL, timeout=CELL_TIMEOUT)
+    finally:
+        armed.unlink(missing_ok=True)
+    assert died.error is not None and died.error["ename"] == "WorkerError", died.text
+    shown = "\n".join(died.error["traceback"])
+    assert re.search(r"rank 0 of 2 failed first: its Ray node \S+ was lost \(ActorDiedError\)", shown), shown
+    assert "lost the Ray run" not in shown, shown
+    assert len(cell_value(ray_kernel, FRESH_CELL, "seen")) == 2
+    assert run_actors_left([ray_kernel.pid]) == []
+    assert cpus_released(ray_kernel)
 
 
 @needs_ray

@@ -98,7 +98,8 @@ class WarmEngine:
         return not self._stopping
 
     def _launch(self) -> None:
-        """Each node's ranks forked by its host: ranks numbered node by node, rank 0's node holding the store."""
+        """Each node's ranks forked by its host: ranks numbered node by node, rank 0's node holding the store. A host
+        that dies meanwhile (its node lost) loses its node's ranks; the other nodes' ranks go on to their end."""
         import ray
         from ray.util import placement_group_table
 
@@ -107,13 +108,21 @@ class WarmEngine:
         self._hosts, where = _hosts_on(nodes)
         gpus = _gpu_ids(self._group, self.spec.world_size) if self.spec.use_gpus else {}
         single = len(nodes) == 1
-        first = self._hosts[nodes[0]]
-        port = ray.get(first.bind_store.remote(self._run, single), timeout=CALL_WAIT)
+        placed = {node: [index for index in range(self.spec.world_size) if bundles[index] == node] for node in nodes}
+        ranks = itertools.count()
+        for node in nodes:
+            for _ in placed[node]:
+                self._nodes[next(ranks)] = (node, where[node][1])
+        try:
+            port = ray.get(self._hosts[nodes[0]].bind_store.remote(self._run, single), timeout=CALL_WAIT)
+        except ray.exceptions.RayActorError as exc:  # without rank 0's store no rank can start: none is forked
+            self._host_lost(nodes[0], exc)
+            return
         master = "127.0.0.1" if single else where[nodes[0]][1]
         seats: dict[str, list[Seat]] = {}
         rank = 0
         for node_rank, node in enumerate(nodes):
-            mine = [index for index in range(self.spec.world_size) if bundles[index] == node]
+            mine = placed[node]
             # in local-rank order: each rank's device is its LOCAL_RANK
             visible = [gpus[index] for index in mine] if gpus else []
             # the node's ranks see all of its run's GPUs, each using its own (NCCL's peer-to-peer paths need both)
@@ -122,31 +131,38 @@ class WarmEngine:
             for local_rank, index in enumerate(mine):
                 seats[node].append(Seat(rank, local_rank, len(mine), "", node_rank, master, port,
                                         visible.index(gpus[index]) if gpus else None, environ))
-                self._nodes[rank] = (node, where[node][1])
                 rank += 1
-        notes = self._wait([self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
-                                                           self._commands, forkserver.preloaded(), versions())
-                            for node in nodes])
-        for note in itertools.chain(*notes):
+        notes = self._wait({node: self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
+                                                                 self._commands, forkserver.preloaded(), versions())
+                            for node in nodes})
+        for note in itertools.chain(*notes.values()):
             print(note, file=sys.stderr)
         with self._lock:
             early, self._early, self._launched = self._early, [], True
         for call in early:
             call()
 
-    def _wait(self, refs: list[Any]) -> list[Any]:
+    def _wait(self, calls: dict[str, Any]) -> dict[str, Any]:
         """The hosts' answers to a slow call (a new host's first fork waits for its `import torch`; a preload
         restarts its forkserver; notebook data is fetched), checking the run meanwhile: a stop or the timeout
-        ends the wait (the hosts' `close` then takes whatever they forked)."""
+        ends the wait (the hosts' `close` then takes whatever they forked). A host that died before it answered
+        (its node lost; a rank may kill it as soon as it is forked) has no answer: its node's ranks are lost."""
         import ray
 
         assert self._events is not None
+        refs = list(calls.values())
         deadline = time.monotonic() + HOST_START
         while len(ray.wait(refs, num_returns=len(refs), timeout=TICK)[0]) < len(refs):
             self._events.tick()
             if self._stopping or time.monotonic() > deadline:
                 raise _Stopped
-        return ray.get(refs)
+        answers = {}
+        for node, ref in calls.items():
+            try:
+                answers[node] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._host_lost(node, exc)
+        return answers
 
     def _relay(self) -> None:
         """Every host's news as it comes (one long poll per host), until every host's ranks have ended."""
@@ -161,9 +177,7 @@ class WarmEngine:
                 try:
                     batch, done = ray.get(ref)
                 except ray.exceptions.RayError as exc:  # the host died: its node was lost, or its process killed
-                    _hosts.pop(node, None)
-                    self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],
-                               f"its Ray node {self._nodes_ip(node)} was lost ({type(exc).__name__})")
+                    self._host_lost(node, exc)
                     continue
                 self._replay(node, batch)
                 if not done:
@@ -183,6 +197,13 @@ class WarmEngine:
             events.exited(rank, code, stopped=stopped)
 
         replay(batch, events, node, exited, placed)
+
+    def _host_lost(self, node: str, exc: Exception) -> None:
+        """The node's host died: its ranks fail, saying so; no later call goes to it; the next launch starts another."""
+        _hosts.pop(node, None)
+        self._hosts.pop(node, None)
+        self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],
+                   f"its Ray node {self._nodes_ip(node)} was lost ({type(exc).__name__})")
 
     def _lose(self, ranks: list[int], cause: str) -> None:
         assert self._events is not None
