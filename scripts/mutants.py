@@ -402,6 +402,11 @@ MUTANTS = [
         (RAY + "test_a_host_lost_while_it_forks_the_ranks_fails_them_saying_so_and_the_next_launch_gets_a_new_one",),
     ),
     Mutant(
+        "an-unwritable-trace-is-said-as-no-profile", "ddpnb/core/profile.py",
+        (("            except OSError as exc:  # the disk's doing", "            except ZeroDivisionError as exc:  # the disk's doing"),),
+        (FAULTS + "test_a_profile_the_disk_cannot_take_says_why_each_trace_is_missing_and_the_run_goes_on",),
+    ),
+    Mutant(
         "a-nodes-relay-holds-without-bound", "ddpnb/node/relay.py",
         (("            self.lock.wait_for(lambda: self._ready_bytes < self.hold_bytes or self.abandoned)\n", ""),),
         ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),

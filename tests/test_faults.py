@@ -1417,6 +1417,48 @@ def test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on(tmp_path):
     assert [os.path.getsize(log) for log in logs] == [32768, 32768]
 
 
+TRACE_FILE_LIMIT = 1024  # bytes: below each rank's trace (about 2 KB), above anything else the kernel writes here
+FULL_DISK_PROFILE_SCRIPT = """
+import resource, signal
+import ddpnb
+
+def profiled(rank):
+    import torch
+    for step in range(4):
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+        ddpnb.log(step=step)
+    return "trained"
+
+assert ddpnb.run(profiled, nprocs=2, view="none") == "trained"  # the forkserver starts unlimited, and so the ranks
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (TRACE_FILE_LIMIT, resource.RLIM_INFINITY))  # for this process: the kernel's side
+run = ddpnb.launch(profiled, nprocs=2, view="none", profile="1-2")
+print("result:", run.result())
+record = run.record
+print("trace:", record.profile.trace)
+for note in record.profile.notes:
+    print("note:", note)
+print("files:", *sorted(path.name for path in (record.run_dir / "profile").iterdir()))
+print("ddpnb errors:", len(record.internal_errors))
+"""
+
+
+def test_a_profile_the_disk_cannot_take_says_why_each_trace_is_missing_and_the_run_goes_on(tmp_path):
+    """The ranks' traces reach the kernel but a real file size limit (RLIMIT_FSIZE, as a full disk) refuses them:
+    the run succeeds; the profile says, for each rank, that its trace could not be written and why, rather than
+    "no rank sent a profile" or "a ddpnb bug"; no cut-short trace is left for a viewer to half load."""
+    script = FULL_DISK_PROFILE_SCRIPT.replace("TRACE_FILE_LIMIT", str(TRACE_FILE_LIMIT))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "result: trained" in lines and "trace: None" in lines, done.stdout
+    assert [line for line in lines if line.startswith("note: ")] == [
+        f"note: rank {rank}'s trace could not be written (OSError: [Errno 27] File too large): it is not in the "
+        "merged trace" for rank in (0, 1)], done.stdout
+    assert "files:" in lines and "ddpnb errors: 0" in lines, done.stdout
+
+
 # --- 13. a bug in ddpnb's own reading of the ranks (the kernel's side) -----------------------------------------
 
 def sends_step_times_the_kernel_cannot_read(rank):

@@ -151,14 +151,20 @@ class Traces:
         self.attempt = attempt
         self.sent: dict[int, Profiled] = {}  # rank -> its message, the trace's bytes left out once written
         self.files: dict[int, Path] = {}
+        self.unwritten: dict[int, str] = {}  # rank -> why its trace could not be written (a full disk)
 
     def add(self, message: Profiled) -> None:
         if message.trace:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = self.directory / RANK_FILE.format(rank=message.rank)
-            with open(path, "wb", opener=private) as file:
-                file.write(message.trace)
-            self.files[message.rank] = path
+            try:
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with open(path, "wb", opener=private) as file:
+                    file.write(message.trace)
+            except OSError as exc:  # the disk's doing, not the rank's: the profile goes on without it, saying why
+                self.unwritten[message.rank] = f"{type(exc).__name__}: {exc}"
+                path.unlink(missing_ok=True)  # no cut-short trace that a viewer would half load
+            else:
+                self.files[message.rank] = path
         self.sent[message.rank] = replace(message, trace=b"")
 
     def finish(self) -> Profile | None:
@@ -169,7 +175,9 @@ class Traces:
         first = next(iter(self.sent.values()))
         steps = steps_words(tuple(first.steps) if first.steps else None)
         notes = [f"rank {rank}: {message.note}" for rank, message in sorted(self.sent.items()) if message.note]
-        missing = [r for r in range(self.world_size) if r not in self.files]
+        notes += [f"rank {rank}'s trace could not be written ({why}): it is not in the merged trace"
+                  for rank, why in sorted(self.unwritten.items())]
+        missing = [r for r in range(self.world_size) if r not in self.files and r not in self.unwritten]
         if missing and len(missing) < self.world_size:
             notes.append(f"no trace from {_ranks_words(missing)}: only the others are in the merged trace")
         profile = Profile(trace=None, rank_traces=dict(sorted(self.files.items())), steps=steps, notes=notes,
