@@ -1421,6 +1421,7 @@ TRACE_FILE_LIMIT = 1024  # bytes: below each rank's trace (about 2 KB), above an
 FULL_DISK_PROFILE_SCRIPT = """
 import resource, signal
 import ddpnb
+from ddpnb.views.profile import profile_text
 
 def profiled(rank):
     import torch
@@ -1436,6 +1437,7 @@ run = ddpnb.launch(profiled, nprocs=2, view="none", profile="1-2")
 print("result:", run.result())
 record = run.record
 print("trace:", record.profile.trace)
+print("headline:", profile_text(record.profile).splitlines()[0])
 for note in record.profile.notes:
     print("note:", note)
 print("files:", *sorted(path.name for path in (record.run_dir / "profile").iterdir()))
@@ -1453,6 +1455,7 @@ def test_a_profile_the_disk_cannot_take_says_why_each_trace_is_missing_and_the_r
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "result: trained" in lines and "trace: None" in lines, done.stdout
+    assert "headline: [ddpnb] profile of steps 1-2: no trace to show" in lines, done.stdout  # not "none came back"
     assert [line for line in lines if line.startswith("note: ")] == [
         f"note: rank {rank}'s trace could not be written (OSError: [Errno 27] File too large): it is not in the "
         "merged trace" for rank in (0, 1)], done.stdout

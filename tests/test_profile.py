@@ -194,7 +194,7 @@ def test_steps_the_run_never_reaches_are_said_not_silently_missing():
     profile = ddpnb.last_run().profile
     assert profile.trace is None and not profile.ranks
     assert "nothing was profiled: the last step logged was 5" in profile_text(profile), profile.notes
-    assert profile_text(profile).startswith("[ddpnb] profile of steps 50-52: no trace came back")
+    assert profile_text(profile).startswith("[ddpnb] profile of steps 50-52: no trace to show")
 
 
 def fails_once_after_the_profile(rank: int) -> None:

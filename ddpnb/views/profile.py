@@ -30,7 +30,7 @@ def waited_words(profile: Profile) -> str:
 
 def headline(profile: Profile) -> str:
     if not profile.ranks:
-        return f"profile of {profile.steps}: no trace came back"
+        return f"profile of {profile.steps}: no trace to show"  # the notes say why
     return f"profile of {profile.steps}: {waited_words(profile)}"
 
 
