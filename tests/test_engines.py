@@ -75,8 +75,10 @@ def test_an_unknown_option_is_refused_before_anything_starts_naming_the_close_on
     before = ddpnb.last_run()
     with pytest.raises(ddpnb.LaunchError, match=r"there is no option 'nproc' \(did you mean nprocs\?\)"):
         ddpnb.run(print, nproc=2)
-    with pytest.raises(ddpnb.LaunchError, match="address and placement are for the ray engine: add engine='ray'"):
+    with pytest.raises(ddpnb.LaunchError, match="^placement is for the ray engine: add engine='ray'"):
         ddpnb.launch(print, nprocs=2, placement="spread")
+    with pytest.raises(ddpnb.LaunchError, match="^nodes and partition are for the slurm engine: add engine='slurm'"):
+        ddpnb.launch(print, nprocs=2, nodes=2, partition="debug")  # what was given, not all eight of its options
     assert ddpnb.last_run() is before  # nothing started
 
 

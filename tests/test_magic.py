@@ -154,7 +154,7 @@ def fails(rank, world_size):
     ("--env NOEQUALS", "--env takes KEY=VALUE"),
     ("--timeout nan", "--timeout must be a positive number"),
     ("-o 1bad", "-o/--out takes a variable name"),
-    ("--address auto", "address and placement are for the ray engine"),
+    ("--address auto", "address is for the ray engine"),
     ("--fn OFFSET_VALUE", "OFFSET_VALUE is not a function (its type is int)"),
     ("--max-restarts -1", "max_restarts must be a whole number of 0 or more"),
     ("--keep-checkpoints 0", "keep_checkpoints must be a whole number of 1 or more"),
