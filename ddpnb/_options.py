@@ -91,8 +91,13 @@ class LaunchOptions:
     def check(self) -> Launch:
         """Every value validated, the engine found and planned; LaunchError saying what to do, before anything
         starts."""
-        if self.timeout is not None and not self.timeout > 0:  # nan too
-            raise LaunchError(f"timeout must be a positive number of seconds, not {self.timeout!r}.")
+        timeout = self.timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):  # nan too
+            raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
+        if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
+            raise LaunchError(f"args must be a tuple of the function's extra arguments, not {self.args!r}: for one, "
+                              f"args=({self.args!r},).")
         _check_whole(self.max_restarts, "max_restarts", 0)
         _check_whole(self.keep_checkpoints, "keep_checkpoints", 1)
         stall = stall_seconds(self.stall)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -298,6 +299,12 @@ def test_settings_that_cannot_work_fail_before_starting(monkeypatch):
         ddpnb.run(_returns_pid, nprocs=2, view="text")
     with pytest.raises(ddpnb.LaunchError, match="positive number of seconds"):
         ddpnb.run(_returns_pid, nprocs=2, timeout=float("nan"))
+    with pytest.raises(ddpnb.LaunchError, match="^timeout must be a positive number of seconds, not '10'.$"):
+        ddpnb.run(_returns_pid, nprocs=2, timeout="10")
+    for args, shown in ((5, "5"), ("data.csv", "'data.csv'")):  # a lone argument, not a tuple of them
+        with pytest.raises(ddpnb.LaunchError, match=re.escape(
+                f"args must be a tuple of the function's extra arguments, not {shown}: for one, args=({shown},).")):
+            ddpnb.run(_returns_pid, nprocs=2, args=args)
     assert ddpnb.last_run() is before  # nothing started
 
 
