@@ -256,11 +256,8 @@ class DDPMagics(Magics):
         filename = self.shell.compile.cache(cell, self._cell_number())
         try:
             tree = ast.parse(cell, filename)
-        except SyntaxError as exc:  # shown as a plain cell shows one: its line, no frames of IPython or ddpnb
-            self.shell.showsyntaxerror(filename)
-            building = getattr(self.shell.displayhook, "exec_result", None)
-            if building is not None:  # ... and the cell still counts as failed (Run All stops here)
-                building.error_in_exec = exc
+        except SyntaxError as exc:
+            show_syntax_error(self.shell, filename, exc)
             raise _SyntaxShown from None
         if pick and not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign)
                             for node in tree.body):
@@ -296,6 +293,15 @@ def _leading_blank_lines(text: str) -> int:
 
 class _SyntaxShown(Exception):
     """The cell's SyntaxError was shown already: `%%ddp` ends without another word."""
+
+
+def show_syntax_error(shell: Any, filename: str, exc: SyntaxError) -> None:
+    """A magic cell's SyntaxError, shown as a plain cell shows one: its line, no frames of IPython or ddpnb; and
+    the cell still counts as failed (Run All stops here)."""
+    shell.showsyntaxerror(filename)
+    building = getattr(shell.displayhook, "exec_result", None)
+    if building is not None:
+        building.error_in_exec = exc
 
 
 def state_dict_summary(value: object) -> str | None:
@@ -420,6 +426,9 @@ class SessionMagics(Magics):
         filename = self.shell.compile.cache(code, _cell_number(self.shell))
         try:
             values = session.execute(code, ranks=selected, timeout=timeout, filename=filename)
+        except SyntaxError as exc:  # found here, before any rank was sent the cell
+            show_syntax_error(self.shell, filename, exc)
+            return None
         except ValueError as exc:  # ranks outside the session
             raise UsageError(str(exc)) from None
         if out:

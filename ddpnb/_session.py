@@ -7,8 +7,10 @@ as a `%%ddp` run's ranks do; between commands they wait for the next one. `%ddp_
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
+import keyword
 import pickle
 import queue
 import sys
@@ -20,7 +22,7 @@ from ddpnb import _api
 from ddpnb._options import Launch, LaunchOptions
 from ddpnb.core import messages as msg
 from ddpnb.core.cellnames import cell_name, cell_names
-from ddpnb.core.pickling import dumps
+from ddpnb.core.pickling import dump_command, dumps
 from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState
 from ddpnb.core.report import WorkerError
 from ddpnb.core.run import Run
@@ -163,6 +165,9 @@ class Session:
                 filename: str = "") -> PerRank | None:
         """Run `code` in each selected rank's namespace (every rank by default); the value of its last
         expression on each rank, or None when it has none. Output streams here as it is printed."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string of Python, not {type(code).__name__}: e.g. s.execute('x = 1').")
+        ast.parse(code, filename or "<session cell>")  # a syntax error is shown as Python shows it, and not sent
         lines = tuple(code.splitlines(keepends=True))
         values = self._command(msg.CommandKind.EXECUTE, ranks, timeout, code=code, filename=filename, lines=lines,
                                cell_name=cell_name(filename))
@@ -175,6 +180,10 @@ class Session:
 
     def push(self, **values: Any) -> None:
         """Bind names in every rank's namespace: `s.push(lr=0.1, data=tensor)`."""
+        bad = [name for name in values if not name.isidentifier() or keyword.iskeyword(name)]
+        if bad:
+            raise ValueError(f"push binds Python names, and {', '.join(map(repr, bad))} "
+                             f"{'is not one' if len(bad) == 1 else 'are not'}: e.g. s.push(lr=0.1).")
         self._command(msg.CommandKind.PUSH, None, None, values=values)
 
     def pull(self, *names: str, ranks: Iterable[int] | None = None) -> PerRank:
@@ -185,6 +194,9 @@ class Session:
 
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> PerRank:
         """`fn(*args, **kwargs)` on each selected rank; what each returned."""
+        if not callable(fn):
+            raise TypeError(f"call runs a function on the ranks, and {type(fn).__name__} is not one: "
+                            "s.call(fn, *args).")
         return self._command(msg.CommandKind.CALL, ranks, None, call=(fn, args, kwargs))
 
     def _next(self) -> int:
@@ -194,7 +206,11 @@ class Session:
     def _selected(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
             return list(range(self.world_size))
-        chosen = sorted(set(ranks))
+        given = [ranks] if isinstance(ranks, int) else \
+            list(ranks) if isinstance(ranks, Iterable) and not isinstance(ranks, str | bytes) else None
+        if given is None or not all(isinstance(rank, int) and not isinstance(rank, bool) for rank in given):
+            raise ValueError(f"ranks takes rank numbers, e.g. ranks=[0, 2] (in %%ranks: 0,2 or 1-3), not {ranks!r}.")
+        chosen = sorted(set(given))
         bad = [rank for rank in chosen if not 0 <= rank < self.world_size]
         if not chosen or bad:
             raise ValueError(f"ranks must be between 0 and {self.world_size - 1} in this session of {self.world_size} "
@@ -211,10 +227,14 @@ class Session:
         run, channel = self.run, self.run.channel
         assert channel is not None
         selected = self._selected(ranks)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout > 0):  # nan too
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}.")
         command = msg.Command(self._next(), kind, **fields)
         # big tensors and arrays go as a launch's do: through shared memory (local), Ray's object store (ray)
         shipment = self._launch.engine.shipment()
-        body = dumps(command, shared=shipment)  # here, before anything is sent: what cannot travel is the caller's error
+        # here, before anything is sent: what cannot travel is the caller's error
+        body = dump_command(command, shared=shipment)
         seen = run.lines_since(0)[2]
         folder = Folder(len(selected), enabled=self._fold)  # a command's output, folded across its ranks
         channel.send(selected, body, shipment)

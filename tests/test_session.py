@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -139,6 +140,18 @@ def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_session(session_kerne
     assert session_kernel.execute("%ranks slept").results == ["[rank 0] 'started'\n[rank 1] 'started'"]
 
 
+def test_a_syntax_error_in_a_ranks_cell_is_shown_as_python_shows_it_and_reaches_no_rank(session_kernel):
+    """Checked in the kernel before anything is sent: Python's own SyntaxError, pointing at the cell's line, once
+    (not once per rank, through ddpnb's frames); no statement of the cell ran on any rank."""
+    failed = session_kernel.execute("%%ranks\nbefore_the_error = 1\nif rank == 0\n    pass\n")
+    assert failed.error is not None and failed.error["ename"] == "SyntaxError", failed.text
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(failed.error["traceback"]))  # IPython 9 colours every part
+    assert re.search(r"Cell In\[\d+\], line 3", shown), shown  # the cell's line 3, counting %%ranks
+    assert "if rank == 0" in shown and "expected ':'" in shown, shown
+    assert "ast.py" not in shown and "--- rank" not in shown and "ddpnb" not in shown, shown
+    assert session_kernel.execute("%ranks 'before_the_error' in globals()").results == ["[rank 0] False\n[rank 1] False"]
+
+
 def test_a_second_start_is_refused_while_a_session_runs(session_kernel):
     again = session_kernel.execute("%ddp_start -n 2")
     assert again.stderr.startswith("UsageError: a session of 2 ranks is already running"), again.text
@@ -173,6 +186,26 @@ def test_push_pull_and_call_from_python():
         assert session.pull("weights", ranks=[1]).by_rank().keys() == {1}
         with pytest.raises(ddpnb.SessionError, match="name 'missing' is not defined"):
             session.pull("missing")
+        # bad input: refused here, before anything is sent, saying what to pass; the session goes on
+        refused = [
+            (lambda: session.execute(5), TypeError, "code must be a string of Python, not int"),
+            (lambda: session.execute("rank", ranks="0,1"), ValueError, r"ranks takes rank numbers, e.g. ranks=\[0, 2\] .* not .0,1.\.$"),
+            (lambda: session.execute("rank", ranks=[True]), ValueError, "ranks takes rank numbers"),
+            (lambda: session.execute("rank", timeout="3"), ValueError, "timeout must be a positive number of seconds"),
+            (lambda: session.execute("rank", timeout=-1), ValueError, "timeout must be a positive number of seconds"),
+            (lambda: session.execute("x = (", ranks=[0]), SyntaxError, r"'\(' was never closed"),
+            (lambda: session.push(**{"1x": 3}), ValueError, "push binds Python names, and '1x' is not one"),
+            (lambda: session.push(lock=threading.Lock()), ddpnb.NotPicklableError,
+             r"cannot send the pushed values to the worker processes: push -> \['lock'\] -> _thread.lock cannot"),
+            (lambda: session.call(_double, threading.Lock()), ddpnb.NotPicklableError,
+             r"cannot send the call to the worker processes: args -> \[0\] -> _thread.lock cannot be pickled"),
+            (lambda: session.call(5), TypeError, "call runs a function on the ranks, and int is not one"),
+        ]
+        for call, kind, said in refused:
+            with pytest.raises(kind, match=said):
+                call()
+        assert session.execute("rank", ranks=1) == [1]  # one rank, as a number
+        assert session.pull("config")[0] == {"lr": 0.1, "layers": [1, 2]}  # nothing of it reached a rank
         pids = session.pids
     assert left_in_groups(pids, within=15) == []
     assert session.run.record.outcome is ddpnb.Outcome.SUCCEEDED  # the ranks left when asked

@@ -119,11 +119,32 @@ def dump_spec(spec: Any, shared: Shipment | None = None) -> bytes:
         raise _not_picklable("the run's arguments", unpicklable_path(tuple(spec.args), "args"), exc) from None
 
 
-def _not_picklable(subject: str, where: str, exc: Exception) -> NotPicklableError:
+def dump_command(command: Any, shared: Shipment | None = None) -> bytes:
+    """A session's command (`messages.Command`): a pushed value, or a call's function or arguments, that cannot
+    travel is the caller's NotPicklableError, naming it, before anything is sent."""
+    try:
+        return dumps(command, shared=shared)
+    except Exception as exc:  # noqa: BLE001 - as above
+        if command.values:
+            subject, where = "the pushed values", unpicklable_path(dict(command.values), "push")
+        elif command.call is not None:
+            fn, args, kwargs = command.call
+            subject = "the call"
+            where = next((unpicklable_path(part, label) for part, label in
+                          ((fn, _name(fn)), (args, "args"), (kwargs, "kwargs")) if not _picklable(part)),
+                         unpicklable_path(command.call, "call"))
+        else:
+            raise
+        raise _not_picklable(subject, where, exc, "Create that object on the ranks instead (in a %%ranks cell, or "
+                                                  "inside the function), or send what it is built from (a path, a "
+                                                  "config).") from None
+
+
+def _not_picklable(subject: str, where: str, exc: Exception, advice: str = "") -> NotPicklableError:
     return NotPicklableError(
         f"cannot send {subject} to the worker processes: {where} cannot be pickled ({type(exc).__name__}: {exc}).\n"
-        "Create that object inside the function (each rank then makes its own), or pass what it is built "
-        "from instead (a path, a config)."
+        + (advice or "Create that object inside the function (each rank then makes its own), or pass what it is "
+                     "built from instead (a path, a config).")
     )
 
 
