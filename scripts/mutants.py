@@ -407,6 +407,16 @@ MUTANTS = [
         (FAULTS + "test_a_profile_the_disk_cannot_take_says_why_each_trace_is_missing_and_the_run_goes_on",),
     ),
     Mutant(
+        "a-ranks-cells-syntax-error-goes-to-every-rank", "ddpnb/_session.py",
+        (("        ast.parse(code, filename or \"<session cell>\")  # a syntax error", "        # ast.parse(code, filename or \"<session cell>\")  # a syntax error"),),
+        ("tests/test_session.py::test_a_syntax_error_in_a_ranks_cell_is_shown_as_python_shows_it_and_reaches_no_rank",),
+    ),
+    Mutant(
+        "an-unpicklable-push-is-a-bare-pickling-error", "ddpnb/core/pickling.py",
+        (("        if command.values:\n", "        if False:\n"),),
+        ("tests/test_session.py::test_push_pull_and_call_from_python",),
+    ),
+    Mutant(
         "a-nodes-relay-holds-without-bound", "ddpnb/node/relay.py",
         (("            self.lock.wait_for(lambda: self._ready_bytes < self.hold_bytes or self.abandoned)\n", ""),),
         ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),
