@@ -156,6 +156,27 @@ def test_rank_zero_stays_until_every_rank_is_done_with_its_store(tmp_path):
     # into the rank's stderr when a store wait times out)
 
 
+def _waits_for(rank, path):
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return f"rank {rank} released"
+
+
+def test_result_with_a_timeout_raises_timeout_error_as_a_futures_does_and_the_run_goes_on(tmp_path):
+    release = tmp_path / "release"
+    handle = ddpnb.launch(_waits_for, nprocs=2, args=(str(release),), view="none")
+    try:
+        with pytest.raises(TimeoutError, match=r"^the run has not ended within 0.2 s, and goes on: .result\(\) again "
+                                               r"waits for it, .stop\(\) ends it.$"):
+            handle.result(timeout=0.2)  # the ranks wait for a file no one has made yet: it cannot have ended
+        with pytest.raises(ValueError, match="timeout is a number of seconds to wait, 0 or more, not '1'"):
+            handle.result(timeout="1")
+        assert not handle.done and handle.record.outcome is ddpnb.Outcome.RUNNING
+    finally:
+        release.touch()
+    assert handle.result(timeout=120) == "rank 0 released"
+
+
 def _spawn_target(rank, scale, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
         f.write(str(rank * scale))

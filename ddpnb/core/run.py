@@ -246,9 +246,16 @@ class Run:
         kept, and the number of the latest line: how views read the run's output."""
         return self._lines.since(seen)
 
-    def result(self) -> Any:
-        """Rank 0's return value; raises `WorkerError` if the run did not succeed."""
-        self.wait()
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value; raises `WorkerError` if the run did not succeed, and, as a future's `result`
+        does, `TimeoutError` if it has not ended within `timeout` seconds (the run goes on)."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout is a number of seconds to wait, 0 or more, not {timeout!r}.")
+        self.wait(timeout)
+        if not self._done.is_set():
+            raise TimeoutError(f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
+                               "it, .stop() ends it.")
         if self.record.outcome is not Outcome.SUCCEEDED:
             raise WorkerError(self.record, hint=hints.hint(self.record))
         return self.attempt.result.take()
