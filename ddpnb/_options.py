@@ -20,7 +20,7 @@ from ddpnb import engines
 from ddpnb.core import checkpoints
 from ddpnb.core.profile import profile_steps
 from ddpnb.core.engine import EngineType
-from ddpnb.core.spec import CallStyle, LaunchError, Plan, ViewKind, plan, stall_seconds
+from ddpnb.core.spec import CallStyle, LaunchError, Plan, ViewKind, is_seconds, plan, stall_seconds
 from ddpnb.views import tensorboard as board
 
 VIEW_VAR = "DDPNB_VIEW"
@@ -91,10 +91,8 @@ class LaunchOptions:
     def check(self) -> Launch:
         """Every value validated, the engine found and planned; LaunchError saying what to do, before anything
         starts."""
-        timeout = self.timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):  # nan too
-            raise LaunchError(f"timeout must be a positive number of seconds, not {timeout!r}.")
+        if self.timeout is not None and not is_seconds(self.timeout):
+            raise LaunchError(f"timeout must be a positive number of seconds, not {self.timeout!r}.")
         if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
             raise LaunchError(f"args must be a tuple of the function's extra arguments, not {self.args!r}: for one, "
                               f"args=({self.args!r},).")

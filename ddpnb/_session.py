@@ -26,7 +26,7 @@ from ddpnb.core.pickling import dump_command, dumps
 from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState
 from ddpnb.core.report import WorkerError
 from ddpnb.core.run import Run
-from ddpnb.core.spec import Stream
+from ddpnb.core.spec import Stream, is_seconds
 from ddpnb.core.stacks import where
 from ddpnb.core.words import ranks_text
 from ddpnb.rank.session import serve
@@ -227,8 +227,7 @@ class Session:
         run, channel = self.run, self.run.channel
         assert channel is not None
         selected = self._selected(ranks)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                    or not timeout > 0):  # nan too
+        if timeout is not None and not is_seconds(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}.")
         command = msg.Command(self._next(), kind, **fields)
         # big tensors and arrays go as a launch's do: through shared memory (local), Ray's object store (ray)

@@ -31,7 +31,7 @@ from ddpnb.core.ranklogs import log_paths
 from ddpnb.core.record import Attempt as AttemptRecord
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
 from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary, named
-from ddpnb.core.spec import WorkerSpec
+from ddpnb.core.spec import WorkerSpec, is_seconds
 from ddpnb.core.watchdog import Watchdog
 from ddpnb.core.words import format_duration, ranks_text
 
@@ -249,8 +249,7 @@ class Run:
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value; raises `WorkerError` if the run did not succeed, and, as a future's `result`
         does, `TimeoutError` if it has not ended within `timeout` seconds (the run goes on)."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                    or not timeout >= 0):
+        if timeout is not None and not is_seconds(timeout, zero=True):
             raise ValueError(f"timeout is a number of seconds to wait, 0 or more, not {timeout!r}.")
         self.wait(timeout)
         if not self._done.is_set():

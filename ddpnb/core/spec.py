@@ -103,6 +103,12 @@ def enabled(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def is_seconds(value: object, zero: bool = False) -> bool:
+    """A number of seconds a caller may pass: a real number above 0 (or 0 too, with `zero`); not a bool, a string,
+    nor nan."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and (value >= 0 if zero else value > 0)
+
+
 def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None,
          engine: str = "local") -> Plan:
     """The world size, devices and backend for the flags given; raises LaunchError for impossible ones.

@@ -109,10 +109,7 @@ class WarmEngine:
         gpus = _gpu_ids(self._group, self.spec.world_size) if self.spec.use_gpus else {}
         single = len(nodes) == 1
         placed = {node: [index for index in range(self.spec.world_size) if bundles[index] == node] for node in nodes}
-        ranks = itertools.count()
-        for node in nodes:
-            for _ in placed[node]:
-                self._nodes[next(ranks)] = (node, where[node][1])
+        self._nodes = dict(enumerate((node, where[node][1]) for node in nodes for _ in placed[node]))
         try:
             port = ray.get(self._hosts[nodes[0]].bind_store.remote(self._run, single), timeout=CALL_WAIT)
         except ray.exceptions.RayActorError as exc:  # without rank 0's store no rank can start: none is forked
