@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FAULTS = "tests/test_faults.py::"
+CHILDREN = "tests/test_rank_children.py::"
 MAGIC = "tests/test_magic.py::"
 CHILD_PATHS = "test_what_a_rank_started_is_gone_after_the_run_however_it_ended"
 STALL = "tests/test_stall.py::"
@@ -476,8 +477,46 @@ MUTANTS = [
           "            self.attempt.engine.serve()\n        except Exception:\n            raise\n"),),
         (FAULTS + "test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_stops_every_rank",),
     ),
+    Mutant(
+        "orphans-of-a-rank-left-running", "ddpnb/node/forked.py",
+        (("        orphans.end_orphans(_compat.forkserver_pid(), _running)\n", "        pass\n"),),
+        (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]", FAULTS + CHILD_PATHS + "[stopped]",
+         FAULTS + "test_process_that_escapes_the_ranks_group_cannot_hang_the_run_and_ends_with_it"),
+    ),
+    Mutant(
+        "forkserver-not-a-subreaper", "ddpnb/node/shield.py",
+        (("\nbecome_subreaper()\n", "\n"),),
+        (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]"),
+    ),
+    Mutant(
+        "rank-not-a-subreaper", "ddpnb/node/rank.py",
+        (("    orphans.become_subreaper()  #", "    pass  #"),),
+        (CHILDREN + "test_a_ranks_daemon_runs_on_while_the_rank_does_even_after_another_rank_ended",),
+    ),
+    Mutant(
+        "notebook-definitions-not-in-the-ranks-main", "ddpnb/rank/main.py",
+        (("        notebook.adopt(fn)  #", "        pass  #"),),
+        (CHILDREN + "test_a_notebook_dataset_and_function_reach_dataloader_workers_and_a_pool_in_a_ddp_cell",),
+    ),
+    Mutant(
+        "start-method-inherited-from-the-forkserver", "ddpnb/rank/notebook.py",
+        (("    multiprocessing.set_start_method(None, force=True)", "    pass  #"),),
+        (CHILDREN + "test_every_start_method_a_rank_can_pick_finds_the_notebooks_definitions",),
+    ),
+    Mutant(
+        "spawned-children-main-not-rebuilt", "ddpnb/rank/notebook.py",
+        (("    _compat.wrap_preparation_data(_with_notebook_main)\n", ""),),
+        (CHILDREN + "test_every_start_method_a_rank_can_pick_finds_the_notebooks_definitions",
+         CHILDREN + "test_a_class_defined_in_a_session_cell_reaches_a_spawned_dataloader_worker"),
+    ),
+    Mutant(
+        "a-group-of-the-codes-own-silently-ignored", "ddpnb/rank/group.py",
+        (("        _own_group(backend, init_method, rank, world_size, kwargs)\n        return\n",
+          "        return\n"),),
+        (CHILDREN + "test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn[ddpnb]",
+         CHILDREN + "test_a_checkpoint_in_a_group_of_the_codes_own_is_refused_saying_why"),
+    ),
 ]
-
 ROOT = Path(__file__).resolve().parent.parent
 
 

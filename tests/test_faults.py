@@ -240,7 +240,7 @@ def test_rank_waiting_for_a_rank_that_returned_fails_instead_of_hanging():
 
 
 def leaves_a_process_holding_its_output(rank):
-    # start_new_session: this process leaves the rank's process group, so stopping the rank cannot reach it,
+    # start_new_session: this process leaves the rank's process group, so stopping the group cannot reach it,
     # and it holds the rank's stdout open
     escaped = subprocess.Popen(["sleep", "600"], start_new_session=True)
     print(f"ESCAPED {escaped.pid}", flush=True)
@@ -248,16 +248,17 @@ def leaves_a_process_holding_its_output(rank):
 
 
 @pytest.mark.timeout(120)
-def test_process_that_escapes_the_rank_cannot_hang_the_run():
+def test_process_that_escapes_the_ranks_group_cannot_hang_the_run_and_ends_with_it():
+    escaped: list[int] = []
     try:  # returning at all is the point: the run lets go of output pipes that stay open after every rank exited
         assert ddpnb.run(leaves_a_process_holding_its_output, nprocs=2, view="none") == 0
-    finally:
         record = ddpnb.last_run()
-        for rank in range(2):
-            found = re.search(r"ESCAPED (\d+)", read_log(record, rank))
-            if found:
-                os.kill(int(found.group(1)), signal.SIGKILL)  # the test's own stray: ddpnb cannot reach it
-    assert_nothing_left(record)
+        escaped = [int(re.search(r"ESCAPED (\d+)", read_log(record, rank)).group(1)) for rank in range(2)]
+        assert wait_gone(escaped, within=GRACE) == [], "a process that left its rank's group outlived the run"
+        assert_nothing_left(record)
+    finally:
+        for pid in wait_gone(escaped, within=0):  # a failed check's strays must not reach the next test
+            os.kill(pid, signal.SIGKILL)
 
 
 # --- 2. a rank killed by a signal: SIGKILL, a segfault ------------------------------------------------------
@@ -484,12 +485,24 @@ def test_the_same_error_on_every_rank_is_listed_as_also_failed_not_as_a_conseque
 
 # --- what a rank started dies with it, however the run ends --------------------------------------------------
 
-def starts_a_child_then(rank, how, children):
-    child = subprocess.Popen(["sleep", "600"])  # a DataLoader worker, say
-    write_atomically(Path(children, f"rank{rank}"), str(child.pid))
+def starts_children_then(rank, how, children):
+    """Three kinds of child: one in the rank's process group (a DataLoader worker, say), one in a session of its own
+    (`start_new_session`), and a double-forked daemon (fork, setsid, fork: its parent exits at once)."""
+    in_group = subprocess.Popen(["sleep", "600"])
+    own_session = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    reader, writer = os.pipe()
+    if os.fork() == 0:  # the daemon's first fork
+        os.setsid()
+        daemon = os.fork()
+        if daemon == 0:
+            os.execvp("sleep", ["sleep", "600"])
+        os.write(writer, str(daemon).encode())
+        os._exit(0)
+    daemon = int(os.read(reader, 32))
+    write_atomically(Path(children, f"rank{rank}"), f"{in_group.pid} {own_session.pid} {daemon}")
     if how == "raises" and rank == 1:
-        wait_for(lambda: Path(children, "rank0").exists(), "rank 0's child")
-        raise ValueError("failed with a child running")
+        wait_for(lambda: Path(children, "rank0").exists(), "rank 0's children")
+        raise ValueError("failed with children running")
     if how != "succeeds":
         time.sleep(600)
     return rank
@@ -500,16 +513,16 @@ def starts_a_child_then(rank, how, children):
     ("times out", ddpnb.Outcome.TIMED_OUT), ("stopped", ddpnb.Outcome.STOPPED),
 ], ids=["succeeds", "raises", "times-out", "stopped"])
 def test_what_a_rank_started_is_gone_after_the_run_however_it_ended(tmp_path, how, outcome):
-    # the timeout outlasts the ranks' start, so each has started its child when the stop begins
-    run = ddpnb.launch(starts_a_child_then, nprocs=2, args=(how, str(tmp_path)),
+    # the timeout outlasts the ranks' start, so each has started its children when the stop begins
+    run = ddpnb.launch(starts_children_then, nprocs=2, args=(how, str(tmp_path)),
                        timeout=2 if how == "times out" else None, view="none")
     if how == "stopped":
         wait_for(lambda: len(list(tmp_path.glob("rank?"))) == 2, "both ranks' children")
         run.stop()
     record = run.wait()
     assert record.outcome is outcome
-    children = [int(path.read_text()) for path in sorted(tmp_path.glob("rank?"))]
-    assert len(children) == 2
+    children = [int(pid) for path in sorted(tmp_path.glob("rank?")) for pid in path.read_text().split()]
+    assert len(children) == 6
     assert_nothing_left(record, also=children)
 
 

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpnb import _compat
 from ddpnb.core import messages as msg
 from ddpnb.core.engine import RunEvents
 from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import user_stack_dump
+from ddpnb.node import forkserver, orphans
 from ddpnb.node.rank import PROCESS_PREFIX, FdForChild, Seat, entry
 
 STOP_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when ranks are stopped
@@ -35,6 +37,7 @@ PIPE_SIZE = 1 << 20  # bytes a rank may write before it waits for the kernel to 
 # seconds between two wake-ups of the reader while every rank is busy (see `serve`), and so between two redraws
 # of the views: ipykernel sends a cell's printed output every 0.2 s too
 COALESCE = 0.2
+_running: set[int] = set()  # every running rank this process forked, whichever run it belongs to
 
 
 class ForkedRanks:
@@ -111,6 +114,7 @@ class ForkedRanks:
                 if end is not None:
                     end.close()
         self._procs[rank] = proc
+        _running.add(proc.pid)
         self._events.placed(rank, proc.pid)
 
     # --- the reader --------------------------------------------------------------------------------------------
@@ -204,6 +208,7 @@ class ForkedRanks:
         self._exits -= 1
         proc = self._procs[rank]
         _signal_group(proc.pid, signal.SIGKILL)  # whatever the rank started dies with it
+        _end_orphans(proc.pid)  # and what it started that left its group
         self._drain_channel(rank)
         code = self._exitcode(rank)
         stopped = code is not None and code < 0 and -code in self._signalled.get(rank, ())
@@ -278,6 +283,8 @@ class ForkedRanks:
             if self._exitcode(rank) is None:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.join(5)
+            if proc.pid in _running:
+                _end_orphans(proc.pid)
         for end in [*self._kernel_ends, *self._conns, *self._commands.values()]:
             end.close()
         self._kernel_ends, self._conns, self._commands = [], {}, {}
@@ -319,6 +326,14 @@ def _enlarge_pipe(fd: int) -> int:
         return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
     except OSError:  # above /proc/sys/fs/pipe-max-size, or the user's pipe budget is spent: keep the default
         return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+
+
+def _end_orphans(rank_pid: int) -> None:
+    """An ended rank's orphans, adopted by the forkserver (`node/orphans.py`); under the forkserver's lock, so that
+    a rank of another run, forked meanwhile, is known as a rank before it is looked at."""
+    with forkserver.lock:
+        _running.discard(rank_pid)
+        orphans.end_orphans(_compat.forkserver_pid(), _running)
 
 
 def _signal_group(pid: int, sig: int) -> None:

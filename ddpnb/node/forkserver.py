@@ -21,13 +21,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ddpnb import _compat
+from ddpnb.node import orphans
 from ddpnb.node.rank import PROCESS_PREFIX
 
 # the shield first (the kernel's interrupt must not kill the forkserver mid-import); tqdm is optional (a failed
 # preload import is skipped): preloaded, the rank's progress hook costs nothing
 PRELOAD = ["ddpnb.node.shield", "torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle",
            "tqdm", "ddpnb.node.rank"]
-lock = threading.Lock()  # held while the forkserver starts, restarts, or has ranks forked from it
+# held while the forkserver starts, restarts, or has ranks forked from it, or its adopted orphans are ended
+# (reentrant: a start that fails ends its ranks, and their orphans, while it holds it)
+lock = threading.RLock()
 _preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
 
 
@@ -96,7 +99,7 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
             raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
                                "to end (or .stop() it), then call it again.")
         server = _compat.forkserver_pid()
-        others = children(server) if server else []
+        others = orphans.children(server) if server else []
         if others:
             raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
                                f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
@@ -133,14 +136,6 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
 def preloaded() -> list[str]:
     """What `preload` added so far, in the order asked."""
     return list(_preloaded)
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as listing:
-            return [int(child) for child in listing.read().split()]
-    except OSError:  # no such file in this kernel's /proc: nothing to go by
-        return []
 
 
 def threads(pid: int) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 from ddpnb.core import messages as msg
 from ddpnb.core import rundir
 from ddpnb.core.spec import WorkerSpec
-from ddpnb.node import mapped
+from ddpnb.node import mapped, orphans
 from ddpnb.rank import context as ctx
 from ddpnb.rank import group
 from ddpnb.rank.main import exit_code, run_function
@@ -141,6 +141,7 @@ def entry(seat: Seat, channel: Connection, lifeline: Connection, out: Connection
     # walking it at every full collection, which also copied every page it touched out of the shared memory
     gc.freeze()
     os.setsid()  # own process group: the kernel's SIGINT never reaches us, and we can be killed as a group
+    orphans.become_subreaper()  # what it starts stays below it, whatever session that moves to (node/orphans.py)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, which the forkserver's shield set aside
     _redirect_output(out, err)
     context = ctx.RankContext(rank=rank, link=PipeLink(rank, channel, commands))
@@ -231,6 +232,11 @@ def _watch_kernel(lifeline: Connection) -> None:
             lifeline.recv_bytes()
     except (EOFError, OSError):
         pass
+    for pid in orphans.descendants(os.getpid()):  # those that left this rank's process group first
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
     os.killpg(0, signal.SIGKILL)  # this rank and whatever it started (DataLoader workers, ...)
 
 

@@ -193,6 +193,13 @@ def _spec(name: str) -> Any:
     if context is None or context.spec is None or not context.spec.checkpoint_dir:
         raise RuntimeError(f"ddpnb.{name} works inside a ddpnb rank (a %%ddp cell's function, or ddpnb.run's): its "
                            "checkpoints belong to the run. Outside one, call torch.distributed.checkpoint directly.")
+    from ddpnb.rank import group
+
+    if group.own_group is not None:
+        raise the_callers(RuntimeError(
+            f"ddpnb.{name} needs the run's own process group, and this rank's code replaced it with "
+            f"init_process_group ({group.own_group}): call torch.distributed.checkpoint directly, or leave the "
+            "process group ddpnb makes."))
     return context.spec
 
 

@@ -1,8 +1,12 @@
 """The rank's process group, ready when the function starts, and the run's store, left in order once it returned.
 
 Code written for mp.spawn/torchrun that calls init_process_group itself keeps working: a call that matches the
-ready group is a no-op; one that asks for another backend replaces it, rendezvousing on this run's store (never
-on a port the user code hard-codes).
+ready group is a no-op; one that asks for another backend replaces it; one that asks for another group (another
+world size or rank: the trainers of an RPC example, two of four ranks) gets exactly that group, and ddpnb's
+features that need the run's own group (checkpoints, the straggler radar) are off on that rank, which it says.
+Every group rendezvouses on this run's store (never on a port the user code hard-codes, which another run or
+notebook on the machine may hold), under a key prefix of its own: ranks that ask for the same init_method and
+world size meet there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from ddpnb.rank import context as ctx
 
 LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 _real_init: Any = None
+own_group: str | None = None  # the group the user's code asked for in place of the run's: "world size 2, rank 0"
 
 
 def patch_init_process_group() -> None:
@@ -30,6 +35,14 @@ def patch_init_process_group() -> None:
 def _init_from_user_code(backend: str | None = None, init_method: str | None = None, **kwargs: Any) -> None:
     import torch.distributed as dist
 
+    global own_group
+    rank, world_size = _asked(init_method, kwargs)
+    if (rank, world_size) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
+        _own_group(backend, init_method, rank, world_size, kwargs)
+        return
+    if own_group is not None and dist.is_initialized():  # the user's own group, then the run's shape again
+        dist.destroy_process_group()
+    own_group = None
     if dist.is_initialized():
         if backend is None or backend.lower() == dist.get_backend().lower() or not _usable(backend):
             return
@@ -38,6 +51,44 @@ def _init_from_user_code(backend: str | None = None, init_method: str | None = N
     kwargs.pop("rank", None)
     kwargs.pop("world_size", None)
     new_group(backend if backend and _usable(backend) else None, **kwargs)
+
+
+def _asked(init_method: str | None, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """The rank and world size a call asks for: its arguments, else its init_method's query (`?rank=0`), else the
+    environment, as torch reads them."""
+    from urllib.parse import parse_qs, urlparse
+
+    query = {key: values[-1] for key, values in parse_qs(urlparse(init_method or "").query).items()}
+    rank, world_size = kwargs.get("rank", -1), kwargs.get("world_size", -1)
+    rank = rank if rank is not None and rank >= 0 else int(query.get("rank", os.environ["RANK"]))
+    world_size = (world_size if world_size is not None and world_size >= 0
+                  else int(query.get("world_size", os.environ["WORLD_SIZE"])))
+    return rank, world_size
+
+
+def _own_group(backend: str | None, init_method: str | None, rank: int, world_size: int,
+               kwargs: dict[str, Any]) -> None:
+    """The group the user's code asked for in place of the run's, as asked; said once on the rank's stderr."""
+    import sys
+
+    import torch.distributed as dist
+
+    global own_group
+    context = ctx.current()
+    assert context is not None and _real_init is not None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    own_group = f"world size {world_size}, rank {rank}"
+    print(f"ddpnb: rank {context.rank} called init_process_group for a group of its own ({own_group}; the run's is "
+          f"world size {os.environ['WORLD_SIZE']}, rank {context.rank}): it gets that group. ddpnb.save_checkpoint "
+          "and the straggler radar need the run's group, and are off on this rank.", file=sys.stderr, flush=True)
+    store = kwargs.pop("store", None)
+    if store is None:  # the run's store: ranks asking for the same group meet under the same prefix
+        store = dist.PrefixStore(f"ddpnb/own/{world_size}/{init_method or 'env://'}", context.store)
+    kwargs.pop("rank", None)
+    kwargs.pop("world_size", None)
+    _real_init(backend=backend if backend and _usable(backend) else ("nccl" if context.device != "cpu" else "gloo"),
+               store=store, rank=rank, world_size=world_size, **kwargs)
 
 
 def _usable(backend: str) -> bool:

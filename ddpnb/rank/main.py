@@ -15,7 +15,7 @@ from ddpnb.core import messages as msg
 from ddpnb.core.failures import is_knock_on
 from ddpnb.core.spec import CallStyle, WorkerSpec
 from ddpnb.core.stacks import user_locals, user_traceback
-from ddpnb.rank import cells, checkpoint, data, debug, group, progress, radar
+from ddpnb.rank import cells, checkpoint, data, debug, group, notebook, progress, radar
 from ddpnb.rank import context as ctx
 
 SLOW_IMPORTS = 0.5  # seconds rebuilding the function (its imports, mostly) that make rank 0 suggest ddpnb.preload
@@ -33,6 +33,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
     try:
         import cloudpickle
 
+        notebook.fresh_main()
         spec: WorkerSpec = cloudpickle.loads(spec_payload)
         context.spec = spec
         _reseed()
@@ -54,6 +55,7 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
 
             context.profiler = profile.StepWindow(context, *spec.profile)
         fn = _load_function(context, spec.fn_payload)
+        notebook.adopt(fn)  # its notebook classes and functions, findable by name in the processes it starts
         value = fn(*call_arguments(fn, rank, spec.world_size, spec.args, spec.call_style))
         checkpoint.finish()  # an asynchronous save the function left being written completes before the result
         if context.profiler is not None:

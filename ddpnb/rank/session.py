@@ -7,8 +7,8 @@ process group and fail exactly as a `%%ddp` run's do; between commands they wait
 from __future__ import annotations
 
 import ast
-import builtins
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -28,8 +28,10 @@ def serve(rank: int, world_size: int) -> None:
     if threading.current_thread() is threading.main_thread():  # Ray Train runs it in a thread of its own
         # the kernel's interrupt (SIGINT) raises KeyboardInterrupt in the command that is running
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "rank": rank,
-                                 "world_size": world_size}
+    # the rank's own `__main__`, as a notebook's cells run in the kernel's: what they define is found by name
+    # there, by the processes a rank starts too (DataLoader workers, Pool)
+    namespace = vars(sys.modules["__main__"])
+    namespace.update(rank=rank, world_size=world_size)
     while True:
         try:
             body = context.link.receive()  # the engine's link puts the command's big data in place first
