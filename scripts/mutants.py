@@ -59,19 +59,8 @@ MUTANTS = [
         (("                self._signal(rank, signal.SIGKILL)\n", "                pass\n"),),
         (FAULTS + "test_rank_ignoring_sigterm_is_killed_after_the_grace_period",),
     ),
-    Mutant(
-        "kill-the-rank-not-its-group", "ddpnb/node/forked.py",
-        (("        os.killpg(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone",
-          "        os.kill(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone"),
-         ("            os.killpg(pid, sig)\n            return\n", "            os.kill(pid, sig)\n            return\n")),
-        (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[stopped]"),
-    ),
-    Mutant(
-        "exited-ranks-group-left-running", "ddpnb/node/forked.py",
-        (("        os.killpg(pid, sig)\n    except (ProcessLookupError, PermissionError):  # the group is gone",
-          "        return\n    except (ProcessLookupError, PermissionError):  # the group is gone"),),
-        (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]"),
-    ),
+    # "kill-the-rank-not-its-group" and "exited-ranks-group-left-running" retired: what a rank started in its
+    # group is also ended as the rank's orphan since issue 40 (node/orphans.py), which the two below pin
     Mutant(
         "authkey-in-every-ranks-environment", "ddpnb/node/rank.py",
         (("    os.environ.update(_torchrun_env(seat, spec))\n",

@@ -117,7 +117,7 @@ def test_a_class_defined_in_a_session_cell_reaches_a_spawned_dataloader_worker(k
 # The shape of pytorch/examples' distributed/rpc/ddp_rpc (two trainers with a DDP group of their own, a parameter
 # server, a master driving them over RPC), on CPU and cut to a few steps: as a script under mp.spawn, and the same
 # function under ddpnb.spawn.
-HYBRID_SCRIPT = '''
+HYBRID = '''
 import random
 import sys
 
@@ -164,7 +164,8 @@ def worker(rank, world_size, port):
     else:
         rpc.init_rpc("ps", rank=rank, world_size=world_size, rpc_backend_options=options)
     rpc.shutdown()
-
+'''
+HYBRID_MAIN = '''
 if __name__ == "__main__":
     launcher, port = sys.argv[1], int(sys.argv[2])
     if launcher == "ddpnb":
@@ -198,7 +199,7 @@ def test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn(tmp_pat
     """Ranks 0-1 of 4 call init_process_group(world_size=2): they get that group, as under mp.spawn; never a hang
     (8 s here; the bound only allows for a loaded machine)."""
     script = tmp_path / "hybrid.py"
-    script.write_text(HYBRID_SCRIPT)
+    script.write_text(HYBRID + HYBRID_MAIN)
     began = time.monotonic()
     done = subprocess.run([sys.executable, str(script), launcher, str(_free_ports())], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, check=False, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -208,6 +209,14 @@ def test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn(tmp_pat
     if launcher == "ddpnb":
         assert time.monotonic() - began < 60, output[-2000:]
         assert output.count("a group of its own (world size 2") == 2  # said once by each trainer
+
+
+def test_trainers_that_make_a_group_of_their_own_train_in_a_notebook(kernel):
+    defined = kernel.execute(HYBRID)
+    assert defined.error is None, defined.text
+    ran = kernel.execute(f"ddpnb.spawn(worker, args=(4, {_free_ports()}), nprocs=4)", timeout=120)
+    assert ran.error is None, ran.text
+    assert "TRAINED [(0, 2, 3), (1, 2, 3)]" in ran.text
 
 
 def saves_a_checkpoint_in_a_group_of_its_own(rank, world_size):

@@ -850,3 +850,57 @@ def test_profile_merges_every_nodes_ranks_into_one_trace(slurm_kernel, cluster):
     assert found.stdout.strip() == ("['rank 0', 'rank 1', 'rank 2', 'rank 3'] [2, 2, 2, 2] "
                                     "['n1', 'n1', 'n2', 'n2']"), found.text
     assert ranks_left() == [] and steps_left(cluster) == []
+
+
+STARTS_CHILDREN = '''
+def starts_children(rank, how, where):
+    import os, subprocess, time
+    own_session = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    reader, writer = os.pipe()
+    if os.fork() == 0:  # a double-forked daemon: fork, setsid, fork, and its parent exits at once
+        os.setsid()
+        daemon = os.fork()
+        if daemon == 0:
+            os.execvp("sleep", ["sleep", "600"])
+        os.write(writer, str(daemon).encode())
+        os._exit(0)
+    daemon = int(os.read(reader, 32))
+    with open(f"{where}/rank{rank}.partial", "w") as out:
+        out.write(f"{own_session.pid} {daemon}")
+    os.rename(f"{where}/rank{rank}.partial", f"{where}/rank{rank}")
+    if how == "raises" and rank == 1:
+        while len([name for name in os.listdir(where) if not name.endswith("partial")]) < 4:
+            time.sleep(0.02)
+        raise ValueError("failed with children running")
+    if how != "succeeds":
+        time.sleep(600)
+    return rank
+
+def children_started(where):
+    return [int(pid) for name in sorted(os.listdir(where)) if not name.endswith("partial")
+            for pid in open(os.path.join(where, name)).read().split()]
+'''
+
+
+@pytest.mark.parametrize("how", ["succeeds", "raises", "stopped"])
+def test_what_a_rank_started_in_a_session_of_its_own_is_gone_after_the_run_on_both_nodes(slurm_kernel, cluster,
+                                                                                         tmp_path, how):
+    where = tmp_path / "children"
+    where.mkdir()
+    out = slurm_kernel.execute(STARTS_CHILDREN + f'''
+run = ddpnb.launch(starts_children, engine="slurm", nprocs=4, nodes=2, view="none", args=({how!r}, {str(where)!r}))
+if {how!r} == "stopped":
+    deadline = time.monotonic() + 120
+    while len(children_started({str(where)!r})) < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.stop()
+run.wait()
+print(run.outcome.value, [rank.node for rank in ddpnb.last_run().ranks])
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.text
+    assert out.stdout.split()[0] == {"succeeds": "succeeded", "raises": "failed", "stopped": "stopped"}[how], out.text
+    assert "'n1'" in out.stdout and "'n2'" in out.stdout  # ranks on both nodes
+    children = [int(pid) for path in where.iterdir() for pid in path.read_text().split()]
+    assert len(children) == 8
+    assert wait_gone(children, within=10) == [], "what a rank started outlived the run"
+    assert ranks_left() == [] and steps_left(cluster) == []
