@@ -470,7 +470,8 @@ MUTANTS = [
         "orphans-of-a-rank-left-running", "ddpnb/node/forked.py",
         (("        orphans.end_orphans(_compat.forkserver_pid(), _running)\n", "        pass\n"),),
         (FAULTS + CHILD_PATHS + "[succeeds]", FAULTS + CHILD_PATHS + "[raises]", FAULTS + CHILD_PATHS + "[stopped]",
-         FAULTS + "test_process_that_escapes_the_ranks_group_cannot_hang_the_run_and_ends_with_it"),
+         FAULTS + "test_process_that_escapes_the_ranks_group_cannot_hang_the_run_and_ends_with_it",
+         SLURM + "test_what_a_rank_started_in_a_session_of_its_own_is_gone_after_the_run_on_both_nodes[stopped]"),
     ),
     Mutant(
         "forkserver-not-a-subreaper", "ddpnb/node/shield.py",
