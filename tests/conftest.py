@@ -110,6 +110,38 @@ class Kernel:
         assert not left, f"still running 10 s after the kernel stopped: {[_describe(pid) for pid in left]}"
 
 
+# a rank's function for a kernel cell: a child in a session of its own and a double-forked daemon, their PIDs
+# written to `where`; then it returns, raises (rank 1, once every rank wrote) or sleeps, as `how` says
+STARTS_CHILDREN = '''
+def starts_children(rank, world_size, how, where):
+    import os, subprocess, time
+    own_session = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    reader, writer = os.pipe()
+    if os.fork() == 0:  # a double-forked daemon: fork, setsid, fork, and its parent exits at once
+        os.setsid()
+        daemon = os.fork()
+        if daemon == 0:
+            os.execvp("sleep", ["sleep", "600"])
+        os.write(writer, str(daemon).encode())
+        os._exit(0)
+    daemon = int(os.read(reader, 32))
+    with open(f"{where}/rank{rank}.partial", "w") as out:
+        out.write(f"{own_session.pid} {daemon}")
+    os.rename(f"{where}/rank{rank}.partial", f"{where}/rank{rank}")
+    if how == "raises" and rank == 1:
+        while len([name for name in os.listdir(where) if not name.endswith("partial")]) < world_size:
+            time.sleep(0.02)
+        raise ValueError("failed with children running")
+    if how != "succeeds":
+        time.sleep(600)
+    return rank
+
+def children_started(where):
+    return [int(pid) for name in sorted(os.listdir(where)) if not name.endswith("partial")
+            for pid in open(os.path.join(where, name)).read().split()]
+'''
+
+
 @contextmanager
 def private_runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """DDPNB_RUNS_DIR set to a fresh directory (kernels started meanwhile inherit it), then put back."""

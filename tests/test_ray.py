@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import PACKAGE_DIR, Execution, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, STARTS_CHILDREN, Execution, Kernel, wait_gone
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install -e '.[ray]')")
@@ -454,6 +454,25 @@ def test_a_killed_ray_rank_is_named_as_the_first_failure_and_nothing_is_left(ray
     assert len(pids) == 2 and wait_gone(pids, within=30) == []
     assert run_actors_left([ray_kernel.pid]) == []
     assert cpus_released(ray_kernel)
+
+
+@needs_ray
+@pytest.mark.slow
+@pytest.mark.timeout(RAY_TEST_TIMEOUT)
+@pytest.mark.parametrize("how", ["succeeds", "raises"])
+def test_what_a_ray_rank_started_in_a_session_of_its_own_is_gone_after_the_run(ray_kernel, tmp_path, how):
+    where = tmp_path / "children"
+    where.mkdir()
+    out = ray_kernel.execute(STARTS_CHILDREN + f'''
+run = ddpnb.launch(starts_children, engine="ray", nprocs=2, view="none", args=({how!r}, {str(where)!r}))
+run.wait()
+print("outcome:", run.outcome.value)
+''', timeout=CELL_TIMEOUT)
+    assert out.error is None, out.text
+    assert f"outcome: {dict(succeeds='succeeded', raises='failed')[how]}" in out.stdout, out.text
+    children = [int(pid) for path in where.iterdir() for pid in path.read_text().split()]
+    assert len(children) == 4
+    assert wait_gone(children, within=10) == [], "what a rank started outlived the run"
 
 
 @needs_ray

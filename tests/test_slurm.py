@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests import slurm_cluster
-from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, STARTS_CHILDREN, Kernel, wait_gone
 from tests.test_faults import Cell
 from tests.test_notebooks import run_notebook
 
@@ -851,35 +851,6 @@ def test_profile_merges_every_nodes_ranks_into_one_trace(slurm_kernel, cluster):
                                     "['n1', 'n1', 'n2', 'n2']"), found.text
     assert ranks_left() == [] and steps_left(cluster) == []
 
-
-STARTS_CHILDREN = '''
-def starts_children(rank, how, where):
-    import os, subprocess, time
-    own_session = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    reader, writer = os.pipe()
-    if os.fork() == 0:  # a double-forked daemon: fork, setsid, fork, and its parent exits at once
-        os.setsid()
-        daemon = os.fork()
-        if daemon == 0:
-            os.execvp("sleep", ["sleep", "600"])
-        os.write(writer, str(daemon).encode())
-        os._exit(0)
-    daemon = int(os.read(reader, 32))
-    with open(f"{where}/rank{rank}.partial", "w") as out:
-        out.write(f"{own_session.pid} {daemon}")
-    os.rename(f"{where}/rank{rank}.partial", f"{where}/rank{rank}")
-    if how == "raises" and rank == 1:
-        while len([name for name in os.listdir(where) if not name.endswith("partial")]) < 4:
-            time.sleep(0.02)
-        raise ValueError("failed with children running")
-    if how != "succeeds":
-        time.sleep(600)
-    return rank
-
-def children_started(where):
-    return [int(pid) for name in sorted(os.listdir(where)) if not name.endswith("partial")
-            for pid in open(os.path.join(where, name)).read().split()]
-'''
 
 
 @pytest.mark.parametrize("how", ["succeeds", "raises", "stopped"])
