@@ -476,6 +476,28 @@ MUTANTS = [
           "            self.attempt.engine.serve()\n        except Exception:\n            raise\n"),),
         (FAULTS + "test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_stops_every_rank",),
     ),
+    Mutant(
+        "dashboard-widgets-not-closed", "ddpnb/views/dashboard.py",
+        (("                close_all(self.widget)\n", "                pass\n"),),
+        ("tests/test_dashboard.py::"
+         "test_a_finished_runs_widgets_are_all_closed_and_its_summary_stays_whatever_ended_it",),
+    ),
+    Mutant(
+        "restart-line-names-only-the-next-attempts-logs", "ddpnb/core/report.py",
+        (('logs: rank{{N}}.attempt{ended}.log (attempt {ended}), then "\n            f"rank{{N}}.attempt{next_}.log")',
+          'logs: rank{{N}}.attempt{next_}.log")'),),
+        (RESTARTS + "test_a_restarted_runs_text_names_every_attempts_logs",),
+    ),
+    Mutant(
+        "preload-hint-falls-back-to-every-new-package", "ddpnb/rank/main.py",
+        (("    return tuple(sorted({top for _, arg, _ in pickletools.genops(payload)\n"
+          "                         if isinstance(arg, str) and (top := arg.partition(\".\")[0]) in installed}))\n",
+          "    return tuple(sorted({top for _, arg, _ in pickletools.genops(payload)\n"
+          "                         if isinstance(arg, str) and (top := arg.partition(\".\")[0]) in installed}\n"
+          "                        or {name for name in installed if not name.startswith(\"_\")}))\n"),),
+        ("tests/test_preload.py::"
+         "test_the_hint_names_only_modules_the_functions_pickle_names_not_what_they_import_in_turn",),
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
