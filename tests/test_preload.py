@@ -133,7 +133,7 @@ def test_the_hint_names_only_modules_the_functions_pickle_names_not_what_they_im
     one's own imports, or torch's lazy imports of sympy and mpmath for a `torch.fx` module the function names."""
     import ddpnb_test_lazy_top
     import ddpnb_test_mine_lazy
-    import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+    from torch.fx.experimental import symbolic_shapes
 
     def own_module_and_torch_fx(rank, lazy):  # `lazy` in args: a name in the function's code is one it names
         import sys
