@@ -27,6 +27,8 @@
 11. profiling (issue 30): the training workload with --profile over 3 steps on 2 and 8 CPU ranks: the kernel's
    time to merge the ranks' traces and break their steps down, the files' sizes, and what opening and closing
    the profile adds to rank 0's steps.
+12. the kernel over many launches (issue 40): 300 `%%ddp` launches in one kernel, with the dashboard and with the
+   text view: the kernel's memory growth per 100 launches after the first 50, and the widgets left.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
 interleaved across launchers so that load from elsewhere on the machine hits them alike, and the table shows
@@ -84,6 +86,7 @@ class Settings:
     ray_warm: int = 5  # later launches of each engine per round
     ray_sessions: int = 2  # sessions of each engine per round (20 timed round trips each)
     profile_reps: int = 3  # profiled runs per world size
+    soak_launches: int = 300  # launches in one kernel, per view
 
 
 FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
@@ -93,7 +96,7 @@ QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, s
                  result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
                  session_warmup=5, session_restarts=2, data_reps=1,
                  data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2,
-                 ray_reps=1, ray_warm=3, ray_sessions=1, profile_reps=1)
+                 ray_reps=1, ray_warm=3, ray_sessions=1, profile_reps=1, soak_launches=150)
 
 
 class ProbeFailed(RuntimeError):
@@ -1100,13 +1103,78 @@ def bench_profile(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
               "ranks on this machine's cores every step is slower, profiled or not.")
 
 
+# --- 12. the kernel over many launches -------------------------------------------------------------------------
+SOAK_CELL = """%%ddp -n 2
+def soak(rank):
+    import ddpnb
+    for step in range(3):
+        ddpnb.log(step=step, loss=1.0 / (step + 1))
+    print(f"rank {rank} done")
+    return rank
+"""
+SOAK_SETTLE = 50  # launches before growth counts: first-use imports, caches, the allocator's arenas
+SOAK_EVERY = 25  # launches between two readings of the kernel's memory
+
+
+def _in_kernel(client: Any, expression: str) -> str:
+    """`expression` evaluated in the kernel, after a full collection, as its repr."""
+    reply = client.execute_interactive("import gc; gc.collect()", user_expressions={"value": expression},
+                                       timeout=120, output_hook=lambda msg: None)
+    return reply["content"]["user_expressions"]["value"]["data"]["text/plain"]
+
+
+def bench_soak(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    """One kernel per view runs `soak_launches` launches, a cell each; its resident memory is read every
+    SOAK_EVERY launches, after a gc, and the growth taken from launch SOAK_SETTLE on."""
+    import psutil
+    from jupyter_client.manager import start_new_kernel
+
+    rows = []
+    launches = settings.soak_launches
+    for view in ("widget", "text"):
+        manager, client = start_new_kernel(kernel_name="python3", env={**env, "DDPNB_VIEW": view})
+        try:
+            process = psutil.Process(manager.provisioner.process.pid)
+            client.execute_interactive("%load_ext ddpnb", timeout=120)
+            rss: dict[int, int] = {}
+            started = time.perf_counter()
+            for n in range(1, launches + 1):
+                reply = client.execute_interactive(SOAK_CELL, timeout=300, output_hook=lambda msg: None)
+                if reply["content"]["status"] != "ok":
+                    raise SystemExit(f"soak launch {n} ({view} view) failed: {reply['content']}")
+                if (n >= SOAK_SETTLE and (n - SOAK_SETTLE) % SOAK_EVERY == 0) or n == launches:
+                    _in_kernel(client, "0")
+                    rss[n] = process.memory_info().rss
+                    say(f"soak ({view} view): {n} launches, kernel RSS {rss[n] / 2**20:.1f} MiB")
+            seconds = (time.perf_counter() - started) / launches
+            widgets = int(_in_kernel(client, "len(__import__('ipywidgets').widgets.widget._instances)"))
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+        growth = (rss[launches] - rss[SOAK_SETTLE]) / (launches - SOAK_SETTLE) * 100 / 2**20
+        rows.append([view, f"{rss[SOAK_SETTLE] / 2**20:.1f} MiB", f"{rss[launches] / 2**20:.1f} MiB",
+                     f"{growth:+.2f} MiB", str(widgets), f"{seconds:.2f} s",
+                     " ".join(f"{rss[n] / 2**20:.0f}" for n in sorted(rss))])
+        if view == "widget":
+            goals.append(_at_most(f"kernel memory growth per 100 dashboard launches after the first {SOAK_SETTLE} "
+                                  "(issue 40) ≤ 2 MiB", growth, 2.0, " MiB"))
+            goals.append(Goal("ipywidgets instances left after the dashboard launches (issue 40): 0", str(widgets),
+                              widgets == 0))
+    return (f"### 12. The kernel over many launches (issue 40) — {launches} `%%ddp -n 2` launches in one kernel per "
+            "view, each a cell: 3 metrics and a line per rank, rank's value returned\n\n"
+            + table(["view", f"RSS after {SOAK_SETTLE}", f"after {launches}", "growth per 100 launches",
+                     "widgets left", "per launch", f"RSS (MiB) every {SOAK_EVERY} launches"], rows)
+            + "\n\nThe kernel's resident memory after a gc.collect(), read from outside it (psutil); growth is "
+              f"the line from launch {SOAK_SETTLE} to the last, per 100 launches.")
+
+
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:
     return Goal(label, fmt(value, unit), None if value is None else value <= bound)
 
 
 SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
             "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm,
-            "ray": bench_ray, "shutdown": bench_shutdown, "profile": bench_profile}
+            "ray": bench_ray, "shutdown": bench_shutdown, "profile": bench_profile, "soak": bench_soak}
 
 
 def machine() -> str:

@@ -355,6 +355,27 @@ MUTANTS = [
         (VIEWS + "test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source",),
     ),
     Mutant(
+        "dashboard-widgets-not-closed", "ddpnb/views/dashboard.py",
+        (("                close_all(self.widget)\n", "                pass\n"),),
+        (("tests/test_dashboard.py::"
+          "test_a_finished_runs_widgets_are_all_closed_and_its_summary_stays_whatever_ended_it"),),
+    ),
+    Mutant(
+        "restart-line-names-only-the-next-attempts-logs", "ddpnb/core/report.py",
+        ((('logs: rank{{N}}.attempt{ended}.log (attempt {ended}), then "\n'
+           '            f"rank{{N}}.attempt{next_}.log")'),
+          'logs: rank{{N}}.attempt{next_}.log")'),),
+        (RESTARTS + "test_a_restarted_runs_text_names_every_attempts_logs",),
+    ),
+    Mutant(
+        "preload-hint-falls-back-to-every-new-package", "ddpnb/rank/main.py",
+        (("                         if isinstance(arg, str) and (top := arg.partition(\".\")[0]) in installed}))\n",
+          ("                         if isinstance(arg, str) and (top := arg.partition(\".\")[0]) in installed}\n"
+           "                        or {name for name in installed if not name.startswith(\"_\")}))\n")),),
+        (("tests/test_preload.py::"
+          "test_the_hint_names_only_modules_the_functions_pickle_names_not_what_they_import_in_turn"),),
+    ),
+    Mutant(
         "background-breakpoint-skipped", "ddpnb/_api.py",
         (("    prompts = engine_type.capabilities.commands and", "    prompts = foreground and engine_type.capabilities.commands and"),),
         (DEBUGGER + "test_a_background_runs_breakpoint_is_answered_from_a_later_cell_with_debug",),

@@ -121,8 +121,9 @@ def test_tqdm_in_a_worker_becomes_a_progress_bar_not_thousands_of_lines(executed
         assert "batches" in row and "20000/20000" in row
     shown_lines = bars.count('class="ddpnb-line')
     assert shown_lines <= 4, f"{shown_lines} lines reached the log panel"  # one final bar line per rank
-    log = Path(_summary(executed.cells[2])["text/plain"].rsplit("full per-rank logs: ", 1)[1].strip())
-    assert "20000/20000" in (log / "rank0.log").read_text(errors="replace")
+    logs = _summary(executed.cells[2])["text/plain"].rsplit("full per-rank logs: ", 1)[1].strip()
+    assert logs.endswith("/rank{0..1}.log"), logs
+    assert "20000/20000" in (Path(logs).parent / "rank0.log").read_text(errors="replace")
 
 
 def test_first_failure_traceback_shows_in_the_error_panel(executed):
@@ -181,13 +182,18 @@ def flood(rank):
 def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_bounded(widget_kernel, tmp_path):
     stop_file = tmp_path / "flood-stop"
     _ran(widget_kernel, FLOOD_CELL.replace("STOP_FILE", repr(str(stop_file))))
+    widget_chars = []  # the live widgets' largest value, while the ranks flood (a finished run's are closed)
     try:
         for _ in range(3):  # unrelated cells run to the end while the ranks flood the kernel with output
             _ran(widget_kernel, "1 + 1")
             assert _value(widget_kernel, "flood.done") is False
+            widget_chars.append(_value(widget_kernel, "max((len(w.value) for w in list(__import__('ipywidgets')"
+                                                      ".Widget.widgets.values()) if isinstance(getattr(w, 'value', "
+                                                      "None), str)), default=0)"))
             time.sleep(0.2)
     finally:
         stop_file.touch()
+    assert 0 < max(widget_chars) < 200_000, widget_chars
     assert _value(widget_kernel, "flood.wait().outcome.value", timeout=600) == "succeeded"
     written = _value(widget_kernel, "[int(open(r.log_path).readlines()[-1].split()[1]) for r in flood.record.ranks]")
     assert min(written) >= 200_000
@@ -197,12 +203,9 @@ def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_boun
     sizes = _value(widget_kernel, """{
         "recent": len(flood.lines_since(0)[0]), "kept": __import__('ddpnb.core.output').core.output.KEEP_LINES,
         "newest": flood.lines_since(0)[0][-1].text,
-        "widget_chars": max(len(w.value) for w in __import__('ipywidgets').Widget.widgets.values()
-                            if hasattr(w, 'value') and isinstance(w.value, str)),
     }""")
     assert sizes["recent"] == sizes["kept"] == 2000, sizes  # of 400k lines and more, the newest 2,000 stay
     assert sizes["newest"].startswith("flooded "), sizes
-    assert sizes["widget_chars"] < 200_000, sizes
 
 
 BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
@@ -283,6 +286,43 @@ def test_two_background_runs_keep_their_own_dashboards_and_results(widget_kernel
 def test_background_run_result_returns_rank_zeros_value(widget_kernel):
     widget_kernel.execute("%%ddp -n 2 --background -o quick\ndef quick(rank):\n    return f'value of rank {rank}'")
     assert _value(widget_kernel, "quick.result()") == "value of rank 0"
+
+
+LEAVERS = {  # a run of each way a run ends, the last two in the background
+    "succeeded": "%%ddp -n 2\ndef fine(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n    return rank",
+    "failed": "%%ddp -n 2\ndef broken(rank):\n    raise ValueError('bad batch')",
+    "restarted": "%%ddp -n 2 --max-restarts 1\ndef flaky(rank):\n    import ddpnb\n"
+                 "    if ddpnb.attempt() == 0 and rank == 1:\n        raise ValueError('flaky')",
+    "stopped": "%%ddp -n 2 --background -o stopped_run\ndef forever(rank):\n    import time\n"
+               "    while True:\n        time.sleep(0.1)",
+    "never waited for": "%%ddp -n 2 --background -o unwaited\ndef quick(rank):\n    return rank",
+}
+LIVE_WIDGETS = "sorted(__import__('ipywidgets').widgets.widget._instances)"
+
+
+def test_a_finished_runs_widgets_are_all_closed_and_its_summary_stays_whatever_ended_it(widget_kernel):
+    """The dashboard's ~45 widgets (plots, tables, buttons, boxes, their layouts and styles) are closed when its
+    run ends: ipywidgets keeps every one, and the front end its model, until then. The summary stays in the cell."""
+    _ran(widget_kernel, "import ddpnb\n[run.stop() for run in ddpnb.runs()]")  # an earlier test's runs, if any
+    before = set(_value(widget_kernel, LIVE_WIDGETS))
+    ended = {}
+    for how, cell in LEAVERS.items():
+        ended[how] = widget_kernel.execute(cell, timeout=120)
+        opened = [msg for msg in ended[how].outputs if msg["msg_type"] == "comm_open"]
+        assert len(opened) > 40, f"the {how} run showed no dashboard"
+    assert ended["failed"].error is not None and ended["succeeded"].error is ended["restarted"].error is None
+    assert _value(widget_kernel, "stopped_run.done") is False
+    _ran(widget_kernel, "stopped_run.stop()")
+    deadline = time.monotonic() + 60  # each dashboard closes its widgets in its own thread, a TICK at most after
+    while (left := set(_value(widget_kernel, LIVE_WIDGETS)) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kinds = _value(widget_kernel, f"[type(w).__name__ for i, w in __import__('ipywidgets').widgets.widget"
+                                  f"._instances.items() if i in {sorted(left)!r}]")
+    assert not left, f"{len(left)} widgets of finished runs left: {kinds}"
+    assert _value(widget_kernel, "[stopped_run.outcome.value, unwaited.done]") == ["stopped", True]
+    for how in ("succeeded", "failed", "restarted"):  # what a saved notebook shows in the cell: the summary
+        shown = [msg["content"]["data"] for msg in ended[how].outputs if msg["msg_type"] == "update_display_data"]
+        assert shown and "data-ddpnb-summary" in shown[-1]["text/html"], how
 
 
 # --- terminal IPython: the plain-text view ----------------------------------------------------------------------

@@ -21,6 +21,9 @@ MODULES = {
     "ddpnb_test_preloaded": "import os\nIMPORTED_IN = os.getpid()\nMARK = None\nVERSION = 1\n",
     # an installed library slow to import, like torchvision (2.6 s here): the launch that imports it says so
     "site-packages/ddpnb_test_slow": "import os, time\ntime.sleep(0.8)\nIMPORTED_IN = os.getpid()\n",
+    # a module of one's own, and an installed one, each importing the slow library in turn
+    "ddpnb_test_mine_lazy": "import ddpnb_test_slow\nVALUE = 7\n",
+    "site-packages/ddpnb_test_lazy_top": "import ddpnb_test_slow\nVALUE = 3\n",
     "ddpnb_test_threaded": "import threading, time\n"
                            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
     "ddpnb_test_broken": "raise RuntimeError('this module cannot be imported')\n",
@@ -123,6 +126,26 @@ def test_a_module_of_ones_own_is_not_suggested_for_preloading(modules):
         assert ddpnb.last_run().hint == ""  # edited next to the notebook: preloaded, it would go stale
     finally:
         sys.modules.pop("ddpnb_test_mine", None)
+
+
+def test_the_hint_names_only_modules_the_functions_pickle_names_not_what_they_import_in_turn(modules):
+    """What unpickling the function imported in turn is not the user's to preload: the slow library a module of
+    one's own imports, or torch's lazy imports of sympy and mpmath for a `torch.fx` module the function names."""
+    import ddpnb_test_lazy_top
+    import ddpnb_test_mine_lazy
+    from torch.fx.experimental import symbolic_shapes
+
+    def own_module_and_torch_fx(rank, lazy):  # `lazy` in args: a name in the function's code is one it names
+        import sys
+
+        return ddpnb_test_mine_lazy.VALUE, symbolic_shapes.__name__, sorted(set(lazy) & set(sys.modules))
+
+    assert ddpnb.run(own_module_and_torch_fx, nprocs=1, args=(["mpmath", "sympy"],)) == (
+        7, symbolic_shapes.__name__, ["mpmath", "sympy"])  # unpickling imported them, and the slow library
+    assert ddpnb.last_run().hint == ""  # it took 0.8 s and more, importing only what the pickle never names
+    assert ddpnb.run(lambda: ddpnb_test_lazy_top.VALUE, nprocs=1) == 3
+    hint = ddpnb.last_run().hint
+    assert "ddpnb.preload('ddpnb_test_lazy_top')" in hint and "ddpnb_test_slow" not in hint, hint
 
 
 @pytest.mark.parametrize("name, reason", [

@@ -429,6 +429,25 @@ def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_sa
         f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
     said = capsys.readouterr().out
     assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said
+    assert f"full per-rank logs: {record.run_dir}/rank{{0..1}}.attempt{{0..2}}.log" in str(failure.value)
+
+
+def _fails_in_attempt_0(rank: int) -> None:
+    print(f"attempt {ddpnb.attempt()} rank {rank}", flush=True)
+    if ddpnb.attempt() == 0 and rank == 1:
+        raise RuntimeError("fails in attempt 0")
+
+
+def test_a_restarted_runs_text_names_every_attempts_logs(capsys):
+    ddpnb.run(_fails_in_attempt_0, nprocs=2, max_restarts=1, view="text")
+    record = ddpnb.last_run()
+    said = capsys.readouterr().out
+    assert "(restart 1 of 1); logs: rank{N}.attempt0.log (attempt 0), then rank{N}.attempt1.log" in said, said
+    assert f"every attempt's logs: {record.run_dir}/rank{{0..1}}.attempt{{0..1}}.log" in said, said
+    for attempt in range(2):  # the files named are the ones that hold each attempt's output
+        for rank in range(2):
+            log = record.run_dir / f"rank{rank}.attempt{attempt}.log"
+            assert f"attempt {attempt} rank {rank}" in log.read_text(), log
 
 
 # --- the views through a restart (issue 28, acceptance 4) ---------------------------------------------------------

@@ -171,9 +171,20 @@ def attempt_line(attempt: Attempt) -> str:
 
 def restart_line(attempt: Attempt, max_restarts: int) -> str:
     """Where a run restarted, as every view marks it in the output: 'attempt 0 failed: rank 1 failed first: ...
-    Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt1.log'."""
-    return (f"attempt {attempt.number} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
-            f"(restart {attempt.number + 1} of {max_restarts}); logs: rank{{N}}.attempt{attempt.number + 1}.log")
+    Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt0.log (attempt 0), then
+    rank{N}.attempt1.log'."""
+    ended, next_ = attempt.number, attempt.number + 1
+    return (f"attempt {ended} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
+            f"(restart {next_} of {max_restarts}); logs: rank{{N}}.attempt{ended}.log (attempt {ended}), then "
+            f"rank{{N}}.attempt{next_}.log")
+
+
+def log_files(record: RunRecord) -> str:
+    """Every rank's log of every attempt, as one path pattern (a shell's brace expansion lists them):
+    `<run dir>/rank{0..3}.log`, `<run dir>/rank{0..3}.attempt{0..2}.log` after two restarts."""
+    attempts = "" if not record.max_restarts else ".attempt0" if not record.attempt else \
+        f".attempt{{0..{record.attempt}}}"
+    return f"{record.run_dir}/rank{{0..{record.world_size - 1}}}{attempts}.log"
 
 
 def named(ranks: list[int]) -> str:
@@ -259,7 +270,7 @@ class WorkerError(RuntimeError):
                 parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n"
                              f"{cell_names(r.stack.rstrip())}")
         parts.append("\n" + summary_table(record))
-        parts.append(f"\nfull per-rank logs: {record.run_dir}")
+        parts.append(f"\nfull per-rank logs: {log_files(record)}")
         if self.hint:
             parts.append(self.hint)
         return "\n".join(parts)
@@ -299,7 +310,7 @@ class RunInterrupted(KeyboardInterrupt):
             return f"KeyboardInterrupt: {self.args[0]}.\nThe kernel and its variables are unchanged."
         return "\n".join([
             f"KeyboardInterrupt: {self.args[0]}.", "", summary_table(self.record), "",
-            f"full per-rank logs: {self.record.run_dir}",
+            f"full per-rank logs: {log_files(self.record)}",
             "Run the cell again when ready; the kernel and its variables are unchanged.",
         ])
 

@@ -288,6 +288,13 @@ class Run:
         with a thread of its own, which must still be complete before a foreground cell ends)."""
         (self._listeners if news else self._enders).append(callback)
 
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        """No more calls to `callback`: a view that has drawn the end lets go of the run, and the run of it (a
+        background run's `wait()`, which would let go of its views, may never come)."""
+        # new lists, not removals: `_notify` may be going over the old ones in another thread
+        self._listeners = [c for c in self._listeners if c != callback]
+        self._enders = [c for c in self._enders if c != callback]
+
     def _notify(self, ending: bool = False) -> None:
         for callback in [*self._listeners, *(self._enders if ending else ())]:
             try:

@@ -95,16 +95,16 @@ def _load_function(context: ctx.RankContext, payload: bytes) -> Any:
 def _named_in(payload: bytes, modules: set[str]) -> tuple[str, ...]:
     """Which of the newly imported top-level `modules` to suggest preloading: installed packages (a module of
     one's own, edited next to the notebook, would go stale in the forkserver) that the pickle names itself
-    (cloudpickle writes the name of every module and by-reference object it refers to), rather than those they
-    imported in turn: 'torchvision', not the 30 packages torchvision pulls in."""
+    (cloudpickle writes the name of every module it imports and by-reference object it refers to), never those
+    they imported in turn: 'torchvision', not the 30 packages torchvision pulls in, nor the sympy that torch
+    imports lazily for a `torch.fx` name (the user's code never names it: preloading it is torch's business)."""
     import pickletools
 
     installed = {name for name in modules if _installed(sys.modules.get(name))}
-    named: set[str] = set()
-    if len(payload) <= 10_000_000:  # reading a big closure's opcodes would delay the function
-        named = {top for _, arg, _ in pickletools.genops(payload)
-                 if isinstance(arg, str) and (top := arg.partition(".")[0]) in installed}
-    return tuple(sorted(named or {name for name in installed if not name.startswith("_")}))
+    if not installed or len(payload) > 10_000_000:  # reading a big closure's opcodes would delay the function
+        return ()
+    return tuple(sorted({top for _, arg, _ in pickletools.genops(payload)
+                         if isinstance(arg, str) and (top := arg.partition(".")[0]) in installed}))
 
 
 def _installed(module: Any) -> bool:

@@ -82,7 +82,7 @@ class Dashboard:
         from IPython.display import display
 
         self.foreground = foreground  # its cell raises the run's error: the traceback is shown there, once
-        self.run: Run | None = run  # dropped when the run ends: a widget lives as long as the kernel, a result need not
+        self.run: Run | None = run  # dropped when the run ends: its value goes with the caller's last reference
         self.record = run.record
         self._lock = threading.RLock()  # one redraw at a time: its own thread, wait()'s thread, a click
         self._finished = False
@@ -153,10 +153,12 @@ class Dashboard:
     # --- drawing ---------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         seen = 0
-        while (run := self.run) is not None and not run.done:
-            self._render()
-            seen = run.watch(seen, TICK)  # the reader's news, or a TICK for the clocks
-        self.finish()
+        try:
+            while (run := self.run) is not None and not run.done:
+                self._render()
+                seen = run.watch(seen, TICK)  # the reader's news, or a TICK for the clocks
+        finally:  # a redraw's bug still releases the widgets
+            self.finish()
 
     def _on_wait(self) -> None:
         """Called by `Run.wait()`: a foreground cell ends only after its summary is in place."""
@@ -165,27 +167,30 @@ class Dashboard:
             self.finish()
 
     def finish(self) -> None:
-        """Draw the final state, then replace the widget by the static summary (once)."""
+        """Draw the final state, replace the widget by the static summary, then close every widget (once)."""
         with self._lock:
             if self._finished:
                 return
             self._finished = True
-            self._render()
-            for button in (self.stop_button, self.stacks_button):
-                button.disabled = True
-                button.layout.display = "none"
-            if self._display is not None:
-                self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all],
-                                                                   full_traceback=not self.foreground),
-                                      "text/plain": summary_text(self.record)}, raw=True)
-            self.run = None
-            if self.console is not None:
-                self.console.close()
+            run, self.run = self.run, None
+            try:
+                self._render(run)
+                if self._display is not None:
+                    self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all],
+                                                                       full_traceback=not self.foreground),
+                                          "text/plain": summary_text(self.record)}, raw=True)
+            finally:  # the summary shows now, which needs no widget: none stays in the kernel's registry
+                if self.console is not None:
+                    self.console.close()
+                close_all(self.widget)
+                if run is not None:
+                    run.unsubscribe(self._on_wait)
 
-    def _render(self) -> None:
+    def _render(self, run: Run | None = None) -> None:
+        """Draw the record; `run`: the one `finish` let go of, whose last lines are still to take."""
         with self._lock:
             record = self.record
-            self._take_lines()
+            self._take_lines(run or self.run)
             self.header.value = header_html(record)
             self.ranks.value = ranks_html(record)
             self.stall.value = stall_html(record, self.foreground)
@@ -208,8 +213,7 @@ class Dashboard:
             if record.failures or record.attempts:
                 self.error.value = error_html(record, full_traceback=not self.foreground)
 
-    def _take_lines(self) -> None:
-        run = self.run
+    def _take_lines(self, run: Run | None) -> None:
         if run is None:
             return
         done = run.done  # before reading: the lines read after it are the last ones
@@ -273,3 +277,16 @@ class Dashboard:
             button.disabled = self._finished
 
         threading.Thread(target=show, name="ddpnb-stacks", daemon=True).start()
+
+
+def close_all(widget: Any) -> None:
+    """Close `widget` and every widget it holds (children, layout, style): ipywidgets keeps each one alive in its
+    registry, and the front end its model, until it is closed, whoever else lets go of it."""
+    import ipywidgets as widgets
+
+    for name in widget.keys:
+        value = getattr(widget, name)
+        for held in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(held, widgets.Widget):
+                close_all(held)
+    widget.close()

@@ -22,7 +22,7 @@ from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
 from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, hardware_text,
-                               locals_lines, named, stall_headline, straggler_text)
+                               locals_lines, log_files, named, stall_headline, straggler_text)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, ranks_text, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -596,11 +596,8 @@ def stacks_html(stacks: dict[int, str]) -> str:
 
 
 def log_location(record: RunRecord) -> str:
-    """Where every rank's log of every attempt is, as one path pattern: `<run dir>/rank{0..3}.log`,
-    `<run dir>/rank{0..3}.attempt{0..2}.log` after two restarts."""
-    attempts = "" if not record.max_restarts else ".attempt0" if not record.attempt else \
-        f".attempt{{0..{record.attempt}}}"
-    return f"<code>{html.escape(str(record.run_dir))}/rank{{0..{record.world_size - 1}}}{attempts}.log</code>"
+    """Where every rank's log of every attempt is (`report.log_files`)."""
+    return f"<code>{html.escape(log_files(record))}</code>"
 
 
 def resume_html(record: RunRecord) -> str:

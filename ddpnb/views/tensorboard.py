@@ -83,12 +83,15 @@ class TensorBoardWriter:
                 return
             self._closed = True
             self._write()
-            self.run = None
+            run, self.run = self.run, None
+            if run is not None:  # a background run's `wait()`, which would let go of its views, may never come
+                run.unsubscribe(self._on_wait)
             for writer in self._writers.values():
                 try:
                     writer.close()
                 except OSError:  # said once already, by _write
                     pass
+            self._writers.clear()
 
     def _write(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ import time
 from ddpnb.core import checkpoints
 from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
-from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, named,
+from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, log_files, named,
                                restart_line, stall_headline, summary_table)
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
@@ -125,8 +125,10 @@ class TextView:
                            f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n")
         again = f" after {record.attempt} restart{'s' if record.attempt > 1 else ''}" if record.attempt else ""
         self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {format_duration(record.duration)}\n")
-        if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table already
+        if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table and the logs already
             self.out.write(summary_table(record) + "\n")
+            if record.attempts:  # the restart lines named each attempt's as it began: all of them, once more
+                self.out.write(f"[ddpnb] every attempt's logs: {log_files(record)}\n")
         if record.profile is not None:
             self.out.write(profile_text(record.profile) + "\n")
         if record.hint:
@@ -158,4 +160,4 @@ def summary_text(record: RunRecord) -> str:
     text = f"[ddpnb] run {record.outcome.value} in {format_duration(record.duration)}\n{summary_table(record)}"
     if record.profile is not None:
         text += "\n" + profile_text(record.profile)
-    return f"{text}\nfull per-rank logs: {record.run_dir}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
+    return f"{text}\nfull per-rank logs: {log_files(record)}" + (f"\n[ddpnb] {record.hint}" if record.hint else "")
