@@ -264,68 +264,6 @@ def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpo
     assert ddpnb.last_run().resumed_from == stopped.run_dir / "checkpoints"
 
 
-def fails_while_rank_0_ignores_sigterm(rank, signal_dir):
-    """Attempt 0: rank 0 ignores SIGTERM (the attempt's teardown then lasts the engine's grace period, until its
-    SIGKILL), then rank 1 raises. A later attempt succeeds: a restart shows as success."""
-    import signal as signals
-    import time
-
-    ready = Path(signal_dir, "rank 0 ignores SIGTERM")
-    if ddpnb.attempt() > 0:
-        return "restarted"
-    if rank == 0:
-        signals.signal(signals.SIGTERM, signals.SIG_IGN)
-        ready.touch()
-        time.sleep(600)  # ended by ddpnb's SIGKILL only
-    deadline = time.monotonic() + 120
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    raise ValueError("rank 1 fails")
-
-
-def _wait_for_the_failure(handle) -> None:
-    wait_for(lambda: handle.record.failures, "rank 1's failure to be recorded")
-    assert not handle.done  # rank 0 still ignores its SIGTERM: the failed attempt's teardown is under way
-
-
-def test_stop_during_a_failed_attempts_teardown_never_restarts(tmp_path):
-    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
-                          view="none")
-    _wait_for_the_failure(handle)
-    handle.stop()
-    record = handle.wait()
-    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
-    assert record.outcome in (ddpnb.Outcome.STOPPED, ddpnb.Outcome.FAILED), record.outcome
-    with pytest.raises(ddpnb.WorkerError):
-        handle.result()
-    assert_nothing_left(record)
-
-
-def test_an_interrupt_during_a_failed_attempts_teardown_never_restarts(tmp_path):
-    """Ctrl-C (SIGINT, as the kernel's interrupt sends it) while the cell waits for the run's end."""
-    import signal as signals
-    import threading
-
-    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
-                          view="none")
-
-    def interrupt_once_failed() -> None:
-        _wait_for_the_failure(handle)
-        os.kill(os.getpid(), signals.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_once_failed)
-    interrupter.start()
-    try:
-        with pytest.raises(ddpnb.RunInterrupted):
-            handle.wait()
-    finally:
-        interrupter.join()
-    record = handle.wait()
-    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
-    assert record.outcome is not ddpnb.Outcome.SUCCEEDED
-    assert_nothing_left(record)
-
-
 def test_resume_with_no_checkpoint_to_continue_from_says_what_to_do(tmp_path):
     with pytest.raises(ddpnb.LaunchError, match="holds no complete checkpoint.*Run without --resume"):
         ddpnb.run(train, nprocs=2, resume=tmp_path, view="none")
@@ -398,38 +336,6 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
 
 
 # --- one owner of restarts: the budget, the attempt count and the ranks' own markers agree ---------------------------
-
-def _fails_in_every_attempt(rank: int, marks: str) -> None:
-    """Each rank leaves a marker named after the attempt it runs in (`ddpnb.attempt()`); rank 1 then fails, once
-    rank 0's marker is there (a handshake: rank 0 is never stopped before it wrote it)."""
-    import time
-
-    Path(marks, f"attempt{ddpnb.attempt()}-rank{rank}").touch()
-    if rank == 1:
-        deadline = time.monotonic() + 120
-        while not Path(marks, f"attempt{ddpnb.attempt()}-rank0").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        raise RuntimeError(f"fails in attempt {ddpnb.attempt()}")
-
-
-def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_says_so(tmp_path, capsys):
-    """`max_restarts=2` with a rank that always fails: three attempts ran (the ranks' own markers), the record
-    keeps the first two and ends on the third, the logs are one per attempt, and the run says so."""
-    with pytest.raises(ddpnb.WorkerError) as failure:
-        ddpnb.run(_fails_in_every_attempt, nprocs=2, max_restarts=2, args=(str(tmp_path),), view="text")
-    record = ddpnb.last_run()
-    marks = sorted(path.name for path in tmp_path.iterdir())
-    assert marks == [f"attempt{a}-rank{r}" for a in range(3) for r in range(2)]
-    assert (record.max_restarts, record.attempt, [a.number for a in record.attempts]) == (2, 2, [0, 1])
-    assert [a.first_failure.summary for a in record.attempts] == [
-        "RuntimeError: fails in attempt 0", "RuntimeError: fails in attempt 1"]
-    assert record.first_failure.summary == "RuntimeError: fails in attempt 2"
-    assert record.outcome is ddpnb.Outcome.FAILED and "fails in attempt 2" in str(failure.value)
-    assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
-        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
-    said = capsys.readouterr().out
-    assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said
-
 
 # --- the views through a restart (issue 28, acceptance 4) ---------------------------------------------------------
 
