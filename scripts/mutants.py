@@ -34,8 +34,9 @@ DATA = "tests/test_data.py::"
 SESSION = "tests/test_session.py::"
 FOLD = "tests/test_fold.py::"
 RESTART_FROM_CHECKPOINT = RESTARTS + "test_a_failed_rank_restarts_the_group_from_the_last_checkpoint[raise]"
-TEARDOWN_STOP = (RESTARTS + "test_stop_during_a_failed_attempts_teardown_never_restarts",
-                 RESTARTS + "test_an_interrupt_during_a_failed_attempts_teardown_never_restarts")
+ON_FAKE = "tests/test_run_on_fake.py::"
+TEARDOWN_STOP = (ON_FAKE + "test_stop_during_a_failed_attempts_teardown_never_restarts",
+                 ON_FAKE + "test_an_interrupt_during_a_failed_attempts_teardown_never_restarts")
 COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint"
 CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
 SLURM = "tests/test_slurm.py::"
@@ -240,7 +241,7 @@ MUTANTS = [
     Mutant(
         "stall-zero-still-watches", "ddpnb/core/stall.py",
         (("        return self.fixed != 0\n", "        return True\n"),),
-        (STALL + "test_stall_zero_never_marks_the_run_stalled", STALL + "test_timeout_report_starts_with_where_each_rank_is"),
+        (ON_FAKE + "test_stall_zero_never_marks_the_run_stalled", STALL + "test_timeout_report_starts_with_where_each_rank_is"),
     ),
     Mutant(
         "stall-marked-before-its-threshold", "ddpnb/core/watchdog.py",

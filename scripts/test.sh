@@ -3,11 +3,19 @@
 # test; Debian's slurm-wlm and munge for the slurm engine's tests, which start a two-node Slurm on this machine),
 # checks the architecture's import contracts (pyproject.toml), then runs pytest.
 # Usage: bash scripts/test.sh [pytest args]   (`-m ray` / `-m "not ray"`: the tests that need Ray, or the others)
+#        bash scripts/test.sh --fast [pytest args]: the fast tier, for the inner loop: the core, policy, views and
+#        engine contract tests on the scripted fake engine (`-m fast`), in well under 90 s; it installs nothing
+#        and needs no Ray, Slurm or browser (docs/testing.md).
 # The order is random (pytest-randomly, modules shuffled and the tests within each, a module's shared fixtures
 # still shared), its seed printed: DDPNB_TEST_SEED=N repeats an order, `-p no:randomly` runs the files' order.
 # Python's `random` is not reseeded for each test (--randomly-dont-reset-seed): only the order changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    lint-imports --no-cache
+    exec python -m pytest -q -ra -m fast -p no:randomly --durations=5 "$@"
+fi
 python -m pip install -q -e ".[test,ray]"
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,11 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 import ddpnb
+
+# the fake engine (tests/fake_engine.py) is registered for the tests only, as another package's engine is: through
+# the `ddpnb.engines` entry point group, from a distribution's metadata in tests/engines/
+TEST_ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines")
+sys.path.insert(0, TEST_ENGINES)
 
 # ddpnb's own source files: a traceback or stack shown to users must not name any of them
 PACKAGE_DIR = os.path.dirname(os.path.abspath(ddpnb.__file__))

@@ -377,6 +377,7 @@ def _record(world_size: int = 2) -> RunRecord:
     return record
 
 
+@pytest.mark.fast
 def test_plots_thin_long_series_but_report_every_point():
     record = _record()
     for rank in record.ranks:
@@ -387,6 +388,7 @@ def test_plots_thin_long_series_but_report_every_point():
     assert len(drawn.split()) <= _html.MAX_POINTS + 1
 
 
+@pytest.mark.fast
 def test_many_ranks_plot_rank_zero_and_the_spread():
     record = _record(world_size=16)
     for rank in record.ranks:
@@ -395,6 +397,7 @@ def test_many_ranks_plot_rank_zero_and_the_spread():
     assert svg.count("<polyline data-rank=") == 1 and "<polygon" in svg and "min–max of all ranks" in svg
 
 
+@pytest.mark.fast
 def test_static_summary_escapes_what_the_ranks_print():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
@@ -403,6 +406,7 @@ def test_static_summary_escapes_what_the_ranks_print():
     assert "<script>" not in html and "&lt;b&gt;not bold&lt;/b&gt;" in html
 
 
+@pytest.mark.fast
 def test_static_summary_keeps_the_runs_hint():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
@@ -411,6 +415,7 @@ def test_static_summary_keeps_the_runs_hint():
     assert record.hint in summary_text(record)
 
 
+@pytest.mark.fast
 def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
     """After a restart the summary's last lines may come from an earlier attempt: its count of lines is the run's
     (what the log files hold), never only the last attempt's ('last 16 of 10 lines')."""
@@ -458,6 +463,7 @@ def test_the_memory_column_says_its_scale_a_growing_rank_from_lowest_to_highest_
     assert growing in _html.ranks_html(record).replace("\u00a0", " ")  # a number and its unit kept on one line
 
 
+@pytest.mark.fast
 def test_gpu_runs_show_each_ranks_gpu_memory():
     record = _record()
     assert "GPU memory" not in _html.ranks_html(record)  # CPU ranks: no such column
@@ -467,6 +473,7 @@ def test_gpu_runs_show_each_ranks_gpu_memory():
     assert ">GPU memory</th>" in rows and "3.0 GiB" in rows and "peak 5.0 GiB" in rows
 
 
+@pytest.mark.fast
 def test_nice_ticks_are_round_and_cover_the_range():
     assert _html.nice_ticks(0.0, 1.0, 4) == [0.0, 0.5, 1.0]
     ticks = _html.nice_ticks(3.7, 1234.5, 5)

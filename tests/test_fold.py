@@ -34,6 +34,7 @@ def _shown(folded) -> list[str]:
 
 # --- the folding rule, on its own ------------------------------------------------------------------------------
 
+@pytest.mark.fast
 def test_rank_ranges_are_compressed():
     assert rank_ranges([0, 1, 2, 5]) == "0-2,5"
     assert rank_ranges([3, 1, 2, 0]) == "0-3"
@@ -42,6 +43,7 @@ def test_rank_ranges_are_compressed():
     assert rank_ranges([6]) == "6"
 
 
+@pytest.mark.fast
 def test_a_line_every_rank_printed_shows_once_at_once():
     folder = Folder(4)
     ready = folder.add([_line(i + 1, rank, "epoch 1 done") for i, rank in enumerate([2, 0, 3, 1])], now=0.0)
@@ -49,6 +51,7 @@ def test_a_line_every_rank_printed_shows_once_at_once():
     assert folder.waiting == 0
 
 
+@pytest.mark.fast
 def test_a_torch_warning_every_rank_printed_folds_without_its_rank_prefix_and_time():
     """torch's C++ warnings carry `[rankN]:` and a time to the nanosecond: one warning from two ranks is one line."""
     warning = "reducer.cpp:1400] Warning: find_unused_parameters=True was specified in DDP constructor"
@@ -62,6 +65,7 @@ def test_a_torch_warning_every_rank_printed_folds_without_its_rank_prefix_and_ti
     assert _shown(alone.flush()) == ["[rank 0] [rank1]:x"]
 
 
+@pytest.mark.fast
 def test_a_line_some_ranks_print_waits_only_for_the_window():
     folder = Folder(4)
     assert folder.add([_line(1, 0, "loss 0.3"), _line(2, 2, "loss 0.3")], now=10.0) == []
@@ -69,6 +73,7 @@ def test_a_line_some_ranks_print_waits_only_for_the_window():
     assert _shown(folder.ready(10.0 + FOLD_WINDOW)) == ["[ranks 0,2] loss 0.3"]
 
 
+@pytest.mark.fast
 def test_folded_lines_keep_the_order_of_their_first_printing():
     folder = Folder(3)
     lines = [_line(1, 0, "a"), _line(2, 0, "b"), _line(3, 1, "a"), _line(4, 1, "b"), _line(5, 2, "b"),
@@ -80,12 +85,14 @@ def test_folded_lines_keep_the_order_of_their_first_printing():
     assert _shown(folder.ready(1.0 + FOLD_WINDOW)) == ["[rank 0] only rank 0", "[ranks 0-2] c"]
 
 
+@pytest.mark.fast
 def test_a_rank_repeating_a_line_is_two_lines_not_one():
     folder = Folder(2)
     lines = [_line(1, 0, "step"), _line(2, 0, "step"), _line(3, 1, "step"), _line(4, 1, "step")]
     assert _shown(folder.add(lines, now=0.0)) == ["[ranks 0,1] step", "[ranks 0,1] step"]
 
 
+@pytest.mark.fast
 def test_a_copy_after_the_window_shows_on_its_own():
     folder = Folder(2)
     folder.add([_line(1, 0, "done")], now=0.0)
@@ -94,6 +101,7 @@ def test_a_copy_after_the_window_shows_on_its_own():
     assert _shown(folder.flush()) == ["[rank 1] done"]
 
 
+@pytest.mark.fast
 def test_stdout_and_stderr_fold_apart():
     folder = Folder(2)
     ready = folder.add([_line(1, 0, "x"), _line(2, 1, "x", Stream.STDERR)], now=0.0)
@@ -102,6 +110,7 @@ def test_stdout_and_stderr_fold_apart():
     assert [(line.ranks, line.stream) for line in released] == [([0], Stream.STDOUT), ([1], Stream.STDERR)]
 
 
+@pytest.mark.fast
 def test_folding_off_passes_every_line_as_printed():
     folder = Folder(4, enabled=False)
     ready = folder.add([_line(i + 1, rank, "same") for i, rank in enumerate(range(4))], now=0.0)
@@ -116,12 +125,14 @@ def _record(world_size: int) -> RunRecord:
     return record
 
 
+@pytest.mark.fast
 def test_a_folded_line_in_the_log_panel_names_every_rank():
     html = render.line_html(0, Stream.STDOUT, "epoch 1 done", ranks=[0, 1, 2, 5])
     assert "[ranks 0-2,5]" in html and "epoch 1 done" in html
     assert "[rank 3]" in render.line_html(3, Stream.STDOUT, "mine")
 
 
+@pytest.mark.fast
 def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
     record = _record(4)
     for rank in record.ranks:
@@ -135,6 +146,7 @@ def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
     assert "last 5 of 8 lines" in html  # the folded line stands for four printed lines
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world_size, band", [(7, False), (8, True), (32, True)])
 def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_size, band):
     record = _record(world_size)
@@ -149,6 +161,7 @@ def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_si
         assert rank_lines == [str(r) for r in range(world_size)] and "<polygon" not in svg
 
 
+@pytest.mark.fast
 def test_the_rank_table_is_compact_from_eight_ranks():
     record = _record(32)
     table = render.ranks_html(record)
@@ -196,43 +209,6 @@ def _logged(rank):
         ddpnb.log(step=step, loss=1.0 / (step + 1) + rank, acc=0.1 * step)
     ddpnb.log(lr=0.5)  # no step
     return rank
-
-
-@pytest.mark.slow
-def test_metrics_frame_has_every_ranks_points_in_long_format():
-    pd = pytest.importorskip("pandas")
-    ddpnb.run(_logged, nprocs=2, view="none")
-    frame = ddpnb.last_run().metrics_frame()
-    assert list(frame.columns) == ["rank", "attempt", "step", "time", "name", "value"]
-    assert len(frame) == 2 * (4 * 2 + 1)
-    loss = frame[frame.name == "loss"].pivot_table(index="step", columns="rank", values="value")
-    assert loss.loc[3, 1] == pytest.approx(1.25) and loss.loc[0, 0] == pytest.approx(1.0)
-    lr = frame[frame.name == "lr"]
-    assert lr.step.isna().all() and set(lr["rank"]) == {0, 1}
-    assert (frame.attempt == 0).all() and (frame.time >= -1).all()
-    assert str(frame.step.dtype) == "Int64" and pd.api.types.is_float_dtype(frame.value)
-
-
-def _bar_then_nothing(rank):
-    from tqdm import tqdm
-
-    print("before the bar", flush=True)
-    for _ in tqdm(range(50), desc="batches", mininterval=0):
-        pass
-    return rank
-
-
-@pytest.mark.slow
-def test_latest_output_column_shows_the_last_line_that_is_not_the_progress_bar():
-    pytest.importorskip("tqdm")
-    ddpnb.run(_bar_then_nothing, nprocs=2, view="none")
-    record = ddpnb.last_run()
-    for rank in record.ranks:
-        assert "50/50" in rank.last_line  # the bar's final state is still a line (logs, text view)
-        assert rank.last_text == "before the bar"
-    row = re.search(r'<tr data-rank="0".*?</tr>', render.ranks_html(record)).group(0)
-    latest = re.search(r'<td class="ddpnb-last"[^>]*>(.*?)</td>', row).group(1)
-    assert "before the bar" in latest and "50/50" not in latest and "50/50" in row  # the bar: progress column
 
 
 FOLD_CELL = '''%%ddp -n 4 {flags}

@@ -863,34 +863,6 @@ def fails_in_every_attempt(rank):
     assert run_actors_left([ray_kernel.pid]) == []
 
 
-@needs_ray
-@pytest.mark.slow
-@pytest.mark.timeout(RAY_TEST_TIMEOUT)
-def test_stacks_of_a_running_ray_run_name_each_ranks_line(ray_kernel, tmp_path):
-    """`run.stacks()` on Ray (issue 17): each rank's training thread, while the run goes on."""
-    wake = tmp_path / "wake"
-    run = ray_kernel.execute(f'''%%ddp --engine ray -n 2 --background -o handle
-def waits(rank):
-    print(f"rank {{rank}} up", flush=True)
-    deadline = time.monotonic() + 300
-    while not os.path.exists({str(wake)!r}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-''', timeout=CELL_TIMEOUT)
-    assert run.error is None, run.text
-    check = ray_kernel.execute(
-        "deadline = time.monotonic() + 300\n"
-        # each rank's own line, not just any two: Ray's "on Ray node" lines come before the function runs
-        "while not all(r.last_line == f'rank {r.rank} up' for r in handle.record.ranks) "
-        "and time.monotonic() < deadline: time.sleep(0.2)\n"
-        "stacks = handle.stacks()\n"
-        "print('stacks:', sorted(stacks), all('in waits' in text for text in stacks.values()))\n"
-        f"open({str(wake)!r}, 'w').close()\n"
-        "print('outcome:', handle.wait().outcome.value)", timeout=CELL_TIMEOUT)
-    assert check.error is None, check.error
-    said = [line for line in check.stdout.splitlines() if line.startswith(("stacks:", "outcome:"))]
-    assert said == ["stacks: [0, 1] True", "outcome: succeeded"], check.text
-
-
 def test_a_big_closure_tensor_reaches_every_ray_rank_through_the_object_store_once(ray_kernel):
     """Issue 16 on Ray: a 64 MB tensor the function closes over is put into Ray's object store once, not pickled
     into the function each rank receives; every rank reads the right values, and a rank's in-place write stays

@@ -264,68 +264,6 @@ def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpo
     assert ddpnb.last_run().resumed_from == stopped.run_dir / "checkpoints"
 
 
-def fails_while_rank_0_ignores_sigterm(rank, signal_dir):
-    """Attempt 0: rank 0 ignores SIGTERM (the attempt's teardown then lasts the engine's grace period, until its
-    SIGKILL), then rank 1 raises. A later attempt succeeds: a restart shows as success."""
-    import signal as signals
-    import time
-
-    ready = Path(signal_dir, "rank 0 ignores SIGTERM")
-    if ddpnb.attempt() > 0:
-        return "restarted"
-    if rank == 0:
-        signals.signal(signals.SIGTERM, signals.SIG_IGN)
-        ready.touch()
-        time.sleep(600)  # ended by ddpnb's SIGKILL only
-    deadline = time.monotonic() + 120
-    while not ready.exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    raise ValueError("rank 1 fails")
-
-
-def _wait_for_the_failure(handle) -> None:
-    wait_for(lambda: handle.record.failures, "rank 1's failure to be recorded")
-    assert not handle.done  # rank 0 still ignores its SIGTERM: the failed attempt's teardown is under way
-
-
-def test_stop_during_a_failed_attempts_teardown_never_restarts(tmp_path):
-    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
-                          view="none")
-    _wait_for_the_failure(handle)
-    handle.stop()
-    record = handle.wait()
-    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
-    assert record.outcome in (ddpnb.Outcome.STOPPED, ddpnb.Outcome.FAILED), record.outcome
-    with pytest.raises(ddpnb.WorkerError):
-        handle.result()
-    assert_nothing_left(record)
-
-
-def test_an_interrupt_during_a_failed_attempts_teardown_never_restarts(tmp_path):
-    """Ctrl-C (SIGINT, as the kernel's interrupt sends it) while the cell waits for the run's end."""
-    import signal as signals
-    import threading
-
-    handle = ddpnb.launch(fails_while_rank_0_ignores_sigterm, nprocs=2, max_restarts=2, args=(str(tmp_path),),
-                          view="none")
-
-    def interrupt_once_failed() -> None:
-        _wait_for_the_failure(handle)
-        os.kill(os.getpid(), signals.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_once_failed)
-    interrupter.start()
-    try:
-        with pytest.raises(ddpnb.RunInterrupted):
-            handle.wait()
-    finally:
-        interrupter.join()
-    record = handle.wait()
-    assert record.attempts == [] and record.attempt == 0, [a.note for a in record.attempts]
-    assert record.outcome is not ddpnb.Outcome.SUCCEEDED
-    assert_nothing_left(record)
-
-
 def test_resume_with_no_checkpoint_to_continue_from_says_what_to_do(tmp_path):
     with pytest.raises(ddpnb.LaunchError, match="holds no complete checkpoint.*Run without --resume"):
         ddpnb.run(train, nprocs=2, resume=tmp_path, view="none")

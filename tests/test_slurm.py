@@ -175,26 +175,6 @@ def dies(rank):
     assert states == ["stopped", "stopped", "stopped", "failed"]
 
 
-def test_stacks_name_each_ranks_line_and_stop_ends_every_rank_leaving_no_step(slurm_kernel, cluster):
-    out = slurm_kernel.execute('''
-def sleeps(rank):
-    print("up", flush=True)
-    time.sleep(300)  # where every rank is
-
-run = ddpnb.launch(sleeps, engine="slurm", nprocs=4, nodes=2, view="none")
-deadline = time.monotonic() + 120
-while len([line for line in run.lines_since(0)[0] if "up" in line.text]) < 4 and time.monotonic() < deadline:
-    time.sleep(0.1)
-stacks = run.stacks()
-print(sorted(stacks), all("where every rank is" in stacks[rank] for rank in stacks))
-run.stop()
-print(run.outcome.value, run.done)  # done: every rank ended within stop()'s own wait
-''', timeout=CELL_TIMEOUT)
-    assert out.error is None, out.error
-    assert out.stdout.splitlines() == ["[0, 1, 2, 3] True", "stopped True"], out.stdout + out.stderr
-    assert ranks_left() == [] and steps_left(cluster) == []
-
-
 def test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on(slurm_kernel, cluster):
     out = slurm_kernel.execute('''
 import psutil, socket
