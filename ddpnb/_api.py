@@ -159,8 +159,8 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],
         engine=options.engine, capabilities=engine_type.capabilities,
         new_engine=functools.partial(engine_type.create, options=launch.engine_options),
-        function=function_name(fn), policy=RestartPolicy(options.max_restarts), shipment=shipment,
-        stall=launch.stall, commands=commands))
+        function="session" if commands else function_name(fn), policy=RestartPolicy(options.max_restarts),
+        shipment=shipment, stall=launch.stall, commands=commands))
     run.hold(held)
     run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
@@ -170,7 +170,8 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     if shipment is not None:  # every rank has what the pickles refer to: the store keeps it for the next launch
         run.record.data = shipment.commit()
         run.record.add_launch_note(data.note(run.record.data))
-    _last_record = run.record
+    if not commands:  # a session is not a run of the user's function: `last_run()` stays the latest one
+        _last_record = run.record
     if launch.view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard
 
@@ -226,7 +227,8 @@ def runs() -> list[Run]:
 
 
 def last_run() -> RunRecord | None:
-    """The record of the latest run in this process: per-rank exit codes, durations, metrics, log paths."""
+    """The record of the latest run in this process (`%%ddp`, `run`, `launch`, `spawn`): per-rank exit codes,
+    durations, metrics, log paths. Sessions do not count; a session's own record is `session.run.record`."""
     return _last_record
 
 

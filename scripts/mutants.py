@@ -43,6 +43,7 @@ SLURM = "tests/test_slurm.py::"
 RAY = "tests/test_ray.py::"
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
+NEWCOMER = "tests/test_newcomer.py::"
 STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
@@ -527,6 +528,22 @@ MUTANTS = [
           "        return\n"),),
         (CHILDREN + "test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn[ddpnb]",
          CHILDREN + "test_a_checkpoint_in_a_group_of_the_codes_own_is_refused_saying_why"),
+    ),
+    Mutant(
+        "collective-hint-under-every-timeout", "ddpnb/core/hints.py",
+        (("    if waiting and len(waiting) < len(ranks):\n", "    if True:\n"),),
+        (NEWCOMER + "test_a_timeout_without_a_collective_gives_no_collective_hint",
+         NEWCOMER + "test_the_collective_hint_comes_where_a_rank_waited_in_one_while_another_was_elsewhere_or_had_ended"),
+    ),
+    Mutant(
+        "failed-cell-repeats-the-summary-in-its-error", "ddpnb/views/dashboard.py",
+        (("                        run.summary_above = True\n", "                        pass\n"),),
+        (NEWCOMER + "test_a_failed_cell_shows_the_rank_table_and_the_logs_once",),
+    ),
+    Mutant(
+        "last-run-is-the-session", "ddpnb/_api.py",
+        (("    if not commands:  # a session is not a run", "    if True:  # a session is not a run"),),
+        (NEWCOMER + "test_last_run_after_a_session_is_the_latest_ddp_run_and_the_session_is_named_as_one",),
     ),
 ]
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ddpnb.core import checkpoints
 from ddpnb.core import messages as msg
-from ddpnb.core.record import Outcome, RunRecord
+from ddpnb.core.record import Diagnosis, Outcome, RunRecord
 
 _hinted: set[tuple[str, ...]] = set()  # modules `preload_hint` already named in this kernel
 
@@ -19,7 +19,7 @@ def hint(record: RunRecord) -> str:
 
 def _next_step(record: RunRecord) -> str:
     if record.outcome is Outcome.TIMED_OUT:
-        return "The stacks above show where each rank waited; a rank that never reaches a collective hangs the others."
+        return _timed_out(record.at_timeout)
     if record.outcome is Outcome.INTERRUPTED:
         return "Every rank was stopped; run the cell again when ready."
     if record.outcome is Outcome.STOPPED:
@@ -32,6 +32,16 @@ def _next_step(record: RunRecord) -> str:
         return ("A rank died from a signal (a crash in C/C++ code, or the out-of-memory killer); its log shows its last "
                 "output and, after a crash, where Python was.")
     return "Fix the error above and run the cell again; the kernel and its variables are unchanged."
+
+
+def _timed_out(where: Diagnosis | None) -> str:
+    """The collective hint only where it fits: a rank waited in one while another had ended or was elsewhere."""
+    ranks = where.ranks if where is not None else []
+    waiting = [rank for rank in ranks if rank.waits_in]
+    if waiting and len(waiting) < len(ranks):
+        return ("The stacks above show where each rank was: a collective waits until every rank reaches it, so a "
+                "rank that never does (it has ended, or is elsewhere) hangs the ranks waiting in it.")
+    return "The stacks above show where each rank was when the timeout stopped the run."
 
 
 def preload_hint(imported: msg.Imported) -> str:

@@ -203,11 +203,14 @@ def stopped_line(record: RunRecord) -> str:
 
 
 class WorkerError(RuntimeError):
-    """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack."""
+    """A run did not succeed. Shows the first failing rank's own traceback, not ddpnb's stack. `summary_above`: it
+    is raised under the run's dashboard summary, which has the rank table and where the logs are, so its report
+    leaves them out rather than show them twice in one cell."""
 
-    def __init__(self, record: RunRecord, hint: str = "") -> None:
+    def __init__(self, record: RunRecord, hint: str = "", summary_above: bool = False) -> None:
         self.record = record
         self.hint = hint
+        self.summary_above = summary_above
         first = record.first_failure
         self.rank = first.rank if first else None
         headline = (
@@ -269,8 +272,11 @@ class WorkerError(RuntimeError):
                 state = (r.stalled_state or r.state).value
                 parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n"
                              f"{cell_names(r.stack.rstrip())}")
-        parts.append("\n" + summary_table(record))
-        parts.append(f"\nfull per-rank logs: {log_files(record)}")
+        if self.summary_above:
+            parts.append("\nevery rank's state and its full log: in the summary above")
+        else:
+            parts.append("\n" + summary_table(record))
+            parts.append(f"\nfull per-rank logs: {log_files(record)}")
         if self.hint:
             parts.append(self.hint)
         return "\n".join(parts)

@@ -78,6 +78,8 @@ class Run:
         self._listeners: list[Callable[[], None]] = []  # fed by `wait()` with the reader's news
         self._enders: list[Callable[[], None]] = []  # called when `wait()` returns
         self._views_failed: set[str] = set()  # the views whose bug was said (`_view_failed`)
+        # set by a foreground dashboard once its summary (the rank table, the logs' place) is above the cell's error
+        self.summary_above = False
         self.attempt = self._new_attempt(0, spec)
         self._relay: Relay | None = Relay(self.attempt, self._restarted)
 
@@ -256,7 +258,7 @@ class Run:
             raise TimeoutError(f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
                                "it, .stop() ends it.")
         if self.record.outcome is not Outcome.SUCCEEDED:
-            raise WorkerError(self.record, hint=hints.hint(self.record))
+            raise WorkerError(self.record, hint=hints.hint(self.record), summary_above=self.summary_above)
         return self.attempt.result.take()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -266,7 +268,7 @@ class Run:
         if not self.done:
             return False
         if self.record.outcome is not Outcome.SUCCEEDED:
-            raise WorkerError(self.record, hint=hints.hint(self.record))
+            raise WorkerError(self.record, hint=hints.hint(self.record), summary_above=self.summary_above)
         return True
 
     def stop(self, outcome: Outcome = Outcome.STOPPED, note: str = "stopped by the user") -> None:

@@ -179,6 +179,8 @@ class Dashboard:
                     self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all],
                                                                        full_traceback=not self.foreground),
                                           "text/plain": summary_text(self.record)}, raw=True)
+                    if self.foreground and run is not None:  # its error, raised right below, leaves them out
+                        run.summary_above = True
             finally:  # the summary shows now, which needs no widget: none stays in the kernel's registry
                 if self.console is not None:
                     self.console.close()
