@@ -8,6 +8,7 @@ import ast
 import difflib
 import functools
 import keyword
+import shlex
 import sys
 import time
 import types
@@ -56,6 +57,9 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
              help="when no rank has made progress (output, a metric, a progress tick) for this long, mark the run "
                   "stalled and say where each rank is; it goes on (default: adapted to the run, at least 60 s; 0: "
                   "off)."),
+    argument("--oversubscribe", action="store_true",
+             help="start more CPU ranks on this machine than 8 for each CPU the kernel may use (at least 16), which "
+                  "is refused without it (local engine)."),
 ]
 
 
@@ -72,26 +76,54 @@ class _Usage(MagicHelpFormatter):
         argparse.HelpFormatter.add_usage(self, usage, actions, groups, "usage: ")
 
 
-def _parse(magic: Any, line: str, see: str) -> argparse.Namespace:
+def _parse(magic: Any, line: str, see: str, elsewhere: Mapping[str, str] | None = None) -> argparse.Namespace:
     """The magic's flags; a bad one is a UsageError naming the close match (`--timout` -> `--timeout`) and `see`."""
     try:
         return parse_argstring(magic, line)
     except UsageError as exc:
-        raise UsageError(f"{exc}{did_you_mean(magic.parser, line)}. {see}") from None
+        raise UsageError(f"{exc}{did_you_mean(magic.parser, line, elsewhere)}. {see}") from None
 
 
-def did_you_mean(parser: argparse.ArgumentParser, line: str) -> str:
-    """' (did you mean --timeout?)' for the first flag of `line` the parser does not know, when one is close."""
+def did_you_mean(parser: argparse.ArgumentParser, line: str, elsewhere: Mapping[str, str] | None = None) -> str:
+    """' (did you mean --timeout?)' for the first flag of `line` the parser does not know, when a common flag or
+    one of the engine in use is close (never another engine's: `--time` is Slurm's); for a flag in `elsewhere`
+    (another magic's), what it says instead."""
     known = _compat.parser_options(parser)
+    offered = [option for option in known if option not in _other_engines_flags(_engine_in(parser, line))]
     for token in arg_split(line):
         flag = token.partition("=")[0]
         # argparse takes any unambiguous prefix of a flag (--time for --timeout): only the others are unknown
         if flag.startswith("-") and not flag.lstrip("-").replace(".", "").isdigit() \
                 and not any(option.startswith(flag) for option in known):
-            close = difflib.get_close_matches(flag, known, n=1)
+            if elsewhere and flag in elsewhere:
+                return f" ({elsewhere[flag]})"
+            close = difflib.get_close_matches(flag, offered, n=1)
             if close:
                 return f" (did you mean {close[0]}?)"
     return ""
+
+
+def _engine_in(parser: argparse.ArgumentParser, line: str) -> str:
+    """The --engine a line names, else the default (also where the line does not parse that far)."""
+    try:
+        found = parser.parse_known_args(arg_split(line))[0]
+    except UsageError:
+        return engines.DEFAULT
+    return getattr(found, "engine", None) or engines.DEFAULT
+
+
+def _other_engines_flags(engine: str) -> set[str]:
+    """The flags of every engine but `engine` (a flag two engines share stays offered)."""
+    flags = dict(engines.flags())
+    mine = {flag.name for flag in flags.get(engine, [])}
+    return {flag.name for name, engine_flags in flags.items() if name != engine for flag in engine_flags} - mine
+
+
+def _run_only(flag: str) -> str:
+    """What `%ddp_start` says of a flag that only `%%ddp` takes."""
+    if flag == "--timeout":
+        return "a session takes no --timeout, as it runs until %ddp_stop; %%ranks --timeout SECONDS bounds a cell"
+    return f"{flag} is a flag of %%ddp runs, and a session takes none"
 
 
 def _check_out_and_timeout(out: str | None, timeout: float | None, example: str) -> None:
@@ -105,7 +137,8 @@ def _check_out_and_timeout(out: str | None, timeout: float | None, example: str)
 def _rank_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options the rank flags give (`RANK_FLAGS`): ours, and the chosen engine's own that were given."""
     given = {name: getattr(args, name) for name in ("gpus", "nprocs", "backend", "engine")}
-    given |= {"env": dict(_parse_env(item) for item in args.env), "fold": not args.no_fold, "stall": args.stall}
+    given |= {"env": dict(_parse_env(item) for item in args.env), "fold": not args.no_fold, "stall": args.stall,
+              "oversubscribe": args.oversubscribe}
     for _, engine_flags in engines.flags():  # an engine's flag given with another engine: `options` says so
         given |= {flag.option: getattr(args, flag.option) for flag in engine_flags
                   if getattr(args, flag.option, None) is not None}
@@ -363,7 +396,11 @@ def _is_function(value: object) -> bool:
 
 
 def _parse_env(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
+    try:  # the magic's split keeps a word's quotes: --env 'MSG=a b' arrives as "'MSG=a b'"
+        words = shlex.split(item) if "'" in item or '"' in item else []
+    except ValueError:  # an unbalanced quote: the value's own
+        words = []
+    key, sep, value = (words[0] if len(words) == 1 else item).partition("=")
     if not sep or not key:
         raise UsageError(f"--env takes KEY=VALUE, not {item!r}. Example: --env NCCL_DEBUG=INFO")
     return key, value
@@ -395,7 +432,9 @@ class SessionMagics(Magics):
         """Start ranks that keep their state across cells: `%%ranks` cells then run on every rank, in each rank's
         own namespace (`rank`, `world_size` and `ddpnb` defined, the process group up). One session per kernel;
         `%%ddp` cells keep starting fresh ranks of their own."""
-        args = _parse(self.ddp_start, line, "See %ddp_start? for every flag, e.g. %ddp_start -n 2.")
+        ours = set(_compat.parser_options(self.ddp_start.parser))
+        run_only = {flag: _run_only(flag) for flag in _compat.parser_options(DDPMagics.ddp.parser) if flag not in ours}
+        args = _parse(self.ddp_start, line, "See %ddp_start? for every flag, e.g. %ddp_start -n 2.", run_only)
         try:
             _session.start_for_magics(**_rank_options(args))
         except (_api.LaunchError, NotPicklableError) as exc:
@@ -464,7 +503,12 @@ class SessionMagics(Magics):
         """End the session's ranks (and their namespaces)."""
         session = _session.current_session()
         if session is None:
-            raise UsageError("no session is running.")
+            raise UsageError("no session to stop: none was started in this kernel (%ddp_start -n 2 starts one).")
+        if session.state is _session.SessionState.STOPPED:  # a second %ddp_stop, or the ranks ended on their own
+            print(f"[ddpnb] no session to stop: this kernel's session had ended already "
+                  f"({session.stopped_by or 'stopped'}); %ddp_restart starts it again with its flags, %ddp_start "
+                  "with new ones")
+            return
         session.stop()
 
 

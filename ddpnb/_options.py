@@ -20,7 +20,17 @@ from ddpnb import engines
 from ddpnb.core import checkpoints
 from ddpnb.core.profile import profile_steps
 from ddpnb.core.engine import EngineType
-from ddpnb.core.spec import CallStyle, LaunchError, Plan, ViewKind, is_seconds, plan, stall_seconds
+from ddpnb.core.spec import (
+    CallStyle,
+    LaunchError,
+    Plan,
+    ViewKind,
+    bound_local_ranks,
+    check_env,
+    is_seconds,
+    plan,
+    stall_seconds,
+)
 from ddpnb.views import tensorboard as board
 
 VIEW_VAR = "DDPNB_VIEW"
@@ -44,7 +54,8 @@ class LaunchOptions:
     run stalled (None: adapted to the run; 0: never). debug: the first rank that raises opens a post-mortem
     prompt at the raising frame (a foreground cell whose front end takes input). profile: the steps to profile on
     every rank, counted by `ddpnb.log(step=...)` ('5-7', or True for steps 3-5): one merged trace in the run
-    directory and each rank's step time broken down in `record.profile` (docs/profiling.md).
+    directory and each rank's step time broken down in `record.profile` (docs/profiling.md). oversubscribe: start
+    more CPU ranks on this machine than 8 a usable CPU (at least 16), which is refused without it.
     """
 
     gpus: int | str | None = None
@@ -65,6 +76,7 @@ class LaunchOptions:
     stall: float | None = None
     debug: bool = False
     profile: bool | str | int | tuple[int, int] | None = None
+    oversubscribe: bool = False
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # the engine's own, by name
 
     @classmethod
@@ -98,12 +110,21 @@ class LaunchOptions:
                               f"args=({self.args!r},).")
         _check_whole(self.max_restarts, "max_restarts", 0)
         _check_whole(self.keep_checkpoints, "keep_checkpoints", 1)
+        for name in ("fold", "debug", "oversubscribe"):
+            if not isinstance(getattr(self, name), bool):
+                raise LaunchError(f"{name} takes True or False, not {getattr(self, name)!r}.")
+        check_env(self.env)
         stall = stall_seconds(self.stall)
         engine_type = engines.engine_type(self.engine)  # raises if the engine cannot be used here
         engine_options = engines.options(self.engine, dict(self.engine_options))
         engine_type.check(engine_options)
         available = None if self.gpus is None else engine_type.gpus_available()
         planned = plan(self.gpus, self.nprocs, self.backend, available, self.engine)
+        if engine_type.capabilities.ranks_here:
+            bound_local_ranks(planned, self.oversubscribe)
+        elif self.oversubscribe:
+            raise LaunchError(f"oversubscribe (--oversubscribe) is for ranks on this machine, not on the {self.engine} "
+                              "engine's, whose cluster places them: leave it out.")
         view = choose_view(self.view)
         if view is ViewKind.TEXT:
             max_lines()

@@ -22,6 +22,7 @@ from ddpnb import _api
 from ddpnb._options import Launch, LaunchOptions
 from ddpnb.core import messages as msg
 from ddpnb.core.cellnames import cell_name, cell_names
+from ddpnb.core.failures import known_cause
 from ddpnb.core.pickling import dump_command, dumps
 from ddpnb.core.record import DataSent, Outcome, OutputLine, RankState
 from ddpnb.core.report import WorkerError
@@ -38,7 +39,7 @@ START_WAIT = 600.0  # seconds the ranks may take to start (a kernel's first sess
 STACK_WAIT = 3.0  # seconds stuck ranks get to say where they are
 STOP_WAIT = 10.0  # seconds the ranks get to leave on their own at `stop()` before they are stopped
 # what a session takes of the launch options (and its engine's own): where and how many ranks, and how it shows
-OPTIONS = ("gpus", "nprocs", "backend", "env", "engine", "fold", "stall")
+OPTIONS = ("gpus", "nprocs", "backend", "env", "engine", "fold", "stall", "oversubscribe")
 
 
 class SessionState(enum.Enum):
@@ -315,6 +316,9 @@ class Session:
         parts = [f"ddpnb: {'interrupted on' if interrupted else 'failed on'} {_named(failed)} of {len(selected)}: "
                  f"{first.exc_type}: {first.message}".rstrip(": ")]
         parts += _tracebacks(failed)
+        meaning = known_cause(f"{first.exc_type}: {first.message}", first.traceback)
+        if meaning:
+            parts.append(f"ddpnb: {meaning}")
         parts.append("\nThe session and every rank's namespace are as the command left them; run the next cell.")
         raise SessionError(f"rank {min(failed)}: {first.exc_type}: {first.message}", "\n".join(parts))
 
@@ -379,9 +383,10 @@ def _named(ranks: Iterable[int]) -> str:
 
 def session(**options: Any) -> Session:
     """Start ranks that keep their state across commands (`%ddp_start` in a notebook). Its options are
-    `ddpnb.run`'s that say where and how many ranks run (gpus, nprocs, backend, env, engine and the engine's own),
-    `fold`, and `stall`: seconds a command may go without progress on any rank before the session says where each
-    rank is. `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the process group is up."""
+    `ddpnb.run`'s that say where and how many ranks run (gpus, nprocs, oversubscribe, backend, env, engine and the
+    engine's own), `fold`, and `stall`: seconds a command may go without progress on any rank before the session
+    says where each rank is. `rank`, `world_size` and `ddpnb` are defined in every rank's namespace, and the
+    process group is up."""
     return Session(**options)
 
 

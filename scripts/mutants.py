@@ -44,6 +44,7 @@ RAY = "tests/test_ray.py::"
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
 NEWCOMER = "tests/test_newcomer.py::"
+BAD_INPUT = "tests/test_bad_input.py::test_bad_input_is_refused_naming_the_argument_before_anything_starts"
 STALL_MARKED = STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds"
 
 
@@ -544,6 +545,29 @@ MUTANTS = [
         "last-run-is-the-session", "ddpnb/_api.py",
         (("    if not commands:  # a session is not a run", "    if True:  # a session is not a run"),),
         (NEWCOMER + "test_last_run_after_a_session_is_the_latest_ddp_run_and_the_session_is_named_as_one",),
+    ),
+    # --- bad input refused before anything starts (issue 40) ----------------------------------------------------------
+    Mutant(
+        "a-bool-passes-as-nprocs", "ddpnb/core/spec.py",
+        (("    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):",
+          "    if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):"),),
+        (BAD_INPUT + "[nprocs-a-bool]", BAD_INPUT + "[a-session's-nprocs-a-bool]"),
+    ),
+    Mutant(
+        "env-names-unchecked", "ddpnb/core/spec.py",
+        (("ENV_NAME = re.compile(r\"[A-Za-z_][A-Za-z0-9_]*\")", "ENV_NAME = re.compile(r\"(?s).*\")"),),
+        (BAD_INPUT + "[env-name-with-=]", BAD_INPUT + "[--env-name-with-a-space]"),
+    ),
+    Mutant(
+        "local-ranks-unbounded-by-cpus", "ddpnb/core/spec.py",
+        (("    if ranks > bound and not oversubscribe:", "    if False:"),),
+        (BAD_INPUT + "[more-than-8-ranks-a-CPU]",),
+    ),
+    Mutant(
+        "hints-offer-every-engines-flags", "ddpnb/_magic.py",
+        (("    offered = [option for option in known if option not in _other_engines_flags(_engine_in(parser, line))]",
+          "    offered = known"),),
+        ("tests/test_bad_input.py::test_unknown_flag_hints_name_only_flags_of_the_engine_in_use",),
     ),
 ]
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,6 +29,7 @@ class Capabilities:
     commands: bool = False  # a command channel to running ranks (`Engine.send`, `interrupt`): sessions
     announce_every: float = 0.2  # seconds between two announcements of output to the views (a rank's turn: at once)
     stop_wait: float = 10.0  # seconds `Run.stop()` waits for the ranks to be gone
+    ranks_here: bool = False  # every rank is a process of this machine: its CPUs and process limit bound them
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,32 @@ def is_knock_on(exc_type: str, message: str) -> bool:
     return exc_type == "RuntimeError" and any(pattern in text for pattern in _KNOCK_ON_TEXT)  # gloo raises these
 
 
+@dataclass(frozen=True)
+class KnownCause:
+    """An error that reads as a bug of the user's code but comes from how ddpnb runs a rank: recognised by its
+    summary and the line that raised it, with what it means here and what to do."""
+
+    summary: str  # the error's type and message, as a failure's summary reads
+    call: str  # found in the source line that raised it, as the traceback shows that line
+    meaning: str
+
+
+KNOWN_CAUSES = (
+    KnownCause("PermissionError: [Errno 1] Operation not permitted", "setsid(",
+               "each rank already leads its own session and process group (ddpnb stops a run by its ranks' process "
+               "groups), and a process group's leader cannot start a new session: drop the os.setsid() call."),
+)
+
+
+def known_cause(summary: str, traceback: str) -> str:
+    """What a rank's error ('PermissionError: [Errno 1] ...') means under ddpnb (`KNOWN_CAUSES`), by its raising
+    line (the source lines after the traceback's last `File` line); '' for any other error."""
+    frames = traceback.rstrip().split('\n  File "')
+    raising = frames[-1].splitlines()[1:] if len(frames) > 1 else []
+    return next((cause.meaning for cause in KNOWN_CAUSES
+                 if cause.summary == summary and any(cause.call in line for line in raising)), "")
+
+
 def root_cause(failures: list[Failure], ended_by_ddpnb: bool) -> Failure | None:
     """The earliest failure that is not a knock-on of another rank's (else the earliest); None where ddpnb ended
     the run (`ended_by_ddpnb`: a timeout, an interrupt, a stop) and every failure is a consequence of that: the

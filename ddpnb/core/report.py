@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from ddpnb.core.cellnames import cell_names
-from ddpnb.core.failures import Failure
+from ddpnb.core.failures import Failure, known_cause
 from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
@@ -234,6 +234,9 @@ class WorkerError(RuntimeError):
             if first.traceback:
                 shown = cell_names(first.traceback).rstrip()
                 parts.append(f"\n--- rank {first.rank} traceback (in the worker) ---\n{shown}")
+            meaning = known_cause(first.summary, first.traceback)
+            if meaning:
+                parts.append(f"ddpnb: {meaning}")
             if any(frame.values for frame in first.frames):
                 parts.append(f"\n--- rank {first.rank} locals where it raised ---\n"
                              + "\n".join(locals_lines(first)))

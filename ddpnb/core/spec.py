@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import resource
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ddpnb.core.words import Named
@@ -113,8 +117,10 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, availa
          engine: str = "local") -> Plan:
     """The world size, devices and backend for the flags given; raises LaunchError for impossible ones.
     `available` is the GPUs `engine` can count here, None where its cluster places the ranks."""
-    if nprocs is not None and (not isinstance(nprocs, int) or nprocs < 1):
-        raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}.")
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        raise LaunchError(f"nprocs must be a positive integer, not {nprocs!r}: e.g. nprocs=2 (-n 2).")
+    if isinstance(gpus, bool):  # int(True) is 1
+        raise LaunchError(f"gpus takes a number of GPUs or 'all', not {gpus!r}: e.g. gpus=2 or gpus='all'.")
     if backend is not None and backend not in ("nccl", "gloo"):
         raise LaunchError(f"backend must be 'nccl' or 'gloo', not {backend!r}.")
     note = ""
@@ -148,6 +154,74 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, availa
     if backend == "nccl" and not use_gpus:
         raise LaunchError("the nccl backend needs GPUs; use --gpus N, or gloo for CPU ranks.")
     return Plan(world_size, use_gpus, backend or ("nccl" if use_gpus else "gloo"), note)
+
+
+RANKS_PER_CPU = 8  # CPU ranks per usable CPU beyond which a local launch needs `oversubscribe`
+FEWEST_BOUND = 16  # ... but never fewer than this many, so a small machine can still rehearse a bigger run
+PROCESS_LIMITS = ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max")
+
+
+def bound_local_ranks(plan: Plan, oversubscribe: bool) -> None:
+    """CPU ranks forked on this machine: more than it can hold is refused before one is forked. Above the
+    process limit (a rank is at least one process) none of them could all start; above RANKS_PER_CPU a usable
+    CPU (at least FEWEST_BOUND) they would crawl, unless `oversubscribe` says that is meant."""
+    if plan.use_gpus:  # one rank per GPU: the GPUs bound them
+        return
+    ranks, cpus = plan.world_size, usable_cpus()
+    limit, named = process_limit()
+    if ranks >= limit:
+        raise LaunchError(f"nprocs={ranks} (-n {ranks}) is more processes than this machine allows ({named}), so "
+                          f"the ranks could never all start: pass fewer, e.g. nprocs={cpus} (-n {cpus}), one per CPU.")
+    bound = max(FEWEST_BOUND, RANKS_PER_CPU * cpus)
+    if ranks > bound and not oversubscribe:
+        raise LaunchError(f"nprocs={ranks} (-n {ranks}) is more than {RANKS_PER_CPU} ranks for each of the {cpus} "
+                          f"CPUs this kernel may use (at most {bound} here): pass fewer, e.g. nprocs={cpus} (-n "
+                          f"{cpus}), or oversubscribe=True (--oversubscribe) to start {ranks} anyway.")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a container's cpuset), not every CPU the machine has."""
+    return len(os.sched_getaffinity(0))
+
+
+def process_limit() -> tuple[int, str]:
+    """The fewest processes this user may have: RLIMIT_NPROC (not for root), the kernel's pid_max and
+    threads-max; with how it reads ('ulimit -u 4096')."""
+    found = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
+        found.append((soft, f"ulimit -u {soft}"))
+    for path in PROCESS_LIMITS:
+        try:
+            value = int(Path(path).read_text())
+        except (OSError, ValueError):  # unreadable here
+            continue
+        found.append((value, f"{path} is {value}"))
+    return min(found, default=(sys.maxsize, "no limit"))
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell can export, and every rank's os.environ can hold
+
+
+def check_env(env: object) -> None:
+    """env= / --env: the variables every rank gets, names and values as strings; LaunchError saying what to pass."""
+    if not isinstance(env, Mapping):
+        example = "{'FOO': '1'}"
+        if isinstance(env, str) and "=" in env:
+            name, _, value = env.partition("=")
+            example = f"{{{name.strip()!r}: {value.strip()!r}}}"
+        raise LaunchError(f"env takes a dict of environment variable names to values, not {env!r}: e.g. "
+                          f"env={example} (in %%ddp: --env NAME=VALUE).")
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            raise LaunchError(f"env: {name!r} is not an environment variable's name (--env NAME=VALUE): a name is "
+                              "letters, digits and underscores, not starting with a digit, e.g. NCCL_DEBUG.")
+        if not isinstance(value, str):
+            raise LaunchError(f"env: {name}'s value must be a string, not {type(value).__name__} {value!r}: pass "
+                              f"env={{{name!r}: str({value!r})}}, as the environment holds only strings.")
+        if "\0" in value:
+            raise LaunchError(f"env: {name}'s value {value!r} holds a NUL character, which no environment "
+                              "variable can: leave it out.")
 
 
 def local_gpu_count() -> int:

@@ -28,7 +28,7 @@ class LocalType:
     name: ClassVar[str] = "local"
     capabilities: ClassVar[Capabilities] = Capabilities(
         shares_memory=True, shares_run_dir=True, commands=True, announce_every=COALESCE,
-        stop_wait=STOP_GRACE + STACK_WAIT + 5)
+        stop_wait=STOP_GRACE + STACK_WAIT + 5, ranks_here=True)
     Options: ClassVar[type] = LocalOptions
     flags: ClassVar[list[Flag]] = []
 
