@@ -466,8 +466,10 @@ def wide(rank):
     import time
     print("a long line of words that the log wraps between its words " * 6, flush=True)
     print("one_long_identifier_without_any_space_" * 8, flush=True)
-    held = bytearray(rank * 30 * 2**20)  # the memory column has something to scale
-    time.sleep(3)  # the hardware columns have samples
+    held = []
+    for step in range(4):  # memory that grows while it is sampled (every second): each rank's memory column says
+        held.append(bytearray((rank + 1) * 10 * 2**20))  # its range, '331.2 MiB ▁▃▆█ 301.1 MiB–331.2 MiB', the widest
+        time.sleep(1)  # text it has, whatever the load (an idle machine's samples all came after a single allocation)
     if rank == 2:
         raise RuntimeError("rank 2 stops while the others are still starting their work " * 3)
     time.sleep(60)
