@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddpnb.engines.slurm import allocation
 from tests import slurm_cluster
 from tests.conftest import PACKAGE_DIR, Kernel, wait_gone
 from tests.test_faults import Cell
@@ -258,23 +259,25 @@ def test_more_ranks_than_the_allocation_holds_is_refused_quoting_slurm(slurm_ker
     assert "NumNodes=2" in run.stderr and before == []
 
 
-# the first srun finds the Slurm controller stopped for as long as it runs: its messages time out, as under load
-SRUN_FINDS_SLURM_STALLED = """#!/bin/sh
+# a Slurm command whose first run finds the controller stopped for as long as it runs: its messages time out, as
+# under load
+FINDS_SLURM_STALLED = """#!/bin/sh
 if mkdir {marker} 2>/dev/null; then
     kill -STOP {controller}
-    {srun} "$@"
+    {command} "$@"
     code=$?
     kill -CONT {controller}
     exit $code
 fi
-exec {srun} "$@"
+exec {command} "$@"
 """
 
 
-def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp_path):
-    """Issue 40: on a loaded cluster Slurm's messages time out (MessageTimeout, 2 s on this one). The run's first
-    srun finds the controller stalled (SIGSTOP) while it runs and fails before the step exists; the engine says so
-    in the run's output, starts the step again, and the run succeeds."""
+def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp_path, monkeypatch, capsys):
+    """Issue 40: on a loaded cluster Slurm's messages time out (MessageTimeout, 2 s on this one). A `scontrol` that
+    finds the controller stalled (SIGSTOP) is asked again, saying so. The run's first srun finds it stalled while it
+    runs and fails before the step exists; the engine says so in the run's output, starts the step again, and the
+    run succeeds."""
     directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-stalled-"))
     stalled = slurm_cluster.start(directory, {"MessageTimeout": "2"})
     controller = stalled.pids["slurmctld"]
@@ -282,18 +285,24 @@ def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp
         job = stalled.allocate(nodes=2, tasks=2)
         wrappers = tmp_path / "bin"
         wrappers.mkdir()
-        srun = wrappers / "srun"
-        srun.write_text(SRUN_FINDS_SLURM_STALLED.format(marker=tmp_path / "stalled", controller=controller,
-                                                        srun=shutil.which("srun", path=stalled.env["PATH"])))
-        srun.chmod(0o755)
+        for name in ("scontrol", "srun"):
+            wrapper = wrappers / name
+            wrapper.write_text(FINDS_SLURM_STALLED.format(marker=tmp_path / f"{name}-stalled", controller=controller,
+                                                          command=shutil.which(name, path=stalled.env["PATH"])))
+            wrapper.chmod(0o755)
+        monkeypatch.setenv("SLURM_CONF", stalled.env["SLURM_CONF"])
+        monkeypatch.setenv("PATH", f"{wrappers}:{stalled.env['PATH']}")
+        assert f"JobId={job} " in allocation.scontrol("show", "job", job)
+        said = capsys.readouterr().err
+        assert f"[ddpnb] `scontrol show job {job}` failed (slurm_load_jobs error: Socket timed out on send/recv " \
+               "operation): trying again in 1 s (1 of 3)" in said, said
         code = ("import ddpnb, os\n"
                 "def where(rank):\n    return os.environ['SLURMD_NODENAME']\n"
                 "print('value', ddpnb.run(where, engine='slurm', nprocs=2, nodes=2, view='text'))\n")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                              env={**os.environ, **stalled.env, "SLURM_JOB_ID": job,
-                                   "PATH": f"{wrappers}:{stalled.env['PATH']}"})
+                              env={**os.environ, "SLURM_JOB_ID": job})
         said = done.stdout + done.stderr
-        assert (tmp_path / "stalled").exists()  # the first srun did find the controller stalled
+        assert (tmp_path / "srun-stalled").exists()  # the first srun did find the controller stalled
         # srun's own words come with rank 0's output, and so does ddpnb's line about them
         retried = [line for line in said.splitlines() if line.startswith("[rank 0] [ddpnb] srun could not start")]
         assert len(retried) == 1, said
