@@ -297,6 +297,16 @@ MUTANTS = [
         (SLURM + "test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on",),
     ),
     Mutant(
+        "slurm-step-never-tried-again", "ddpnb/engines/slurm/engine.py",
+        (("        if self._srun_done_at is not None and self._retry_step(now):\n            return\n", ""),),
+        (SLURM + "test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so",),
+    ),
+    Mutant(
+        "slurm-command-never-asked-again", "ddpnb/engines/slurm/allocation.py",
+        (("        if retry == RETRIES or not transient(said):\n", "        if True:\n"),),
+        (SLURM + "test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so",),
+    ),
+    Mutant(
         "queue-wait-counts-toward-the-timeout", "ddpnb/core/attempt.py",
         (("held=bool(self.waiting) or self.is_queued())", "held=bool(self.waiting))"),),
         (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",),

@@ -112,7 +112,10 @@ class Cluster:
         self.pids = {}
 
 
-def start(directory: Path) -> Cluster:
+def start(directory: Path, settings: dict[str, str] | None = None) -> Cluster:
+    """The cluster, its slurm.conf holding `settings` too (e.g. {"MessageTimeout": "2"}), each a line after ours
+    (a name ours sets already is refused rather than written twice)."""
+    settings = settings or {}
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)  # munged refuses a socket directory others may write to
@@ -126,7 +129,7 @@ def start(directory: Path) -> Cluster:
     host = socket.gethostname()
     nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} "
                       f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN" for node in NODES)
-    cluster.conf.write_text(f"""\
+    conf = f"""\
 ClusterName=ddpnb
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ports['ctld']}
@@ -158,7 +161,11 @@ InactiveLimit=0
 MinJobAge=5
 {nodes}
 PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-""")
+"""
+    again = {line.partition("=")[0] for line in conf.splitlines()} & set(settings)
+    if again:
+        raise ValueError(f"{', '.join(sorted(again))}: set by this module's slurm.conf already")
+    cluster.conf.write_text(conf + "".join(f"{name}={value}\n" for name, value in settings.items()))
     (directory / "state").mkdir(exist_ok=True)
     env = {**os.environ, **cluster.env}
     logs = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddpnb.engines.slurm import allocation
 from tests import slurm_cluster
 from tests.conftest import PACKAGE_DIR, STARTS_CHILDREN, Kernel, wait_gone
 from tests.test_faults import Cell
@@ -175,21 +177,30 @@ def dies(rank):
     assert states == ["stopped", "stopped", "stopped", "failed"]
 
 
-def test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on(slurm_kernel, cluster):
-    out = slurm_kernel.execute('''
+def test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on(slurm_kernel, cluster, tmp_path):
+    """Strangers at the door: each is refused and logged, a silent one holds no host up, and the ranks end only once
+    the two that spoke were logged (an event, not a run length: a loaded machine stretches every step). The silent
+    one is still being checked when the run ends: its check ends with the run, logged before the result is back."""
+    release = tmp_path / "release"
+    out = slurm_kernel.execute(f'''
 import psutil, socket
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
 def listening():
-    return {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    return {{c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}}
+
+def refused(run):
+    path = os.path.join(run.record.run_dir, "channel.log")
+    return open(path).read() if os.path.exists(path) else ""
 
 before = listening()
-def waits(rank):
-    time.sleep(3)
+def waits(rank, release):
+    while not os.path.exists(release):  # both nodes are this host: the file is the test's word to end
+        time.sleep(0.05)
     return "done"
 
-run = ddpnb.launch(waits, engine="slurm", nprocs=2, nodes=2, view="none")
+run = ddpnb.launch(waits, engine="slurm", nprocs=2, nodes=2, view="none", args=({str(release)!r},))
 doors = listening() - before
 silent = [socket.create_connection(tuple(door)) for door in doors]  # in before the hosts, then says nothing
 guesses = []
@@ -201,9 +212,13 @@ for door in doors:
         guesses.append("refused")
     with socket.create_connection(tuple(door)) as stranger:  # says nothing sensible, then hangs up
         stranger.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+deadline = time.monotonic() + 120
+while refused(run).count("refused a connection from") < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)  # the two that spoke were checked and logged: now the ranks may end
+open({str(release)!r}, "w").close()
 print(len(doors), guesses, run.result(), run.outcome.value)
-refused = open(os.path.join(run.record.run_dir, "channel.log")).read()
-print(refused.count("refused a connection from"), refused.count("the run ended before it proved the secret"))
+log = refused(run)
+print(log.count("refused a connection from"), log.count("the run ended before it proved the secret"))
 print(len(listening() - before))
 for stranger in silent:
     stranger.close()
@@ -211,7 +226,7 @@ for stranger in silent:
     assert out.error is None, out.error
     lines = out.stdout.splitlines()
     assert lines[0] == "1 ['refused'] done succeeded", out.stdout + out.stderr
-    assert lines[1] == "3 1"  # all three logged; the silent one held no host up, and its check ended with the run
+    assert lines[1] == "3 1", out.stdout  # all three logged; the silent one's check ended with the run, logged
     assert lines[2] == "0"  # the listener closed with the run
 
 
@@ -222,6 +237,63 @@ def test_more_ranks_than_the_allocation_holds_is_refused_quoting_slurm(slurm_ker
     run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --nodes 3\ndef f():\n    return 1\n")
     assert "--nodes 3 asks for more nodes than this allocation has" in run.stderr, run.stdout + run.stderr
     assert "NumNodes=2" in run.stderr and before == []
+
+
+# a Slurm command whose first run finds the controller stopped for as long as it runs: its messages time out, as
+# under load
+FINDS_SLURM_STALLED = """#!/bin/sh
+if mkdir {marker} 2>/dev/null; then
+    kill -STOP {controller}
+    {command} "$@"
+    code=$?
+    kill -CONT {controller}
+    exit $code
+fi
+exec {command} "$@"
+"""
+
+
+def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp_path, monkeypatch, capsys):
+    """Issue 40: on a loaded cluster Slurm's messages time out (MessageTimeout, 2 s on this one). A `scontrol` that
+    finds the controller stalled (SIGSTOP) is asked again, saying so. The run's first srun finds it stalled while it
+    runs and fails before the step exists; the engine says so in the run's output, starts the step again, and the
+    run succeeds."""
+    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-stalled-"))
+    stalled = slurm_cluster.start(directory, {"MessageTimeout": "2"})
+    controller = stalled.pids["slurmctld"]
+    try:
+        job = stalled.allocate(nodes=2, tasks=2)
+        wrappers = tmp_path / "bin"
+        wrappers.mkdir()
+        for name in ("scontrol", "srun"):
+            wrapper = wrappers / name
+            wrapper.write_text(FINDS_SLURM_STALLED.format(marker=tmp_path / f"{name}-stalled", controller=controller,
+                                                          command=shutil.which(name, path=stalled.env["PATH"])))
+            wrapper.chmod(0o755)
+        monkeypatch.setenv("SLURM_CONF", stalled.env["SLURM_CONF"])
+        monkeypatch.setenv("PATH", f"{wrappers}:{stalled.env['PATH']}")
+        assert f"JobId={job} " in allocation.scontrol("show", "job", job)
+        said = capsys.readouterr().err
+        assert f"[ddpnb] `scontrol show job {job}` failed (slurm_load_jobs error: Socket timed out on send/recv " \
+               "operation): trying again in 1 s (1 of 3)" in said, said
+        code = ("import ddpnb, os\n"
+                "def where(rank):\n    return os.environ['SLURMD_NODENAME']\n"
+                "print('value', ddpnb.run(where, engine='slurm', nprocs=2, nodes=2, view='text'))\n")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                              env={**os.environ, "SLURM_JOB_ID": job})
+        said = done.stdout + done.stderr
+        assert (tmp_path / "srun-stalled").exists()  # the first srun did find the controller stalled
+        # srun's own words come with rank 0's output, and so does ddpnb's line about them
+        retried = [line for line in said.splitlines() if line.startswith("[rank 0] [ddpnb] srun could not start")]
+        assert len(retried) == 1, said
+        assert f"(Unable to confirm allocation for job {job}: Socket timed out on send/recv operation)" in retried[0]
+        assert "trying again in 1 s (1 of 3)" in retried[0]
+        assert done.returncode == 0 and "value n1" in done.stdout, said
+        assert ranks_left() == []
+    finally:
+        os.kill(controller, signal.SIGCONT)  # whatever happened, the controller goes on (and can be stopped)
+        stalled.stop()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_without_srun_the_engine_says_what_to_do(tmp_path):

@@ -203,9 +203,12 @@ def ranks_html(record: RunRecord) -> str:
     radar_head, radar_cells = _radar_html(record)
     names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
     table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
-             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%">'
+             # table-layout: JupyterLab's own stylesheet fixes it for the summary a finished run leaves
+             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
+             'table-layout:auto">'
              if compact else
-             '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%">')
+             '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
+             'table-layout:auto">')
     rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
             + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
             + "</tr></thead><tbody>"]

@@ -7,6 +7,8 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 from ddpnb.core.spec import LaunchError
@@ -14,6 +16,12 @@ from ddpnb.core.spec import LaunchError
 SCONTROL_WAIT = 30.0  # seconds a `scontrol` call may take (a busy controller answers slowly)
 INSIDE_HINT = ("--engine slurm runs the ranks as a job step of the allocation this kernel runs in (SLURM_JOB_ID), "
                "or, outside one, of a job it asks for itself (salloc, with --partition, --time, ...).")
+# Slurm's messaging failing, as its commands say it (slurm_strerror): a busy or briefly stalled controller, not an
+# answer; a command that failed so is tried again, RETRIES times at most, BACKOFF seconds apart, then twice that
+TRANSIENT = ("Socket timed out on send/recv operation", "Unable to contact slurm controller",
+             "Zero Bytes were transmitted or received", "Communication connection failure")
+RETRIES = 3
+BACKOFF = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -81,18 +89,33 @@ def reachable_address(node: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def transient(text: str) -> bool:
+    """Whether Slurm's words say its messaging failed (worth another try), not that it refused."""
+    return any(words in text for words in TRANSIENT)
+
+
 def scontrol(*args: str) -> str:
-    try:
-        done = subprocess.run(["scontrol", "-o", *args], capture_output=True, text=True, timeout=SCONTROL_WAIT,
-                              check=False)
-    except FileNotFoundError:
-        raise LaunchError("--engine slurm needs Slurm's `scontrol` on PATH, next to `srun`.") from None
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"`scontrol {' '.join(args)}` did not answer in {SCONTROL_WAIT:g} s: is the Slurm "
-                          "controller reachable from here?") from None
-    if done.returncode:
-        raise LaunchError(f"`scontrol {' '.join(args)}` failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done.stdout
+    """`scontrol -o ARGS`'s answer, tried again where Slurm's messaging failed (saying so on stderr: the cell's
+    output); LaunchError, quoting Slurm, where it failed otherwise or every time."""
+    for retry in range(RETRIES + 1):
+        try:
+            done = subprocess.run(["scontrol", "-o", *args], capture_output=True, text=True, timeout=SCONTROL_WAIT,
+                                  check=False)
+        except FileNotFoundError:
+            raise LaunchError("--engine slurm needs Slurm's `scontrol` on PATH, next to `srun`.") from None
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"`scontrol {' '.join(args)}` did not answer in {SCONTROL_WAIT:g} s: is the Slurm "
+                              "controller reachable from here?") from None
+        said = done.stderr.strip() or done.stdout.strip()
+        if not done.returncode:
+            return done.stdout
+        if retry == RETRIES or not transient(said):
+            break
+        pause = BACKOFF * 2 ** retry
+        print(f"[ddpnb] `scontrol {' '.join(args)}` failed ({said}): trying again in {pause:g} s ({retry + 1} of "
+              f"{RETRIES})", file=sys.stderr, flush=True)
+        time.sleep(pause)
+    raise LaunchError(f"`scontrol {' '.join(args)}` failed: {said}")
 
 
 def scancel(*args: str) -> None:

@@ -21,8 +21,12 @@ from typing import Any
 
 from ddpnb.engines.slurm.wire import Hello
 
-AUTH_WAIT = 10  # seconds a connection may leave a read of its challenge and hello unanswered before it is dropped
-CLOSE_WAIT = 1.0  # seconds `close` gives each check it ended to report
+# seconds a connection may leave a read of its challenge and hello unanswered before it is dropped: long enough for
+# a host on a loaded node; a stranger holds only its own check meanwhile, and `close` ends it
+AUTH_WAIT = 60
+# seconds `close` gives each check it ended to report: a woken check only logs a line, but on a loaded machine its
+# thread may wait seconds for a CPU, and the run's end must find what was refused already in the log
+CLOSE_WAIT = 10.0
 
 Admit = Callable[[Connection, Hello], None]
 Refuse = Callable[[Any, BaseException], None]

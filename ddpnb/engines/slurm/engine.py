@@ -60,6 +60,9 @@ CHANNEL_LOG = "channel.log"  # in the run directory: connections refused for wan
 # srun's account of a task's end (src/srun: `_task_finish`): "srun: error: n2: task 1: Killed",
 # "srun: error: n1: tasks 0-1: Exited with exit code 5"
 TASK_END = re.compile(rb"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+?)\s*$")
+# srun's words for a step Slurm never created (src/srun: `existing_allocation`, `launch_common_create_job_step`):
+# nothing of it ran anywhere
+NO_STEP = re.compile(r"Unable to (confirm allocation|create step) for job")
 LABEL = re.compile(rb"^ *(\d+): ")  # --label: every line a host wrote, "1: ..." (padded to the widest task)
 # what srun and slurmstepd say when ddpnb cancels a step: not news once the run is being stopped
 STOP_NOISE = (b"forcing job termination", b"Job step aborted", b"Force Terminated", b"CANCELLED AT",
@@ -182,6 +185,11 @@ class SlurmEngine:
         self._stack_request = 0  # the number of the latest stacks request: a late answer to an earlier one is dropped
         self._cancelled = False  # the step was cancelled (`_cancel_step`, once)
         self._srun_done_at: float | None = None
+        self._command: list[str] = []  # srun's, and what it is given on its stdin
+        self._invitation = b""
+        self._said_from = 0  # where the current srun's lines begin in `_srun_said`
+        self._retries = 0  # srun started again: a step Slurm's messaging failed to create (`_retry_step`)
+        self._retry_at: float | None = None  # when the next try starts
         self._own_job: submit.OwnJob | None = None  # outside an allocation: the job asked for this attempt
         # a session's commands sent while the run's own job waits in the queue (ranks, command, shipment)
         self._early: list[tuple[list[int], bytes, Any]] = []
@@ -218,33 +226,70 @@ class SlurmEngine:
         secret = secrets.token_bytes(32)
         host = allocation.reachable_address(job.nodes[0])
         self._door = Door(host, secret, admit=self._admit, refuse=self._refused)
-        command = [allocation.srun_path(), f"--jobid={job.job}", f"--nodes={len(counts)}", f"--ntasks={len(counts)}",
-                   "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}", "--overlap", "--kill-on-bad-exit=0",
-                   "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
-                   *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if spec.use_gpus else []),
-                   *shlex.split(self.options.srun_args or ""),
-                   sys.executable, "-c", HOST_MAIN]
-        # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
-        # which would cancel the step at once; ddpnb stops it in its own order
-        srun = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        assert srun.stdin is not None
-        try:
-            srun.stdin.write(invitation(*self._door.address, secret))  # srun gives it to every host
-            srun.stdin.close()
-        except BrokenPipeError:  # srun failed at once: `serve` reads why
-            pass
-        for pipe, stream in ((srun.stdout, Stream.STDOUT), (srun.stderr, Stream.STDERR)):
-            assert pipe is not None
-            self._streams[pipe.fileno()] = stream
-            self._pending_lines[pipe.fileno()] = b""
-            self._selector.register(pipe.fileno(), selectors.EVENT_READ, self._read_srun)
+        self._invitation = invitation(*self._door.address, secret)
+        self._command = [allocation.srun_path(), f"--jobid={job.job}", f"--nodes={len(counts)}",
+                         f"--ntasks={len(counts)}", "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}",
+                         "--overlap", "--kill-on-bad-exit=0", "--label", f"--job-name=ddpnb-{Path(spec.run_dir).name}",
+                         *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if spec.use_gpus else []),
+                         *shlex.split(self.options.srun_args or ""),
+                         sys.executable, "-c", HOST_MAIN]
+        srun = self._start_step()
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._welcome)
         with self._early_lock:  # a session's commands sent while the job waited go first, in order
             self._nodes, self._srun = nodes, srun
             for ranks, command_bytes, shipment in self._early:
                 self._send_now(ranks, command_bytes, shipment)  # queued behind each node's setup: at once
             self._early = []
+
+    def _start_step(self) -> subprocess.Popen[bytes]:
+        """srun, given the door's address and the secret on its stdin (it gives them to every host); its pipes
+        read by `serve`."""
+        # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
+        # which would cancel the step at once; ddpnb stops it in its own order
+        srun = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        assert srun.stdin is not None
+        try:
+            srun.stdin.write(self._invitation)
+            srun.stdin.close()
+        except BrokenPipeError:  # srun failed at once: `serve` reads why
+            pass
+        self._said_from = len(self._srun_said)
+        for pipe, stream in ((srun.stdout, Stream.STDOUT), (srun.stderr, Stream.STDERR)):
+            assert pipe is not None
+            self._streams[pipe.fileno()] = stream
+            self._pending_lines[pipe.fileno()] = b""
+            self._selector.register(pipe.fileno(), selectors.EVENT_READ, self._read_srun)
+        return srun
+
+    def _retry_step(self, now: float) -> bool:
+        """srun ended: whether its step is tried again (now or after a pause: True meanwhile). Only a step Slurm
+        never created, for its messaging failing under load (`allocation.transient`), and so that no host, and no
+        rank, of it can exist; a few times, further apart each time, said in the run's output."""
+        assert self._events is not None and self._srun is not None
+        if self._stopping or self._closing or any(node.hello is not None for node in self._nodes):
+            return False
+        if self._retry_at is None:
+            failed = next((line for line in self._srun_said[self._said_from:]
+                           if NO_STEP.search(line) and allocation.transient(line)), None)
+            if failed is None or self._retries >= allocation.RETRIES:
+                return False
+            self._retries += 1
+            pause = allocation.BACKOFF * 2 ** (self._retries - 1)
+            self._retry_at = now + pause
+            self._events.output(0, Stream.STDERR, (
+                f"[ddpnb] srun could not start the step ({failed.removeprefix('srun: error: ')}): Slurm's "
+                f"messaging failed before any rank started; trying again in {pause:g} s ({self._retries} of "
+                f"{allocation.RETRIES})\n").encode())
+            return True
+        if now < self._retry_at:
+            return True
+        self._retry_at = None
+        for pipe in (self._srun.stdin, self._srun.stdout, self._srun.stderr):
+            if pipe is not None:
+                pipe.close()
+        self._srun, self._srun_done_at = self._start_step(), None
+        return True
 
     def _ask_for_job(self) -> allocation.Allocation | None:
         """Outside an allocation: a job of this attempt's own, for its ranks. A job kept from the run before, or
@@ -521,6 +566,8 @@ class SlurmEngine:
         now = time.monotonic()
         if self._srun_done_at is None and self._srun.poll() is not None and not self._pending_lines:
             self._srun_done_at = now
+        if self._srun_done_at is not None and self._retry_step(now):
+            return
         srun_done = self._srun_done_at is not None
         for node in self._nodes:
             left = [rank for rank in node.ranks if rank not in self._ended]
