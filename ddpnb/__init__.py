@@ -36,7 +36,6 @@ __version__ = "0.1.0"
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext ddpnb`: register `%%ddp` and the session magics (`%ddp_start`, `%%ranks`, ...), bind `ddpnb` in the notebook (cells call `ddpnb.log`) unless the
     name is taken, and start warming the worker forkserver in the background."""
-    import atexit
     import sys
 
     from ddpnb.core.spec import check_platform
@@ -49,7 +48,6 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(DDPMagics, SessionMagics)
     point_debug_at_the_ranks(ipython)
     ipython.user_ns.setdefault("ddpnb", sys.modules[__name__])
-    atexit.register(stop_all)
     kernel = getattr(ipython, "kernel", None)
     if kernel is not None and callable(getattr(kernel, "do_shutdown", None)):
         _end_first_at_shutdown(kernel, stop_all, forkserver.shut_down)

@@ -263,3 +263,18 @@ def test_a_kernel_with_a_session_and_a_background_run_shuts_down_ending_them_fir
     finally:
         kernel.client.stop_channels()
     assert wait_gone([child.pid for child in children], within=10) == []
+
+
+def test_a_script_that_ends_with_its_session_still_running_exits_and_takes_the_ranks_with_it(tmp_path):
+    """Without `.stop()`: the session ends as the script does (multiprocessing's exit handler would otherwise wait
+    for its ranks, which wait for commands, forever)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves_a_session.py"
+    script.write_text("import ddpnb\nsession = ddpnb.session(nprocs=2)\n"
+                      "print('PIDS', *[rank.pid for rank in session.run.record.ranks], flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split("PIDS", 1)[1].split()]
+    assert len(pids) == 2 and wait_gone(pids, within=10) == []

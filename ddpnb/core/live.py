@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from typing import Any, Protocol
 
 from ddpnb.core.record import Outcome, RunRecord
@@ -16,9 +17,14 @@ class Run(Protocol):
 
 
 _live: set[Any] = set()
+_stops_at_exit = False
 
 
 def add(run: Run) -> None:
+    global _stops_at_exit
+    if not _stops_at_exit:  # after multiprocessing's own exit handler, so it runs first: that one joins the ranks
+        atexit.register(stop_all)
+        _stops_at_exit = True
     _live.add(run)
 
 
@@ -33,6 +39,7 @@ def runs(engine: str | None = None) -> list[Run]:
 
 
 def stop_all() -> None:
-    """atexit: a kernel that shuts down takes its runs with it."""
+    """atexit: a kernel or script that ends takes its runs with it (a session's ranks would wait for commands, and
+    multiprocessing's exit handler for them)."""
     for run in runs():
         run.stop(Outcome.STOPPED, "the kernel shut down")
