@@ -79,9 +79,20 @@ class _Usage(MagicHelpFormatter):
 def _parse(magic: Any, line: str, see: str, elsewhere: Mapping[str, str] | None = None) -> argparse.Namespace:
     """The magic's flags; a bad one is a UsageError naming the close match (`--timout` -> `--timeout`) and `see`."""
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except UsageError as exc:
         raise UsageError(f"{exc}{did_you_mean(magic.parser, line, elsewhere)}. {see}") from None
+    for name, value in vars(args).items():  # the split keeps a word's quotes: --srun-args '--mem=8G -c 4'
+        if isinstance(value, str):
+            setattr(args, name, _unquoted(value))
+        elif isinstance(value, list):
+            setattr(args, name, [_unquoted(item) if isinstance(item, str) else item for item in value])
+    return args
+
+
+def _unquoted(word: str) -> str:
+    """A word as a shell would pass it: without the quotes around it."""
+    return word[1:-1] if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"" else word
 
 
 def did_you_mean(parser: argparse.ArgumentParser, line: str, elsewhere: Mapping[str, str] | None = None) -> str:

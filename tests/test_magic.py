@@ -280,3 +280,14 @@ def test_trainer_tutorial_runs_through_spawn_drop_in(kernel, tmp_path):
     assert run.error is None, run.error
     assert "[rank 1] epoch 2 loss" in run.stdout
     assert checkpoint.exists()
+
+
+def test_a_flags_quoted_value_arrives_without_its_quotes(kernel):
+    """As a shell passes it: IPython's split keeps the quotes around a word, ddpnb takes them off."""
+    from ddpnb._magic import DDPMagics, _parse
+
+    parsed = _parse(DDPMagics.ddp, "--engine slurm --srun-args '--mem=8G -c 4' --env \"A=b c\"", "")
+    assert (parsed.srun_args, parsed.env) == ("--mem=8G -c 4", ["A=b c"])
+    ran = kernel.execute("%%ddp -n 1 --env 'MSG=a b' -o got\ndef f():\n    import os\n    return os.environ['MSG']")
+    assert ran.error is None, ran.text
+    assert kernel.execute("got").results == ["'a b'"]
