@@ -92,9 +92,7 @@ class Host:
             elif kind is Control.ESCALATE:
                 self.ranks.escalate()
             elif kind is Control.STACKS:  # takes a second (the ranks write their stacks): not in this loop
-                ranks, number = value
-                threading.Thread(target=lambda: self.report(Report.STACKS, (number, self.ranks.collect_stacks(
-                    ranks))), name="ddpnb-slurm-stacks", daemon=True).start()
+                threading.Thread(target=self._send_stacks, args=value, name="ddpnb-slurm-stacks", daemon=True).start()
             elif kind is Control.COMMAND:  # with the segments this host lacks; the others it holds
                 ranks, command, shape, ids = value
                 self.files.update(receive_data(self.conn.fileno(), shape) if shape else {})
@@ -105,6 +103,11 @@ class Host:
                         close_files({segment: self.files.pop(segment)})
             elif kind is Control.INTERRUPT:
                 self.ranks.interrupt(value)
+
+    def _send_stacks(self, ranks: list[int], number: int) -> None:
+        """The request's own ranks and number, bound when it came (a lambda read the loop's, rebound by the next
+        control: another request's ranks, or a command's)."""
+        self.report(Report.STACKS, (number, self.ranks.collect_stacks(ranks)))
 
     def close(self) -> None:
         """Nothing of this node's part may outlive the run."""
