@@ -43,8 +43,8 @@ RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with
              help=f"number of CPU ranks over gloo when --gpus is not given (default {DEFAULT_CPU_RANKS})."),
     argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
     argument("--engine", choices=engines.names(), default=engines.DEFAULT,
-             help="'local' (default): ranks are processes on this machine; 'ray': on a Ray cluster, through Ray "
-                  "Train (pip install -e '.[ray]'); or any other registered engine."),
+             help=f"where the ranks run: one of the registered engines ({', '.join(engines.names())}); "
+                  f"'{engines.DEFAULT}' (default) runs them on this machine. Each engine's own flags follow."),
     # each engine's own options, as the engine describes them (`EngineType.flags`)
     *(argument(flag.name, metavar=flag.metavar, choices=flag.choices, help=flag.help)
       for _, engine_flags in engines.flags() for flag in engine_flags),

@@ -269,7 +269,7 @@ MUTANTS = [
     ),
     Mutant(
         "slurm-data-pickled-for-every-rank", "ddpnb/engines/slurm/engine.py",
-        (("        return Shipment()  # memory files in the kernel", "        return None  # memory files in the kernel"),),
+        (("        return MemoryShipment()  # memory files in the kernel", "        return None  # memory files in the kernel"),),
         (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(

@@ -419,12 +419,12 @@ def test_static_summary_keeps_the_runs_hint():
 def test_a_restarted_runs_summary_counts_the_lines_of_every_attempt():
     """After a restart the summary's last lines may come from an earlier attempt: its count of lines is the run's
     (what the log files hold), never only the last attempt's ('last 16 of 10 lines')."""
-    from ddpnb.core.record import Attempt
+    from ddpnb.core.record import AttemptRecord
 
     record = _record()
     record.outcome = Outcome.SUCCEEDED
     earlier = [RankRecord(rank.rank, lines=8) for rank in record.ranks]
-    record.attempts = [Attempt(0, earlier, [], Outcome.FAILED, "rank 1 failed", 0.0, 1.0, last_line=16)]
+    record.attempts = [AttemptRecord(0, earlier, [], Outcome.FAILED, "rank 1 failed", 0.0, 1.0, last_line=16)]
     for rank in record.ranks:
         rank.lines = 5
     lines = [OutputLine(n, n % 2, Stream.STDOUT, f"line {n}") for n in range(26)]

@@ -25,12 +25,12 @@ def _fresh_arrays(count: int, start: int) -> list[np.ndarray]:
 
 def test_a_freed_sources_id_taken_by_another_keeps_the_first_ones_segment_in_the_launch():
     store = shared.Store()
-    first = shared.Shipment(store)
+    first = shared.MemoryShipment(store)
     old = np.full(MIB // 8, 1.0)
     first.reduce_array(old)
     first.fds()
     first.commit()  # `old` now lies in an earlier launch's segment, reused below
-    launch = shared.Shipment(store)
+    launch = shared.MemoryShipment(store)
     segments = {launch.reduce_array(old)[1][0]}
     del old  # the first pickle's temporary, gone before the next pickle of the same launch
     gc.collect()
@@ -88,7 +88,7 @@ def test_a_restart_gives_the_ranks_the_segment_of_the_functions_closure_data_aga
 def test_a_pickle_after_the_ranks_were_given_the_files_never_rewrites_what_they_map():
     """A restart pickles the args again with the launch's shipment: a new source then must not rewrite the segment
     earlier blocks lie in (new files holding only the new bytes, zeros where the earlier ones were)."""
-    shipment = shared.Shipment(shared.Store())
+    shipment = shared.MemoryShipment(shared.Store())
     first, second = torch.full((MIB,), 3.0), torch.full((MIB,), 5.0)
     shipment.reduce_tensor(first)
     shipment.fds()  # the first attempt's ranks

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpnb._magic import DDPMagics, SessionMagics, did_you_mean, state_dict_summary
-from ddpnb.core.record import Attempt, Outcome, Point, RankRecord, RankState, RunRecord
+from ddpnb.core.record import AttemptRecord, Outcome, Point, RankRecord, RankState, RunRecord
 from ddpnb.core.report import summary_table
 from ddpnb.core.words import format_duration
 from ddpnb.views.html import header_html, ranks_html
@@ -284,7 +284,7 @@ def test_a_record_of_a_long_run_prints_as_one_short_line_and_its_ranks_too():
     assert shown.count("<tr><td>") == 4 and "<td>3</td><td></td><td>finished</td><td>0</td><td>0</td>" in shown
     assert len(shown) < 1000
     assert len(ranks[3]._repr_html_()) < 300 and "&lt;RankRecord rank 3 finished" in ranks[3]._repr_html_()
-    attempt = Attempt(number=0, ranks=ranks, failures=[], outcome=Outcome.FAILED, note="", started=100.0,
+    attempt = AttemptRecord(number=0, ranks=ranks, failures=[], outcome=Outcome.FAILED, note="", started=100.0,
                       ended=101.0, last_line=0)
     assert repr(attempt) == "<Attempt 0 failed, 4 ranks>"
     assert attempt._repr_html_().count("<tr><td>") == 4 and len(attempt._repr_html_()) < 1000

@@ -478,7 +478,7 @@ class Attempt:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
 
 
-class Relay:
+class CurrentAttempt:
     """The events an engine reports to (`RunEvents`), bound to the attempt running now: an engine that restarts
     its ranks itself keeps reporting to one object while the run puts the next attempt behind it (`restarted`)."""
 

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from ddpnb.core.record import Outcome, RunRecord
 
 
-class Run(Protocol):
+class LiveRun(Protocol):
     """What the registry needs of a run (`core.run.Run`, which registers itself here)."""
 
     record: RunRecord
@@ -20,7 +20,7 @@ _live: set[Any] = set()
 _stops_at_exit = False
 
 
-def add(run: Run) -> None:
+def add(run: LiveRun) -> None:
     global _stops_at_exit
     if not _stops_at_exit:  # after multiprocessing's own exit handler, so it runs first: that one joins the ranks
         atexit.register(stop_all)
@@ -28,11 +28,11 @@ def add(run: Run) -> None:
     _live.add(run)
 
 
-def discard(run: Run) -> None:
+def discard(run: LiveRun) -> None:
     _live.discard(run)
 
 
-def runs(engine: str | None = None) -> list[Run]:
+def runs(engine: str | None = None) -> list[LiveRun]:
     """The runs still going (of one engine, by name), oldest first."""
     return sorted((run for run in list(_live) if engine is None or run.record.engine == engine),
                   key=lambda run: run.record.started)

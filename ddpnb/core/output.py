@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpnb.core.record import Attempt, OutputLine
+from ddpnb.core.record import AttemptRecord, OutputLine
 from ddpnb.core.spec import Stream
 
 MAX_LINE_CHARS = 10_000  # longer lines are cut in memory and in the views; the log file keeps every byte
@@ -105,8 +105,8 @@ class LineBuffer:
         return new, count - seen - len(new), count
 
 
-def split_at_restarts(new: list[OutputLine], attempts: Sequence[Attempt], seen: int
-                      ) -> Iterator[tuple[list[OutputLine], Attempt | None]]:
+def split_at_restarts(new: list[OutputLine], attempts: Sequence[AttemptRecord], seen: int
+                      ) -> Iterator[tuple[list[OutputLine], AttemptRecord | None]]:
     """New lines cut where each of `attempts` (ended, not marked in the view yet) had its last line, once the view
     read up to line `seen`: (the lines before the restart, the attempt that ended there), then (the rest, None).
     How views put a restart's line where it happened."""

@@ -145,7 +145,7 @@ class RankRecord:
 
 
 @dataclass(repr=False)
-class Attempt:
+class AttemptRecord:
     """One ended attempt of a run that was restarted after it (`--max-restarts`): its ranks and failures as they
     were when it ended. The attempt going on (or the last one) is the run record's own `ranks` and `failures`."""
 
@@ -259,7 +259,7 @@ class RunRecord:
     hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
     # restarts: the attempt going on (0 until a restart), the earlier attempts, and how many restarts are allowed
     attempt: int = 0
-    attempts: list[Attempt] = field(default_factory=list)
+    attempts: list[AttemptRecord] = field(default_factory=list)
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
     resumed_from: Path | None = None  # the checkpoints of the run this one continues (--resume)

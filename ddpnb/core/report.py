@@ -9,7 +9,7 @@ import time
 
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import Failure, known_cause
-from ddpnb.core.record import Attempt, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
+from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 
@@ -163,13 +163,13 @@ def grouped_stacks(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
     return sorted(((ranks, text) for text, ranks in same.items()), key=lambda item: item[0][0])
 
 
-def attempt_line(attempt: Attempt) -> str:
+def attempt_line(attempt: AttemptRecord) -> str:
     """'rank 1 failed first: killed by SIGKILL', or the ended attempt's outcome and why."""
     first = attempt.first_failure
     return f"rank {first.rank} failed first: {first.summary}" if first else f"{attempt.outcome.value}: {attempt.note}"
 
 
-def restart_line(attempt: Attempt, max_restarts: int) -> str:
+def restart_line(attempt: AttemptRecord, max_restarts: int) -> str:
     """Where a run restarted, as every view marks it in the output: 'attempt 0 failed: rank 1 failed first: ...
     Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt0.log (attempt 0), then
     rank{N}.attempt1.log'."""

@@ -20,7 +20,7 @@ from typing import Any
 from ddpnb.core import hints, live, rundir
 from ddpnb.core import messages as msg
 from ddpnb.core.announce import Announcer
-from ddpnb.core.attempt import Attempt, Relay, StopRequest
+from ddpnb.core.attempt import Attempt, CurrentAttempt, StopRequest
 from ddpnb.core.cellnames import cell_names, pdb_cell_names
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
@@ -28,7 +28,7 @@ from ddpnb.core.engine import Capabilities, Engine
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import Decision, RestartPolicy
 from ddpnb.core.ranklogs import log_paths
-from ddpnb.core.record import Attempt as AttemptRecord
+from ddpnb.core.record import AttemptRecord
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RunRecord
 from ddpnb.core.report import RunInterrupted, WorkerError, diagnosis_summary, named
 from ddpnb.core.spec import WorkerSpec, is_seconds
@@ -81,7 +81,7 @@ class Run:
         # set by a foreground dashboard once its summary (the rank table, the logs' place) is above the cell's error
         self.summary_above = False
         self.attempt = self._new_attempt(0, spec)
-        self._relay: Relay | None = Relay(self.attempt, self._restarted)
+        self._relay: CurrentAttempt | None = CurrentAttempt(self.attempt, self._restarted)
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:

@@ -1,6 +1,6 @@
 """Notebook data for local ranks, kernel side: written once into shared memory, mapped copy-on-write by every rank.
 
-A launch's `Shipment`, consulted by the pickler (`pickling.dumps(..., shared=)`), places each CPU tensor's storage
+A launch's `MemoryShipment`, consulted by the pickler (`pickling.dumps(..., shared=)`), places each CPU tensor's storage
 and each NumPy array of MIN_BYTES or more in the launch's `Segment` (anonymous memory files, `os.memfd_create`,
 written in parallel once the pickle is made) and leaves in the pickle only where the bytes are. The `Store` keeps
 what the latest launch sent, so that the next launch reuses what did not change. The rank side is `mapped`.
@@ -166,7 +166,7 @@ class Store(BySource[Block]):
 store = Store()
 
 
-class Shipment:
+class MemoryShipment:
     """One launch's data: what the pickler wrote or reused, and the segments the ranks must map."""
 
     def __init__(self, target: Store | None = None) -> None:

@@ -27,7 +27,7 @@ from ddpnb.rank import context as ctx
 
 
 @dataclass
-class _Pending:
+class _SaveInFlight:
     """An asynchronous save on its way: DCP writes in a thread; rank 0 marks it complete as soon as every rank's
     files are written (`_mark_complete`), and `finish` waits for that."""
 
@@ -37,7 +37,7 @@ class _Pending:
     completed: threading.Event
 
 
-_pending: _Pending | None = None
+_pending: _SaveInFlight | None = None
 _async_group: Any = None  # a process group of its own for DCP's writing thread: never the training's collectives
 _shared_root: Path | None = None  # the checkpoint directory every rank was seen to share (`_check_shared`)
 
@@ -80,7 +80,7 @@ def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = Fa
                                                                  completed))
         else:
             completed.set()
-        _pending = _Pending(future, step, final, completed)
+        _pending = _SaveInFlight(future, step, final, completed)
         return
     dcp.save(_state_dict(state), checkpoint_id=str(partial))
     if dist.get_rank() == 0:

@@ -13,7 +13,7 @@ import time
 
 from ddpnb.core import checkpoints
 from ddpnb.core.output import split_at_restarts
-from ddpnb.core.record import Attempt, Outcome, RunRecord, Stall
+from ddpnb.core.record import AttemptRecord, Outcome, RunRecord, Stall
 from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, log_files, named,
                                restart_line, stall_headline, summary_table)
 from ddpnb.core.run import Run
@@ -114,7 +114,7 @@ class TextView:
             self.out.write(f"[ddpnb] progress resumed: no longer stalled, after {format_duration(stall.resumed - stall.since)} "
                            "without progress\n")
 
-    def _restarted(self, attempt: Attempt) -> None:
+    def _restarted(self, attempt: AttemptRecord) -> None:
         self.restarts_shown += 1
         self.out.write(f"[ddpnb] {restart_line(attempt, self.run.record.max_restarts)}\n")
 

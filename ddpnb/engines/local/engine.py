@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, WorkerSpec, local_gpu_count
-from ddpnb.node.shared import Shipment
+from ddpnb.node.shared import MemoryShipment
 from ddpnb.node import forkserver
 from ddpnb.node.forked import COALESCE, STACK_WAIT, STOP_GRACE, ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat
@@ -40,8 +40,8 @@ class LocalType:
                               "in it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the "
                               "cell again.") from None
 
-    def shipment(self) -> Shipment:
-        return Shipment()
+    def shipment(self) -> MemoryShipment:
+        return MemoryShipment()
 
     def gpus_available(self) -> int | None:
         return local_gpu_count()
@@ -81,7 +81,7 @@ class LocalEngine:
         seats = Seat.local(self.spec.world_size, self.spec.use_gpus, self.spec.run_dir, store_socket.getsockname()[1])
         self._ranks = ForkedRanks(seats)
         # every rank maps the same memory files of notebook data (the function's and the args')
-        data = start.shipment.fds() if isinstance(start.shipment, Shipment) else {}
+        data = start.shipment.fds() if isinstance(start.shipment, MemoryShipment) else {}
         # under the forkserver's lock until every rank is forked: `preload` must not restart the forkserver meanwhile
         with forkserver.lock:
             self._ranks.start(events, forkserver.context_held(), spec_payload, data, store_socket, start.result_fd,
@@ -100,7 +100,7 @@ class LocalEngine:
         return self._forked.collect_stacks(ranks)
 
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
-        self._forked.send(ranks, command, shipment.fds() if isinstance(shipment, Shipment) else {})
+        self._forked.send(ranks, command, shipment.fds() if isinstance(shipment, MemoryShipment) else {})
 
     def interrupt(self, ranks: list[int]) -> None:
         self._forked.interrupt(ranks)

@@ -1,7 +1,7 @@
 """Notebook data for Ray ranks through Ray's object store: put once by the kernel, fetched by every rank.
 
 Kernel side: a launch's (or a session command's) `ObjectStoreShipment`, consulted by the pickler as
-`node.shared.Shipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
+`node.shared.MemoryShipment` is on the local engine, keeps each big CPU tensor's storage and each big NumPy array out of
 the pickle and leaves a key there; `put` puts each one into the object store once (`ray.put`) and hands every rank
 the references. The `RefStore` keeps the references the latest launches used, by the notebook object they came
 from, so that the next launch reuses what did not change instead of putting it again. Rank side (`fetched`): `rebuild_tensor`
@@ -77,7 +77,7 @@ store = RefStore()
 
 
 @dataclass
-class _Pending:
+class _Unplaced:
     """An object the pickler kept out of the pickle, not put yet."""
 
     source: weakref.ref
@@ -90,7 +90,7 @@ class ObjectStoreShipment:
 
     def __init__(self, target: RefStore | None = None) -> None:
         self.store = target or store
-        self.pending: dict[int, _Pending] = {}  # key -> what to put
+        self.pending: dict[int, _Unplaced] = {}  # key -> what to put
         self.used: dict[int, Held] = {}  # key -> what this launch sent, put or reused
         self.refs: dict[int, Any] = {}  # key -> its ObjectRef, once put; held for the run's life (a restart's)
         self._keys: dict[int, tuple[weakref.ref, int]] = {}  # id(source) -> (source, key), within this launch
@@ -135,7 +135,7 @@ class ObjectStoreShipment:
         key = next(self._numbers)
         self._keys[id(source)] = (weakref.ref(source), key)
         self._sources.append(source)
-        self.pending[key] = _Pending(weakref.ref(source), version, data)
+        self.pending[key] = _Unplaced(weakref.ref(source), version, data)
         return key
 
     def put(self) -> dict[int, Any]:
@@ -153,7 +153,7 @@ class ObjectStoreShipment:
         self.seconds += time.perf_counter() - began
         return dict(self.refs)
 
-    def _held(self, pending: _Pending) -> Held:
+    def _held(self, pending: _Unplaced) -> Held:
         """What an earlier launch put for this very source, if it is unchanged; else the source, put now."""
         import ray
 

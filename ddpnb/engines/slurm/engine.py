@@ -46,7 +46,7 @@ from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, in
 from ddpnb.node import forked
 from ddpnb.node.rank import Seat
 from ddpnb.node.relay import replay
-from ddpnb.node.shared import Shipment
+from ddpnb.node.shared import MemoryShipment
 
 STOP_GRACE = forked.STOP_GRACE  # seconds between a host's SIGTERM and SIGKILL to its ranks
 STACK_WAIT = forked.STACK_WAIT + 2.0  # seconds hosts get to send their ranks' stacks
@@ -112,8 +112,8 @@ class SlurmType:
         else:
             submit.salloc_path()
 
-    def shipment(self) -> Shipment:
-        return Shipment()  # memory files in the kernel, sent once to each node's host (`wire.send_data`)
+    def shipment(self) -> MemoryShipment:
+        return MemoryShipment()  # memory files in the kernel, sent once to each node's host (`wire.send_data`)
 
     def gpus_available(self) -> int | None:
         return None
@@ -204,7 +204,7 @@ class SlurmEngine:
         allocation.srun_path()
         try:
             self._payload = pickling.dump_spec(self.spec, start.shipment)  # first: args that cannot be sent
-            self._data = start.shipment.fds() if isinstance(start.shipment, Shipment) else {}
+            self._data = start.shipment.fds() if isinstance(start.shipment, MemoryShipment) else {}
             job = allocation.current() if allocation.inside() else self._ask_for_job()
             if job is not None:
                 self._launch(job)
@@ -656,7 +656,7 @@ class SlurmEngine:
         self._send_now(ranks, command, shipment)
 
     def _send_now(self, ranks: list[int], command: bytes, shipment: Any) -> None:
-        files = shipment.fds() if isinstance(shipment, Shipment) else {}
+        files = shipment.fds() if isinstance(shipment, MemoryShipment) else {}
         senders = []
         for node in self._nodes:
             mine = [rank for rank in ranks if rank in node.ranks]

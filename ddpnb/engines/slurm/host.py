@@ -35,7 +35,7 @@ HOLD = 0.5  # seconds the sender waits for events before it looks again
 READER_WAIT = 10.0  # seconds the host waits for its reader to see every rank end before it closes their pipes
 
 
-class Host:
+class NodeHost:
     """This node's part of one attempt: its ranks, the relay of their events, the connection to the kernel."""
 
     def __init__(self, conn: Connection, setup: Setup, files: dict[int, tuple[int, ...]]) -> None:
@@ -142,7 +142,7 @@ def main() -> None:
         kind, setup = pickle.loads(conn.recv_bytes())
         assert kind is Control.SETUP, kind
         files = receive_data(conn.fileno(), setup.layout)
-        host = Host(conn, setup, files)
+        host = NodeHost(conn, setup, files)
         host.start(setup, store)
         host.obey()
     except (EOFError, OSError):  # the kernel closed the connection: the run is over here
