@@ -101,8 +101,8 @@ MUTANTS = [
     ),
     Mutant(
         "hardware-samples-count-as-progress", "ddpnb/core/attempt.py",
-        (("            record.hardware.append(message)\n",
-          "            record.hardware.append(message)\n            self.watchdog.stamp(rank)\n"),),
+        (("            self.record.ranks[rank].hardware.append(message)\n",
+          "            self.record.ranks[rank].hardware.append(message)\n            self.watchdog.stamp(rank)\n"),),
         (STALL + "test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then_the_run_succeeds",),
     ),
     Mutant(
@@ -405,7 +405,7 @@ MUTANTS = [
     ),
     Mutant(
         "a-stopping-run-asks-a-ranks-prompt", "ddpnb/core/attempt.py",
-        (("            if self._stop is not None:  # every rank is being stopped", "            if False:  # every rank is being stopped"),
+        (("        if self._stop is not None:  # every rank is being stopped", "        if False:  # every rank is being stopped"),
          ("                self.waiting.pop(rank, None)\n                self.record.ranks[rank].breakpoint_at = \"\"\n", "")),
         (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own-error]",),
     ),

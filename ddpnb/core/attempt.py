@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 from pathlib import Path
 
 from ddpnb.core import flight, hints
@@ -227,64 +228,79 @@ class Attempt:
             self.announcer.mark(turn=explained)
 
     def message(self, rank: int, message: msg.Message) -> None:
+        """A rank's typed message, read by the handler its type has (`_HANDLERS`); an unknown type is ignored.
+        Progress is stamped by the handlers (output in `output`): a stuck rank sends GPU memory and stacks too.
+        What only feeds views and diagnostics is read `_aside`: a bug of ddpnb's there must not end the training.
+        A metric is not: it is the user's own value, which the record promises to keep, and a step's progress."""
+        self.announcer.mark(isinstance(message, (msg.Started, msg.Returned, msg.Failed, msg.Reply)))
+        handler = self._HANDLERS.get(type(message))
+        if handler is not None:
+            handler(self, rank, message)
+
+    def _metric(self, rank: int, message: msg.Metric) -> None:
+        self.watchdog.stamp(rank)
+        metrics = self.record.ranks[rank].metrics
+        for name, value in message.values.items():
+            metrics.setdefault(name, []).append(Point(message.step, message.time, value))
+
+    def _output(self, rank: int, message: msg.Output) -> None:
+        self.output(rank, Stream(message.stream), message.data)
+
+    def _progress(self, rank: int, message: msg.Progress) -> None:
+        self.watchdog.stamp(rank)
+        with self._aside(rank, "progress bars"):
+            self.record.ranks[rank].update_progress(message)
+
+    def _gpu_memory(self, rank: int, message: msg.GpuMemory) -> None:
+        with self._aside(rank, "GPU memory"):
+            self.record.ranks[rank].gpu_memory = (message.reserved, message.peak)
+
+    def _step_times(self, rank: int, message: msg.StepTimes) -> None:
+        with self._aside(rank, "step times"):
+            self.record.ranks[rank].step_times.append(message)
+            self.watchdog.step_reported(self.record.ranks, message)
+
+    def _hardware(self, rank: int, message: msg.Hardware) -> None:
+        with self._aside(rank, "hardware samples"):
+            self.record.ranks[rank].hardware.append(message)
+
+    def _imported(self, rank: int, message: msg.Imported) -> None:
+        with self._aside(rank, "import times"):
+            self.record.hint = hints.preload_hint(message)
+
+    def _started(self, rank: int, message: msg.Started) -> None:
         record = self.record.ranks[rank]
-        turn = isinstance(message, (msg.Started, msg.Returned, msg.Failed, msg.Reply))
-        self.announcer.mark(turn)
-        # progress is stamped in its branches (output in `output`); a stuck rank sends GPU memory and stacks too.
-        # What only feeds views and diagnostics is read `_aside`: a bug of ddpnb's there must not end the training.
-        # A metric is not: it is the user's own value, which the record promises to keep, and a step's progress.
-        if isinstance(message, msg.Metric):
-            self.watchdog.stamp(rank)
-            for name, value in message.values.items():
-                record.metrics.setdefault(name, []).append(Point(message.step, message.time, value))
-        elif isinstance(message, msg.Output):
-            self.output(rank, Stream(message.stream), message.data)
-        elif isinstance(message, msg.Progress):
-            self.watchdog.stamp(rank)
-            with self._aside(rank, "progress bars"):
-                record.update_progress(message)
-        elif isinstance(message, msg.GpuMemory):
-            with self._aside(rank, "GPU memory"):
-                record.gpu_memory = (message.reserved, message.peak)
-        elif isinstance(message, msg.StepTimes):
-            with self._aside(rank, "step times"):
-                record.step_times.append(message)
-                self.watchdog.step_reported(self.record.ranks, message)
-        elif isinstance(message, msg.Hardware):
-            with self._aside(rank, "hardware samples"):
-                record.hardware.append(message)
-        elif isinstance(message, msg.Imported):
-            with self._aside(rank, "import times"):
-                self.record.hint = hints.preload_hint(message)
-        elif isinstance(message, msg.Started):
-            record.state, record.device = RankState.RUNNING, message.device
-            self.watchdog.stamp(rank)
-        elif isinstance(message, msg.Returned):
-            self.watchdog.stamp(rank)
-            self._returned.add(rank)
-            if rank == 0:
-                self.result.returned(message.payload, message.saved)
-        elif isinstance(message, msg.Reply):
-            self.watchdog.stamp(rank)
-            if self.channel is not None:
-                self.channel.answered(message)  # released at the end of this read pass, after the output read with it
-        elif isinstance(message, msg.Failed):
-            self._failed(rank, message)
-        elif isinstance(message, msg.Profiled):
-            with self._aside(rank, "profile"):
-                self.traces.add(message)
-        elif isinstance(message, msg.Prompt):
-            if self._stop is not None:  # every rank is being stopped: nobody is asked (the engine ends this one)
-                return
-            with self._prompt_lock:
-                self.waiting[rank] = message
-                # a prompt after `p x` says no place: the rank is where its last one said
-                record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
-                self._where[rank] = record.breakpoint_at
-                # those answered meanwhile (the dashboard's console) go: the queue holds what still waits
-                self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
-                self.prompts.append(message)
-            self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
+        record.state, record.device = RankState.RUNNING, message.device
+        self.watchdog.stamp(rank)
+
+    def _returned_message(self, rank: int, message: msg.Returned) -> None:
+        self.watchdog.stamp(rank)
+        self._returned.add(rank)
+        if rank == 0:
+            self.result.returned(message.payload, message.saved)
+
+    def _reply(self, rank: int, message: msg.Reply) -> None:
+        self.watchdog.stamp(rank)
+        if self.channel is not None:
+            self.channel.answered(message)  # released at the end of this read pass, after the output read with it
+
+    def _profiled(self, rank: int, message: msg.Profiled) -> None:
+        with self._aside(rank, "profile"):
+            self.traces.add(message)
+
+    def _prompt(self, rank: int, message: msg.Prompt) -> None:
+        if self._stop is not None:  # every rank is being stopped: nobody is asked (the engine ends this one)
+            return
+        record = self.record.ranks[rank]
+        with self._prompt_lock:
+            self.waiting[rank] = message
+            # a prompt after `p x` says no place: the rank is where its last one said
+            record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
+            self._where[rank] = record.breakpoint_at
+            # those answered meanwhile (the dashboard's console) go: the queue holds what still waits
+            self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
+            self.prompts.append(message)
+        self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
     @contextlib.contextmanager
     def _aside(self, rank: int | None, what: str) -> Iterator[None]:
@@ -476,6 +492,13 @@ class Attempt:
 
     def running_ranks(self) -> list[int]:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
+
+    _HANDLERS: ClassVar[dict[type, Callable[[Attempt, int, Any], None]]] = {
+        msg.Metric: _metric, msg.Output: _output, msg.Progress: _progress, msg.GpuMemory: _gpu_memory,
+        msg.StepTimes: _step_times, msg.Hardware: _hardware, msg.Imported: _imported, msg.Started: _started,
+        msg.Returned: _returned_message, msg.Reply: _reply, msg.Failed: _failed, msg.Profiled: _profiled,
+        msg.Prompt: _prompt,
+    }
 
 
 class CurrentAttempt:
