@@ -140,18 +140,7 @@ def preloaded() -> list[str]:
 
 def threads(pid: int) -> list[str]:
     """The names of a process's threads."""
-    names: list[str] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return names
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        except OSError:  # ended meanwhile
-            continue
-    return names
+    return [comm.strip() for comm in orphans.per_task(pid, "comm")]
 
 
 def _stop() -> None:

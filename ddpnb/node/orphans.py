@@ -72,16 +72,22 @@ def descendants(pid: int) -> list[int]:
 
 def children(pid: int) -> list[int]:
     """The children of `pid`, every thread's (a thread that forked is the parent)."""
-    found: list[int] = []
+    return [int(child) for listing in per_task(pid, "children") for child in listing.split()]
+
+
+def per_task(pid: int, name: str) -> list[str]:
+    """`/proc/PID/task/*/NAME` of each of the process's threads ('comm', 'children'); none once it is gone, and
+    none of a file this kernel's /proc lacks."""
+    found: list[str] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:  # gone
         return found
     for task in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/children") as listing:
-                found += [int(child) for child in listing.read().split()]
-        except OSError:  # the thread ended meanwhile, or no such file in this kernel's /proc
+            with open(f"/proc/{pid}/task/{task}/{name}") as file:
+                found.append(file.read())
+        except OSError:  # the thread ended meanwhile, or no such file here
             continue
     return found
 
