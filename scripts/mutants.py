@@ -535,8 +535,8 @@ MUTANTS = [
     ),
     Mutant(
         "a-group-of-the-codes-own-silently-ignored", "ddpnb/rank/group.py",
-        (("        _own_group(backend, init_method, rank, world_size, kwargs)\n        return\n",
-          "        return\n"),),
+        (("    runs = (rank, world_size) == (int(os.environ[\"RANK\"]), int(os.environ[\"WORLD_SIZE\"]))\n",
+          "    runs = True\n"),),
         (CHILDREN + "test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn[ddpnb]",
          CHILDREN + "test_a_checkpoint_in_a_group_of_the_codes_own_is_refused_saying_why"),
     ),

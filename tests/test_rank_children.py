@@ -197,17 +197,15 @@ def _free_ports() -> int:
 @pytest.mark.parametrize("launcher", ["mp.spawn", "ddpnb"])
 def test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn(tmp_path, launcher):
     """Ranks 0-1 of 4 call init_process_group(world_size=2): they get that group, as under mp.spawn; never a hang
-    (8 s here; the bound only allows for a loaded machine)."""
+    (the script's own timeout fails the test where it would)."""
     script = tmp_path / "hybrid.py"
     script.write_text(HYBRID + HYBRID_MAIN)
-    began = time.monotonic()
     done = subprocess.run([sys.executable, str(script), launcher, str(_free_ports())], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, check=False, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "TRAINED [(0, 2, 3), (1, 2, 3)]" in output
     if launcher == "ddpnb":
-        assert time.monotonic() - began < 60, output[-2000:]
         assert output.count("a group of its own (world size 2") == 2  # said once by each trainer
 
 

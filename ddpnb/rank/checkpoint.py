@@ -195,10 +195,11 @@ def _spec(name: str) -> Any:
                            "checkpoints belong to the run. Outside one, call torch.distributed.checkpoint directly.")
     from ddpnb.rank import group
 
-    if group.own_group is not None:
+    own = group.own_group()
+    if own is not None:
         raise the_callers(RuntimeError(
             f"ddpnb.{name} needs the run's own process group, and this rank's code replaced it with "
-            f"init_process_group ({group.own_group}): call torch.distributed.checkpoint directly, or leave the "
+            f"init_process_group ({own}): call torch.distributed.checkpoint directly, or leave the "
             "process group ddpnb makes."))
     return context.spec
 

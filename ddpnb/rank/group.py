@@ -20,7 +20,6 @@ from ddpnb.rank import context as ctx
 
 LEAVE_WAIT = 0.05  # seconds rank 0 waits for the other ranks to finish before it takes down its process group
 _real_init: Any = None
-own_group: str | None = None  # the group the user's code asked for in place of the run's: "world size 2, rank 0"
 
 
 def patch_init_process_group() -> None:
@@ -33,24 +32,28 @@ def patch_init_process_group() -> None:
 
 
 def _init_from_user_code(backend: str | None = None, init_method: str | None = None, **kwargs: Any) -> None:
+    import sys
+
     import torch.distributed as dist
 
-    global own_group
     rank, world_size = _asked(init_method, kwargs)
-    if (rank, world_size) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
-        _own_group(backend, init_method, rank, world_size, kwargs)
-        return
-    if own_group is not None and dist.is_initialized():  # the user's own group, then the run's shape again
-        dist.destroy_process_group()
-    own_group = None
+    runs = (rank, world_size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     if dist.is_initialized():
-        if backend is None or backend.lower() == dist.get_backend().lower() or not _usable(backend):
+        same_backend = backend is None or backend.lower() == dist.get_backend().lower() or not _usable(backend)
+        if runs and own_group() is None and same_backend:
             return
         dist.destroy_process_group()
-    kwargs.pop("store", None)
+    if not runs:
+        print(f"ddpnb: rank {os.environ['RANK']} called init_process_group for a group of its own (world size "
+              f"{world_size}, rank {rank}; the run's is world size {os.environ['WORLD_SIZE']}): it gets that group. "
+              "ddpnb.save_checkpoint and the straggler radar need the run's group, and are off on this rank.",
+              file=sys.stderr, flush=True)
     kwargs.pop("rank", None)
     kwargs.pop("world_size", None)
-    new_group(backend if backend and _usable(backend) else None, **kwargs)
+    store = kwargs.pop("store", None) if not runs else None  # the run's group is always on the run's store
+    # ranks asking for the same group meet under the same prefix
+    new_group(backend, rank=rank, world_size=world_size, store=store,
+              prefix=None if runs else f"ddpnb/own/{world_size}/{init_method or 'env://'}", **kwargs)
 
 
 def _asked(init_method: str | None, kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -66,29 +69,16 @@ def _asked(init_method: str | None, kwargs: dict[str, Any]) -> tuple[int, int]:
     return rank, world_size
 
 
-def _own_group(backend: str | None, init_method: str | None, rank: int, world_size: int,
-               kwargs: dict[str, Any]) -> None:
-    """The group the user's code asked for in place of the run's, as asked; said once on the rank's stderr."""
-    import sys
-
+def own_group() -> str | None:
+    """The default group, where the user's code asked for another than the run's: "world size 2, rank 0"."""
     import torch.distributed as dist
 
-    global own_group
-    context = ctx.current()
-    assert context is not None and _real_init is not None
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    own_group = f"world size {world_size}, rank {rank}"
-    print(f"ddpnb: rank {context.rank} called init_process_group for a group of its own ({own_group}; the run's is "
-          f"world size {os.environ['WORLD_SIZE']}, rank {context.rank}): it gets that group. ddpnb.save_checkpoint "
-          "and the straggler radar need the run's group, and are off on this rank.", file=sys.stderr, flush=True)
-    store = kwargs.pop("store", None)
-    if store is None:  # the run's store: ranks asking for the same group meet under the same prefix
-        store = dist.PrefixStore(f"ddpnb/own/{world_size}/{init_method or 'env://'}", context.store)
-    kwargs.pop("rank", None)
-    kwargs.pop("world_size", None)
-    _real_init(backend=backend if backend and _usable(backend) else ("nccl" if context.device != "cpu" else "gloo"),
-               store=store, rank=rank, world_size=world_size, **kwargs)
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (rank, world_size) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
+        return None
+    return f"world size {world_size}, rank {rank}"
 
 
 def _usable(backend: str) -> bool:
@@ -96,18 +86,24 @@ def _usable(backend: str) -> bool:
     return not (backend.lower() == "nccl" and ctx.device() == "cpu")
 
 
-def new_group(backend: str | None, **kwargs: Any) -> None:
-    """The default process group, on this run's store under a key prefix of its own."""
+def new_group(backend: str | None, *, rank: int | None = None, world_size: int | None = None,
+              prefix: str | None = None, store: Any = None, **kwargs: Any) -> None:
+    """The default process group: the run's (the environment's rank and world size), or the one the user's code
+    asked for; on `store`, or this run's store under a key prefix of its own."""
     import torch.distributed as dist
 
     context = ctx.current()
     assert context is not None and _real_init is not None
-    context.store_uses += 1
+    if store is None:
+        if prefix is None:
+            context.store_uses += 1
+            prefix = f"ddpnb/{context.store_uses}"
+        store = dist.PrefixStore(prefix, context.store)
     _real_init(
-        backend=backend or ("nccl" if context.device != "cpu" else "gloo"),
-        store=dist.PrefixStore(f"ddpnb/{context.store_uses}", context.store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        backend=backend if backend and _usable(backend) else ("nccl" if context.device != "cpu" else "gloo"),
+        store=store,
+        rank=int(os.environ["RANK"]) if rank is None else rank,
+        world_size=int(os.environ["WORLD_SIZE"]) if world_size is None else world_size,
         **kwargs,
     )
 

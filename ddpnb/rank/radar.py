@@ -46,7 +46,7 @@ def step_arrivals(since_ns: int) -> tuple[tuple[str, int, int], ...]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return ()  # one rank waits for nobody
     if (dist.get_rank(), dist.get_world_size()) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
-        return ()  # a group of the user's own in place of the run's (`group.own_group`): not the run's to compare
+        return ()  # a group of the user's own in place of the run's (`group.own_group`, which this cannot import)
     arrivals = _compat.collective_arrivals(str(dist.get_backend()))
     return tuple([a for a in arrivals or () if a[2] > since_ns][-ARRIVALS_KEPT:])
 
