@@ -29,7 +29,7 @@ NOTEBOOK_MAIN = "DDPNB_NOTEBOOK_MAIN"  # names the rank's file of definitions, /
 _file: str | None = None  # this rank's, once written
 
 
-def fresh_main() -> dict[str, Any]:
+def fresh_main() -> None:
     """This rank's `__main__`: a new module, as a script's would be (the forkserver's holds its start-up code), and
     the start method a fresh `python train.py` has, its children's `__main__` holding the notebook's names."""
     from ddpnb import _compat
@@ -39,7 +39,6 @@ def fresh_main() -> dict[str, Any]:
     sys.modules["__main__"] = main
     multiprocessing.set_start_method(None, force=True)  # type: ignore[arg-type]  # None: the platform's default
     _compat.wrap_preparation_data(_with_notebook_main)
-    return vars(main)
 
 
 def adopt(fn: Any) -> None:
@@ -65,7 +64,7 @@ def _with_notebook_main(original: Any) -> Any:
     return preparation_data
 
 
-def definitions() -> dict[str, Any]:
+def _definitions() -> dict[str, Any]:
     """What plain pickle may look up by name in `__main__`: its classes and functions defined in the notebook."""
     main = sys.modules["__main__"]
     return {name: value for name, value in vars(main).items()
@@ -81,7 +80,7 @@ def _written() -> str:
         import cloudpickle
 
         parts = []
-        for name, value in definitions().items():
+        for name, value in _definitions().items():
             try:
                 parts.append(cloudpickle.dumps((name, value)))
             except Exception:  # noqa: BLE001, S112 - cloudpickle raises TypeError, PicklingError, ...
