@@ -1,5 +1,5 @@
-"""The engines a run can use, found by name: ddpnb's own, and any package's through the `ddpnb.engines` entry point
-group (`[project.entry-points."ddpnb.engines"] NAME = "package.module:EngineTypeClass"`).
+"""The engines a run can use, found by name: ddpnb's own (`_BUILT_IN`), and any package's through the `ddpnb.engines`
+entry point group (`[project.entry-points."ddpnb.engines"] NAME = "package.module:EngineTypeClass"`).
 
 An engine type (`core.engine.EngineType`) brings its name, capabilities, options dataclass, magic flags and checks;
 its module is imported only when it is looked up, and imports its platform (Ray, Slurm's CLI) only when used.
@@ -18,7 +18,9 @@ from ddpnb.core.spec import LaunchError
 
 GROUP = "ddpnb.engines"
 DEFAULT = "local"
-_BUILT_IN = {  # the same as pyproject.toml's entry points, for a checkout used without installing it
+# ddpnb's own engines, listed here only (not as entry points too), so that a checkout used without installing it
+# has them; another package's engine comes through the entry point group
+_BUILT_IN = {
     "local": "ddpnb.engines.local.engine:LocalType",
     "ray": "ddpnb.engines.ray.engine:RayType",
     "slurm": "ddpnb.engines.slurm.engine:SlurmType",
