@@ -39,14 +39,13 @@ from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
 from ddpnb.core.words import describe_exit
 from ddpnb.engines.slurm import allocation, submit
-from ddpnb.engines.slurm.door import Door
 from ddpnb.engines.slurm.options import SlurmOptions
-from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, invitation, keepalive, layout, \
-    send_data
 from ddpnb.node import forked
 from ddpnb.node.rank import Seat
 from ddpnb.node.relay import replay
 from ddpnb.node.shared import MemoryShipment
+from ddpnb.remote.door import Door
+from ddpnb.remote.wire import Control, Hello, Holdings, Report, Setup, invitation, keepalive, layout, send_data
 
 STOP_GRACE = forked.STOP_GRACE  # seconds between a host's SIGTERM and SIGKILL to its ranks
 STACK_WAIT = forked.STACK_WAIT + 2.0  # seconds hosts get to send their ranks' stacks
