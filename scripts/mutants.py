@@ -292,9 +292,18 @@ MUTANTS = [
          SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left"),
     ),
     Mutant(
-        "slurm-door-checks-one-connection-at-a-time", "ddpnb/engines/slurm/door.py",
+        "slurm-door-checks-one-connection-at-a-time", "ddpnb/remote/door.py",
         (("            check.start()\n", "            check.run()\n"),),  # a silent stranger holds the hosts up
         (SLURM + "test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on",),
+    ),
+    Mutant(
+        "stacks-answer-reads-the-next-requests-number", "ddpnb/remote/host.py",
+        ((("                threading.Thread(target=self._send_stacks, args=value, "
+           "name=f\"ddpnb-{self.place.engine}-stacks\",\n                                 daemon=True).start()\n"),
+          ("                ranks, number = value\n                threading.Thread(target=lambda: self.report("
+           "Report.STACKS, (number, self.ranks.collect_stacks(\n"
+           "                    ranks))), name=\"ddpnb-slurm-stacks\", daemon=True).start()\n")),),
+        ("tests/test_remote.py::test_each_stacks_request_is_answered_under_its_own_number_when_the_next_comes_at_once",),
     ),
     Mutant(
         "slurm-step-never-tried-again", "ddpnb/engines/slurm/engine.py",
