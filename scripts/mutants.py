@@ -346,8 +346,7 @@ MUTANTS = [
     # --- the ray engine's warm launch (test_ray.py: a real local Ray instance) ------------------------------------
     Mutant(
         "lost-host-fails-no-rank", "ddpnb/engines/ray/warm.py",
-        (("        self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],\n",
-          "        (lambda *_: None)([rank for rank, (where, _) in self._nodes.items() if where == node],\n"),),
+        (("        self._hosts.lose(self._hosts.left(node),\n", "        (lambda *_: None)(self._hosts.left(node),\n"),),
         (RAY + "test_a_lost_host_fails_its_ranks_with_rays_own_line_and_the_next_launch_gets_a_new_one",),
     ),
     Mutant(
