@@ -1,5 +1,6 @@
-"""The remote layer's node host, driven over a real socket pair with the real wire, without Slurm: what a host
-answers depends only on what the kernel sent it, however close together the kernel's controls come."""
+"""The remote layer without a cluster: its node host driven over a real socket pair with the real wire (what a host
+answers depends only on what the kernel sent it, however close together the kernel's controls come), and the
+kernel's account of hosts (`Hosts`) that the Slurm and Ray engines share."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from ddpnb.node.rank import Seat
 from ddpnb.remote.host import NodeHost, Place
+from ddpnb.remote.hosts import Hosts
 from ddpnb.remote.wire import Control, Report, Setup
 
 pytestmark = pytest.mark.fast
@@ -66,3 +68,46 @@ def test_each_stacks_request_is_answered_under_its_own_number_when_the_next_come
     finally:
         threading.settrace(None)
     assert sorted(answers, key=repr) == [(Report.STACKS, (1, {})), (Report.STACKS, (2, {}))]
+
+
+class _Told:
+    """The run's side of `RunEvents`, as far as `Hosts` tells it: each rank's end."""
+
+    def __init__(self) -> None:
+        self.exits: list[tuple[int, int | None, bool, str]] = []
+
+    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
+               traceback: str = "") -> None:
+        self.exits.append((rank, exitcode, stopped, cause))
+
+
+def test_hosts_keep_early_calls_in_order_and_tell_each_ranks_end_once_the_first_way_it_is_learnt():
+    told = _Told()
+    hosts: Hosts[str] = Hosts(world_size=3)
+    hosts.events = told  # type: ignore[assignment]
+    hosts.place("a", [0, 1])
+    hosts.place("b", [2])
+    calls: list[tuple[str, int]] = []
+    hosts.in_order(lambda number: calls.append(("first", number)))
+    hosts.in_order(lambda number: calls.append(("second", number)))
+    assert calls == []  # the hosts take no call yet
+    hosts.open()
+    hosts.in_order(lambda number: calls.append(("third", number)))
+    assert calls == [("first", 0), ("second", 1), ("third", 2)]
+
+    hosts.replay("a", "node-a", [("exited", 0, -9, False)], where="Slurm node node-a")
+    hosts.lose(hosts.left("a"), "its node was lost")
+    hosts.lose(hosts.left("a"), "said twice")  # nothing left of host a
+    hosts.lose(hosts.left(), "", stopped=True)
+    assert told.exits == [(0, -9, False, "killed by SIGKILL (on Slurm node node-a)"), (1, 1, False, "its node was lost"),
+                          (2, -9, True, "")]
+    assert hosts.all_ended()
+
+
+def test_a_late_answer_to_an_earlier_stacks_request_is_dropped():
+    hosts: Hosts[int] = Hosts(world_size=2)
+    first = hosts.ask_stacks()
+    second = hosts.ask_stacks()
+    hosts.answered(first, {0: "an old stack"})
+    hosts.answered(second, {1: "rank 1's stack"})
+    assert (hosts.stacks([0, 1]), hosts.stack_answers) == ({1: "rank 1's stack"}, 1)
