@@ -258,13 +258,13 @@ MUTANTS = [
     # --- the slurm engine (test_slurm.py: a real two-node Slurm) -----------------------------------------------------
     Mutant(
         "slurm-rank-named-without-its-node", "ddpnb/engines/slurm/engine.py",
-        (('cause = f"{describe_exit(code)} (on Slurm node {node.name})" if code', 'cause = "" if code'),),
+        (('self._seats, where="Slurm node")', 'self._seats, where="")'),),
         (SLURM + "test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone",),
     ),
     Mutant(
         "lost-slurm-node-not-named", "ddpnb/engines/slurm/engine.py",
-        (('f"its Slurm node {node.name} was lost (ddpnb\'s host there ended{how})")',
-          'f"ended ({how})")'),),
+        (('f"its Slurm node {link.name} was lost (ddpnb\'s host there ended{how})",',
+          'f"ended ({how})",'),),
         (SLURM + "test_a_node_lost_mid_run_is_named_as_the_root_cause_and_nothing_is_left",),
     ),
     Mutant(
@@ -273,28 +273,37 @@ MUTANTS = [
         (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(
-        "slurm-unchanged-push-sent-again", "ddpnb/engines/slurm/engine.py",
-        (("lacking = {segment: files[segment] for segment in node.holdings.lacks(files)}",
+        "slurm-unchanged-push-sent-again", "ddpnb/remote/connections.py",
+        (("lacking = {segment: files[segment] for segment in link.holdings.lacks(files)}",
           "lacking = dict(files)"),),
         (SLURM + "test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy",),
     ),
     Mutant(
-        "slurm-host-without-setup-waits-forever", "ddpnb/engines/slurm/engine.py",
-        (("            if not node.ready:\n                if node.conn is not None and node.closed_at is None:\n"
-          "                    self._hang_up(node)\n                continue\n",
-          "            if not node.ready:\n                continue\n"),
-         ("            if node.conn is not None and node.closed_at is None and \\\n"
-          "                    not (node.ready and _send(node, Control.ESCALATE, wait=False)):\n"
-          "                self._hang_up(node)\n",
-          "            if node.ready:\n                _send(node, Control.ESCALATE, wait=False)\n"),
-         ("        if any(node.hello is None for node in self._nodes):\n            self._cancel_step()\n", "")),
+        "slurm-host-without-setup-waits-forever", "ddpnb/remote/connections.py",
+        ((("            if not link.ready:\n                if link.conn is not None and link.closed_at is None:\n"
+           "                    self._hang_up(link)\n                continue\n"),
+          "            if not link.ready:\n                continue\n"),
+         (("            if link.conn is not None and link.closed_at is None and \\\n"
+           "                    not (link.ready and _send(link, Control.ESCALATE, wait=False)):\n"
+           "                self._hang_up(link)\n"),
+          "            if link.ready:\n                _send(link, Control.ESCALATE, wait=False)\n"),
+         ("        return all(link.hello is not None for link in self.links)\n", "        return True\n")),
         (SLURM + "test_a_run_stopped_while_node_0s_host_is_late_ends_with_nothing_left",
          SLURM + "test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left"),
     ),
     Mutant(
-        "slurm-door-checks-one-connection-at-a-time", "ddpnb/engines/slurm/door.py",
+        "slurm-door-checks-one-connection-at-a-time", "ddpnb/remote/door.py",
         (("            check.start()\n", "            check.run()\n"),),  # a silent stranger holds the hosts up
         (SLURM + "test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on",),
+    ),
+    Mutant(
+        "stacks-answer-reads-the-next-requests-number", "ddpnb/remote/host.py",
+        ((("                threading.Thread(target=self._send_stacks, args=value, "
+           "name=f\"ddpnb-{self.place.engine}-stacks\",\n                                 daemon=True).start()\n"),
+          ("                ranks, number = value\n                threading.Thread(target=lambda: self.report("
+           "Report.STACKS, (number, self.ranks.collect_stacks(\n"
+           "                    ranks))), name=\"ddpnb-slurm-stacks\", daemon=True).start()\n")),),
+        ("tests/test_remote.py::test_each_stacks_request_is_answered_under_its_own_number_when_the_next_comes_at_once",),
     ),
     Mutant(
         "slurm-step-never-tried-again", "ddpnb/engines/slurm/engine.py",
@@ -313,7 +322,7 @@ MUTANTS = [
     ),
     Mutant(
         "stop-ignored-while-the-job-waits-in-the-queue", "ddpnb/engines/slurm/engine.py",
-        (("            while not self._stopping and not job.granted_within(submit.POLL):\n",
+        (("            while not self._conns.stopping and not job.granted_within(submit.POLL):\n",
           "            while not job.granted_within(submit.POLL):\n"),),
         (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",
          SLURM + "test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_nothing"),
@@ -337,8 +346,7 @@ MUTANTS = [
     # --- the ray engine's warm launch (test_ray.py: a real local Ray instance) ------------------------------------
     Mutant(
         "lost-host-fails-no-rank", "ddpnb/engines/ray/warm.py",
-        (("        self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],\n",
-          "        (lambda *_: None)([rank for rank, (where, _) in self._nodes.items() if where == node],\n"),),
+        (("        self._hosts.lose(self._hosts.left(node),\n", "        (lambda *_: None)(self._hosts.left(node),\n"),),
         (RAY + "test_a_lost_host_fails_its_ranks_with_rays_own_line_and_the_next_launch_gets_a_new_one",),
     ),
     Mutant(

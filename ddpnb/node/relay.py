@@ -1,5 +1,5 @@
 """A node's forked ranks' events (`RunEvents`), queued for the process that forwards them to the kernel: a Ray
-node's host (`engines/ray/host.py`, long-polled by the kernel) or a Slurm node's (`engines/slurm/host.py`, which
+node's host (`engines/ray/host.py`, long-polled by the kernel) or a Slurm node's (`remote/host.py`, which
 sends each batch on its connection). Both forward the same batches, so both keep the local engine's order.
 """
 

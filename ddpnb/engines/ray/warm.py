@@ -1,6 +1,8 @@
 """The ray engine's launch without Ray Train, kernel side: a placement group reserves the ranks' CPUs and GPUs where
 Ray places them; each node's host actor (`host.py`, started once per node and kernel) forks that node's ranks
-from its warm forkserver; the kernel long-polls every host for its ranks' news.
+from its warm forkserver; the kernel long-polls every host for its ranks' news. The hosts' account (ranks ended
+once, a lost host's ranks, calls in order) is the remote layer's (`ddpnb.remote.hosts`), with Ray's actor calls as
+its transport.
 
 A host that dies (its node lost) ends its ranks' part of the run: each is named a failure that says so, and the
 run stops the others as after any failure.
@@ -9,9 +11,7 @@ run stops the others as after any failure.
 from __future__ import annotations
 
 import itertools
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +25,7 @@ from ddpnb.engines.ray.data import ObjectStoreShipment
 from ddpnb.node import forkserver
 from ddpnb.node.forked import STACK_WAIT, STOP_GRACE
 from ddpnb.node.rank import Seat
-from ddpnb.node.relay import replay
+from ddpnb.remote.hosts import Hosts
 
 TICK = 0.1  # seconds between two checks of the run (stop, timeout, announcements) while no host has news
 HOLD = 0.5  # seconds a host's drain waits for news before it answers empty
@@ -49,19 +49,15 @@ class WarmEngine:
         self._payload = b""
         self._refs: dict[int, Any] = {}
         self._commands = False
-        self._hosts: dict[str, Any] = {}  # node id -> host, once launched
-        self._nodes: dict[int, tuple[str, str]] = {}  # rank -> (node id, node ip)
-        self._exited: set[int] = set()
+        self._actors: dict[str, Any] = {}  # node id -> its host actor, once launched
+        self._hosts: Hosts[str] = Hosts(spec.world_size)  # node id -> its ranks; commands kept till they are forked
+        self._ips: dict[str, str] = {}  # node id -> its ip
         self._stopping = False
-        self._lock = threading.Lock()
-        self._launched = False
-        self._early: list[Callable[[], None]] = []  # commands sent before the ranks were forked
-        self._numbers = itertools.count()  # commands and interrupts, in the order the hosts must take them
 
     def start(self, events: RunEvents, start: AttemptStart) -> None:
         from ray.util import placement_group
 
-        self._events = events
+        self._events = self._hosts.events = events
         self._commands = start.commands
         # before anything starts: arguments that cannot be sent
         self._payload = pickling.dump_spec(self.spec, start.shipment)
@@ -82,11 +78,9 @@ class WarmEngine:
         except _Stopped:  # while the ranks were being forked: the `finally` says so, `close` ends them
             pass
         except Exception as exc:  # noqa: BLE001 - Ray failed under us (the cluster went away): end the run, saying why
-            self._lose(list(range(self.spec.world_size)), f"lost the Ray run: {type(exc).__name__}: {exc}")
+            self._hosts.lose(self._hosts.left(), f"lost the Ray run: {type(exc).__name__}: {exc}")
         finally:
-            for rank in range(self.spec.world_size):  # stopped before they were forked
-                if rank not in self._exited:
-                    self._events.exited(rank, -signal.SIGKILL, stopped=True)
+            self._hosts.lose(self._hosts.left(), "", stopped=True)  # stopped before they were forked
 
     def _placed(self) -> bool:
         """Wait until Ray has reserved every rank's bundle (a busy cluster: until it has room); False if stopped."""
@@ -105,13 +99,17 @@ class WarmEngine:
 
         bundles = placement_group_table(self._group)["bundles_to_node_id"]
         nodes = list(dict.fromkeys(bundles[index] for index in range(self.spec.world_size)))
-        self._hosts, where = _hosts_on(nodes)
+        self._actors, where = _hosts_on(nodes)
         gpus = _gpu_ids(self._group, self.spec.world_size) if self.spec.use_gpus else {}
         single = len(nodes) == 1
         placed = {node: [index for index in range(self.spec.world_size) if bundles[index] == node] for node in nodes}
-        self._nodes = dict(enumerate((node, where[node][1]) for node in nodes for _ in placed[node]))
+        first = 0
+        for node in nodes:  # ranks numbered node by node
+            self._hosts.place(node, list(range(first, first + len(placed[node]))))
+            self._ips[node] = where[node][1]
+            first += len(placed[node])
         try:
-            port = ray.get(self._hosts[nodes[0]].bind_store.remote(self._run, single), timeout=CALL_WAIT)
+            port = ray.get(self._actors[nodes[0]].bind_store.remote(self._run, single), timeout=CALL_WAIT)
         except ray.exceptions.RayActorError as exc:  # without rank 0's store no rank can start: none is forked
             self._host_lost(nodes[0], exc)
             return
@@ -129,15 +127,12 @@ class WarmEngine:
                 seats[node].append(Seat(rank, local_rank, len(mine), "", node_rank, master, port,
                                         visible.index(gpus[index]) if gpus else None, environ))
                 rank += 1
-        notes = self._wait({node: self._hosts[node].start.remote(self._run, self._payload, seats[node], self._refs,
+        notes = self._wait({node: self._actors[node].start.remote(self._run, self._payload, seats[node], self._refs,
                                                                  self._commands, forkserver.preloaded(), versions())
                             for node in nodes})
         for note in itertools.chain(*notes.values()):
             print(note, file=sys.stderr)
-        with self._lock:
-            early, self._early, self._launched = self._early, [], True
-        for call in early:
-            call()
+        self._hosts.open()  # commands sent while the ranks were being forked go first, in order
 
     def _wait(self, calls: dict[str, Any]) -> dict[str, Any]:
         """The hosts' answers to a slow call (a new host's first fork waits for its `import torch`; a preload
@@ -166,7 +161,7 @@ class WarmEngine:
         import ray
 
         assert self._events is not None
-        polls = {host.drain.remote(self._run, HOLD): node for node, host in self._hosts.items()}
+        polls = {host.drain.remote(self._run, HOLD): node for node, host in self._actors.items()}
         while polls:
             ready, _ = ray.wait(list(polls), num_returns=1, timeout=TICK)
             for ref in ready:
@@ -178,7 +173,7 @@ class WarmEngine:
                     continue
                 self._replay(node, batch)
                 if not done:
-                    polls[self._hosts[node].drain.remote(self._run, HOLD)] = node
+                    polls[self._actors[node].drain.remote(self._run, HOLD)] = node
             self._events.tick()
 
     def _replay(self, node: str, batch: list[tuple[Any, ...]]) -> None:
@@ -186,41 +181,27 @@ class WarmEngine:
         assert events is not None
 
         def placed(rank: int, pid: int | None) -> None:
-            line = f"[ddpnb] on Ray node {node[:12]} ({self._nodes_ip(node)}), pid {pid}\n"
+            line = f"[ddpnb] on Ray node {node[:12]} ({self._ips.get(node, '?')}), pid {pid}\n"
             events.output(rank, Stream.STDOUT, line.encode())
 
-        def exited(rank: int, code: int | None, stopped: bool) -> None:
-            self._exited.add(rank)
-            events.exited(rank, code, stopped=stopped)
-
-        replay(batch, events, node, exited, placed)
+        self._hosts.replay(node, node, batch, placed=placed)
 
     def _host_lost(self, node: str, exc: Exception) -> None:
         """The node's host died: its ranks fail, saying so; no later call goes to it; the next launch starts another."""
         _hosts.pop(node, None)
-        self._hosts.pop(node, None)
-        self._lose([rank for rank, (where, _) in self._nodes.items() if where == node],
-                   f"its Ray node {self._nodes_ip(node)} was lost ({type(exc).__name__})")
-
-    def _lose(self, ranks: list[int], cause: str) -> None:
-        assert self._events is not None
-        for rank in ranks:
-            if rank not in self._exited:
-                self._exited.add(rank)
-                self._events.exited(rank, 1, cause=cause)
-
-    def _nodes_ip(self, node: str) -> str:
-        return next((ip for where, ip in self._nodes.values() if where == node), "?")
+        self._actors.pop(node, None)
+        self._hosts.lose(self._hosts.left(node),
+                         f"its Ray node {self._ips.get(node, '?')} was lost ({type(exc).__name__})")
 
     # --- stopping and commands --------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
         self._stopping = True
-        for host in self._hosts.values():
+        for host in self._actors.values():
             host.stop.remote(self._run, ranks)
         return STOP_GRACE
 
     def escalate(self) -> float | None:
-        for host in self._hosts.values():
+        for host in self._actors.values():
             host.escalate.remote(self._run)
         return None
 
@@ -228,7 +209,7 @@ class WarmEngine:
         """Each host's ranks' stacks; a host that does not answer in time (or died) gives none."""
         import ray
 
-        refs = [host.collect_stacks.remote(self._run, ranks) for host in self._hosts.values()]
+        refs = [host.collect_stacks.remote(self._run, ranks) for host in self._actors.values()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STACK_WAIT + CALL_WAIT)
         stacks: dict[int, str] = {}
         for ref in ready:
@@ -241,28 +222,18 @@ class WarmEngine:
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
         # the command's big tensors and arrays: put once (or reused), fetched once per node by its host
         refs = shipment.put() if isinstance(shipment, ObjectStoreShipment) else {}
-        self._in_order(lambda number: [host.send.remote(self._run, number, ranks, command, refs)
-                                       for host in self._hosts.values()])
+        self._hosts.in_order(lambda number: [host.send.remote(self._run, number, ranks, command, refs)
+                                             for host in self._actors.values()])
 
     def interrupt(self, ranks: list[int]) -> None:
-        self._in_order(lambda number: [host.interrupt.remote(self._run, number, ranks)
-                                       for host in self._hosts.values()])
-
-    def _in_order(self, call: Callable[[int], Any]) -> None:
-        """Numbered as called, since a threaded actor may run two calls in either order; kept until the ranks are
-        forked where they come before."""
-        with self._lock:
-            number = next(self._numbers)
-            if not self._launched:
-                self._early.append(lambda: call(number))
-                return
-        call(number)
+        self._hosts.in_order(lambda number: [host.interrupt.remote(self._run, number, ranks)
+                                             for host in self._actors.values()])
 
     def close(self) -> None:
         import ray
 
         try:
-            ray.get([host.close.remote(self._run) for host in self._hosts.values()], timeout=CALL_WAIT)
+            ray.get([host.close.remote(self._run) for host in self._actors.values()], timeout=CALL_WAIT)
         except Exception:  # noqa: BLE001 - a host is gone (its ranks with it), or Ray is (the kernel is exiting)
             pass
         if self._group is not None:

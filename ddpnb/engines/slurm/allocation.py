@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -135,3 +136,24 @@ def _parse(text: str) -> dict[str, str]:
         if sep and key not in fields:
             fields[key] = value
     return fields
+
+
+def spread(job: Allocation, world_size: int, asked: int | None, srun_args: str) -> list[int]:
+    """Ranks per node of the step on `job` (`asked` nodes, or all it holds, at most one per rank), in blocks as
+    srun's own default distribution: the first nodes take one more. LaunchError where the job cannot hold the run,
+    quoting Slurm."""
+    held = f"Slurm job {job.job} holds {job.quote('NumNodes', 'NumCPUs', 'NodeList')}"
+    if asked is not None and asked > len(job.nodes):
+        raise LaunchError(f"--nodes {asked} asks for more nodes than this allocation has: {held}. Use "
+                          f"--nodes {len(job.nodes)} or fewer, or allocate more (salloc -N {asked} ...).")
+    nodes = asked or min(len(job.nodes), world_size)
+    if nodes > world_size:
+        raise LaunchError(f"--nodes {nodes} needs at least one rank per node, and this run has "
+                          f"{world_size}: use -n {nodes} or more, or fewer nodes.")
+    overcommit = any(arg in ("-O", "--overcommit") for arg in shlex.split(srun_args))
+    if world_size > job.cpus and not overcommit:
+        raise LaunchError(f"{world_size} ranks need {world_size} CPUs, one per rank, and {held}: "
+                          f"use -n {job.cpus} or fewer, or an allocation with more tasks (salloc -n "
+                          f"{world_size} ...), or --srun-args --overcommit to share CPUs.")
+    each, extra = divmod(world_size, nodes)
+    return [each + (index < extra) for index in range(nodes)]

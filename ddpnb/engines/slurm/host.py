@@ -1,175 +1,37 @@
 """A Slurm node's host: the one task of the run's `srun` step on its node
-(`python -c "from ddpnb.engines.slurm.host import main; main()"`).
-
-It reads the kernel's address and the run's secret from its stdin (srun gives every task the line the kernel
-wrote), connects over TCP proving the secret, says which node it is, and receives its node's seats, the spec and
-the notebook data (once per node, into memory files). Meanwhile its forkserver imports torch, once per node. It
-then forks the node's ranks (`node.forked`, as the local engine and a Ray node's host do), each with its own
-pipes, and sends their events to the kernel in the order its reader saw them (`node.relay`). The connection is
-the ranks' lifeline: when it closes (the kernel is gone, or ended the run), the host kills every rank's process
-group, which holds whatever the rank started even after that left the step's process tree (proctrack/linuxproc
-would not find it).
-"""
+(`python -c "from ddpnb.engines.slurm.host import main; main()"`), which is the remote layer's node host
+(`ddpnb.remote.host`) placed by what Slurm says in the task's environment. Its process group holds whatever a rank
+started even after that left the step's process tree (proctrack/linuxproc would not find it)."""
 
 from __future__ import annotations
 
 import os
-import pickle
-import shutil
-import socket
 import sys
-import tempfile
-import threading
-import time
-from dataclasses import replace
-from multiprocessing.connection import Client, Connection
-from typing import Any
 
-from ddpnb.engines.slurm.wire import Control, Holdings, Hello, Report, Setup, close_files, keepalive, \
-    read_invitation, receive_data
-from ddpnb.node import forkserver
-from ddpnb.node.forked import ForkedRanks, bind_store_socket
-from ddpnb.node.relay import Relay
-
-HOLD = 0.5  # seconds the sender waits for events before it looks again
-READER_WAIT = 10.0  # seconds the host waits for its reader to see every rank end before it closes their pipes
-
-
-class NodeHost:
-    """This node's part of one attempt: its ranks, the relay of their events, the connection to the kernel."""
-
-    def __init__(self, conn: Connection, setup: Setup, files: dict[int, tuple[int, ...]]) -> None:
-        self.conn = conn
-        self.lock = threading.Lock()  # one frame at a time on the connection
-        self.relay = Relay()
-        self.scratch = tempfile.mkdtemp(prefix="ddpnb-slurm-")  # the ranks' stack files, on this node
-        threads = _threads_per_rank(len(setup.seats))
-        environ = dict(os.environ)  # the step's environment on this node (SLURM_*, CUDA_VISIBLE_DEVICES)
-        seats = [replace(seat, stack_dir=self.scratch, environ={**environ, **threads, **seat.environ})
-                 for seat in setup.seats]
-        self.ranks = ForkedRanks(seats)
-        self.files = dict(files)  # segment id -> this host's memory files of it, while `holdings` holds it
-        self.holdings = Holdings(files)
-        self.reader: threading.Thread | None = None
-
-    def start(self, setup: Setup, store: socket.socket | None) -> None:
-        with forkserver.lock:
-            self.ranks.start(self.relay, forkserver.context_held(), setup.spec_payload, self.files, store, None,
-                             setup.commands)
-        self.reader = threading.Thread(target=self._serve, name="ddpnb-slurm-reader", daemon=True)
-        self.reader.start()
-        threading.Thread(target=self._forward, name="ddpnb-slurm-sender", daemon=True).start()
-
-    def _serve(self) -> None:
-        try:
-            self.ranks.serve()
-        finally:
-            self.relay.finish()
-
-    def _forward(self) -> None:
-        """The ranks' events, a read pass at a time, until every rank on this node has ended."""
-        while True:
-            batch, done = self.relay.take(HOLD)
-            if batch:
-                self.report(Report.EVENTS, batch)
-            if done:
-                self.report(Report.DONE)
-                return
-
-    def report(self, kind: Report, value: Any = None) -> None:
-        with self.lock:
-            try:
-                self.conn.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError:  # the kernel is gone: the control loop sees it too
-                return
-
-    def obey(self) -> None:
-        """The kernel's controls, in the order it sent them, until it closes the connection."""
-        while True:
-            kind, value = pickle.loads(self.conn.recv_bytes())
-            if kind is Control.STOP:
-                self.ranks.stop(value)
-            elif kind is Control.ESCALATE:
-                self.ranks.escalate()
-            elif kind is Control.STACKS:  # takes a second (the ranks write their stacks): not in this loop
-                threading.Thread(target=self._send_stacks, args=value, name="ddpnb-slurm-stacks", daemon=True).start()
-            elif kind is Control.COMMAND:  # with the segments this host lacks; the others it holds
-                ranks, command, shape, ids = value
-                self.files.update(receive_data(self.conn.fileno(), shape) if shape else {})
-                self.relay.commanded = time.monotonic()
-                self.ranks.send(ranks, command, {segment: self.files[segment] for segment in ids})
-                if ids:
-                    for segment in self.holdings.used(ids):
-                        close_files({segment: self.files.pop(segment)})
-            elif kind is Control.INTERRUPT:
-                self.ranks.interrupt(value)
-
-    def _send_stacks(self, ranks: list[int], number: int) -> None:
-        """The request's own ranks and number, bound when it came (a lambda read the loop's, rebound by the next
-        control: another request's ranks, or a command's)."""
-        self.report(Report.STACKS, (number, self.ranks.collect_stacks(ranks)))
-
-    def close(self) -> None:
-        """Nothing of this node's part may outlive the run."""
-        self.relay.abandon()
-        self.ranks.escalate()
-        if self.reader is not None:
-            self.reader.join(READER_WAIT)
-        self.ranks.close()
-        close_files(self.files)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+from ddpnb.remote.host import Place, serve
+from ddpnb.remote.wire import read_invitation
 
 
 def main() -> None:
-    node_index = int(os.environ.get("SLURM_NODEID", "0"))
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # a pipe to slurmstepd: the host's own words reach the notebook
-    address, secret = read_invitation(0)
+    address, secret = read_invitation(0)  # srun gives every task the line the kernel wrote
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # nothing forked here reads the rest of the step's input
     os.close(devnull)
-    forkserver.warm_up_in_background()  # `import torch` once per node, while the kernel sends the setup
-    conn = Client(address, family="AF_INET", authkey=secret)
-    keepalive(conn)
-    here = _address_towards(address)
-    store = bind_store_socket(here) if node_index == 0 else None  # rank 0's TCPStore, on this node
-    conn.send_bytes(pickle.dumps(Hello(
-        node_index=node_index, node=os.environ.get("SLURMD_NODENAME", socket.gethostname()), host=here,
-        pid=os.getpid(), step=f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}",
-        store_port=store.getsockname()[1] if store else 0)))
-    host = None
-    try:
-        kind, setup = pickle.loads(conn.recv_bytes())
-        assert kind is Control.SETUP, kind
-        files = receive_data(conn.fileno(), setup.layout)
-        host = NodeHost(conn, setup, files)
-        host.start(setup, store)
-        host.obey()
-    except (EOFError, OSError):  # the kernel closed the connection: the run is over here
-        pass
-    finally:
-        if host is not None:
-            host.close()
-        conn.close()
+    serve(address, secret, Place(
+        node_index=int(os.environ.get("SLURM_NODEID", "0")), node=os.environ.get("SLURMD_NODENAME", ""),
+        step=f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}",
+        cpus=_cpus(), engine="slurm"))
     os._exit(0)
 
 
-def _threads_per_rank(ranks: int) -> dict[str, str]:
-    """Each rank's share of the CPUs the step gave this node (torchrun's rule is one thread: ddpnb splits what
-    the host task holds), unless the user's OMP_NUM_THREADS says otherwise."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return {}
+def _cpus() -> int:
+    """The CPUs the step gave this task (0: those it may run on)."""
     try:
-        cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", "")) or len(os.sched_getaffinity(0))
+        return int(os.environ.get("SLURM_CPUS_PER_TASK", ""))
     except ValueError:
-        cpus = len(os.sched_getaffinity(0))
-    return {"OMP_NUM_THREADS": str(max(1, cpus // max(1, ranks)))}
-
-
-def _address_towards(address: tuple[str, int]) -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)  # sends nothing: asks the routing table which local address reaches the kernel
-        return probe.getsockname()[0]
+        return 0
 
 
 if __name__ == "__main__":

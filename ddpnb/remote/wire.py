@@ -1,7 +1,8 @@
-"""What the kernel and a Slurm node's host say to each other over the run's TCP channel (both sides import this).
+"""What the kernel and a node's host say to each other over the run's TCP channel (both sides import this).
 
-The step's stdin carries one line to every task (srun broadcasts it): the kernel's address and the run's secret,
-so the secret is never in a host's argv or environment, and nodes need no shared filesystem to learn it. A host
+A host learns the kernel's address and the run's secret from one line on its stdin (the invitation: srun gives it
+to every task of a Slurm step), so the secret is never in a host's argv or environment, and nodes need no shared
+filesystem to learn it. A host
 then connects with `multiprocessing.connection.Client(authkey=secret)`: both sides prove the secret by HMAC
 challenge before a byte of the run travels, and a connection that cannot is dropped. Frames are multiprocessing's:
 the host's first is its `Hello`, then `(Report, value)` pairs; the kernel's are `(Control, value)` pairs. Notebook
@@ -46,11 +47,11 @@ class Hello:
     """A host's first frame: which node of the step it is, and where. Node 0's also says where rank 0's TCPStore
     will listen (a socket it bound, port 0, handed to rank 0 when it is forked)."""
 
-    node_index: int  # SLURM_NODEID: this host's place in the step
-    node: str  # SLURMD_NODENAME
+    node_index: int  # this host's place among the run's hosts (Slurm: SLURM_NODEID)
+    node: str  # the node's name (Slurm: SLURMD_NODENAME)
     host: str  # the address this node reaches the kernel from (and its peers reach it at)
     pid: int
-    step: str  # JOBID.STEPID, for scancel
+    step: str  # the scheduler's name for the host's task, to cancel it (Slurm: JOBID.STEPID, for scancel)
     store_port: int = 0  # node 0: its bound store socket's port
 
 
@@ -91,7 +92,7 @@ def invitation(host: str, port: int, secret: bytes) -> bytes:
 
 
 def read_invitation(fd: int = 0) -> tuple[tuple[str, int], bytes]:
-    """The kernel's address and the secret, from the line srun delivered on stdin."""
+    """The kernel's address and the secret, from the invitation's line on `fd` (srun delivers it on stdin)."""
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(fd, 256)
@@ -116,14 +117,15 @@ def send_data(sock: int, files: dict[int, tuple[int, ...]]) -> None:
                 offset += os.sendfile(sock, fd, offset, min(CHUNK, size - offset))
 
 
-def receive_data(sock: int, shape: Layout) -> dict[int, tuple[int, ...]]:
-    """The bytes `send_data` sent, each file's into a memory file of this process: segment id -> its fds."""
+def receive_data(sock: int, shape: Layout, engine: str) -> dict[int, tuple[int, ...]]:
+    """The bytes `send_data` sent, each file's into a memory file of this process (named for `engine`, as a
+    rank's /proc/self/maps shows it): segment id -> its fds."""
     files: dict[int, tuple[int, ...]] = {}
     try:
         for segment, sizes in shape.items():
             fds = []
             for size in sizes:
-                fd = os.memfd_create(f"ddpnb-slurm-data-{segment}", os.MFD_CLOEXEC)
+                fd = os.memfd_create(f"ddpnb-{engine}-data-{segment}", os.MFD_CLOEXEC)
                 fds.append(fd)
                 os.ftruncate(fd, size)
                 _receive_into(sock, fd, size)

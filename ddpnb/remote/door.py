@@ -1,4 +1,4 @@
-"""The kernel's door for a Slurm run's hosts: a TCP listener on the address the nodes reach, which lets in only a
+"""The kernel's door for a run's hosts: a TCP listener on the address the nodes reach, which lets in only a
 connection that proves the run's secret (multiprocessing's HMAC challenge, both ways) and then says a host's
 `Hello`.
 
@@ -19,7 +19,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from ddpnb.engines.slurm.wire import Hello
+from ddpnb.remote.wire import Hello
 
 # seconds a connection may leave a read of its challenge and hello unanswered before it is dropped: long enough for
 # a host on a loaded node; a stranger holds only its own check meanwhile, and `close` ends it
@@ -44,7 +44,7 @@ class Door:
         self._checking: dict[socket.socket, threading.Thread] = {}  # each connection being checked, its check
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, name="ddpnb-slurm-door", daemon=True).start()
+        threading.Thread(target=self._accept, name="ddpnb-door", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -57,7 +57,7 @@ class Door:
                     sock.close()
                     return
                 check = self._checking[sock] = threading.Thread(target=self._check, args=(sock, peer),
-                                                                  name="ddpnb-slurm-door-check", daemon=True)
+                                                                  name="ddpnb-door-check", daemon=True)
             check.start()
 
     def _check(self, sock: socket.socket, peer: Any) -> None:
