@@ -1,8 +1,9 @@
 """One attempt of a run: every rank started once on one engine, until all have ended.
 
 The attempt is what its engine reports to (`core.engine.RunEvents`): it turns messages and exits into rank
-states and failures, feeds the rank logs and the watchdog, holds rank 0's result, and stops every rank against
-one deadline. It announces what changed to the run's views. Whether another attempt follows is the restart
+states and failures in its own record (`AttemptRecord`, which it alone writes), feeds the rank logs and the
+watchdog, holds rank 0's result, and stops every rank against one deadline; what other threads ask of its ranks
+(debugger answers, stacks) goes through its `Broker`. It announces what changed to the run's views. Whether another attempt follows is the restart
 policy's decision (`core.policy`), acted on by the run.
 """
 
