@@ -32,6 +32,7 @@ from ddpnb.core.spec import (
 from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
+from ddpnb.views.frontend import CellFrontEnd
 
 __all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "LaunchError", "LaunchOptions", "attempt", "device", "last_run",
            "launch", "log", "profile", "run", "runs", "spawn", "start"]
@@ -158,7 +159,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     run = Run(RunSetup(
         spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],
         engine=options.engine, capabilities=engine_type.capabilities,
-        new_engine=functools.partial(engine_type.create, options=launch.engine_options),
+        new_engine=functools.partial(engine_type.create, options=launch.engine_options), front_end=CellFrontEnd(),
         function="session" if commands else function_name(fn), policy=RestartPolicy(options.max_restarts),
         shipment=shipment, stall=launch.stall, commands=commands))
     run.hold(held)

@@ -317,7 +317,7 @@ MUTANTS = [
     ),
     Mutant(
         "queue-wait-counts-toward-the-timeout", "ddpnb/core/attempt.py",
-        (("held=bool(self.waiting) or self.is_queued())", "held=bool(self.waiting))"),),
+        (("held=bool(self.broker.waiting) or self.is_queued())", "held=bool(self.broker.waiting))"),),
         (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",),
     ),
     Mutant(
@@ -414,7 +414,7 @@ MUTANTS = [
     Mutant(
         "a-stopping-run-asks-a-ranks-prompt", "ddpnb/core/attempt.py",
         (("        if self._stop is not None:  # every rank is being stopped", "        if False:  # every rank is being stopped"),
-         ("                self.waiting.pop(rank, None)\n                self.record.ranks[rank].breakpoint_at = \"\"\n", "")),
+         ("        self.broker.withdraw(going)  # a rank being stopped", "        # a rank being stopped")),
         (DEBUGGER + "test_debug_asks_only_the_rank_that_failed_first[own-error]",),
     ),
     Mutant(
@@ -454,12 +454,12 @@ MUTANTS = [
         ("tests/test_engines.py::test_a_nodes_relay_holds_its_reader_back_once_the_kernel_falls_behind",),
     ),
     Mutant(
-        "a-line-for-a-prompt-gone-meanwhile-vanishes-silently", "ddpnb/core/run.py",
+        "a-line-for-a-prompt-gone-meanwhile-vanishes-silently", "ddpnb/views/frontend.py",
         (("        if not sent:\n            print(f\"[ddpnb] {line!r} was not sent", "        if False:\n            print(f\"[ddpnb] {line!r} was not sent"),),
         (DEBUGGER + "test_a_line_typed_at_a_prompt_the_run_ended_meanwhile_is_not_sent_and_that_is_said",),
     ),
     Mutant(
-        "a-views-bug-costs-the-cell-its-result", "ddpnb/core/run.py",
+        "a-views-bug-costs-the-cell-its-result", "ddpnb/core/announce.py",
         (("            except Exception as exc:  # noqa: BLE001 - a view's bug", "            except ZeroDivisionError as exc:  # noqa: BLE001 - a view's bug"),),
         (FAULTS + "test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end",),
     ),
@@ -502,7 +502,7 @@ MUTANTS = [
         (FAULTS + "test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_the_run_goes_on",),
     ),
     Mutant(
-        "a-reader-bug-left-to-the-threads-excepthook", "ddpnb/core/run.py",
+        "a-reader-bug-left-to-the-threads-excepthook", "ddpnb/core/lifecycle.py",
         (("            self.attempt.engine.serve()\n        except Exception as exc:  # noqa: BLE001 - said in the run's "
           "outcome, not only on the kernel's stderr\n            self.attempt.failed_inside(exc)\n",
           "            self.attempt.engine.serve()\n        except Exception:\n            raise\n"),),

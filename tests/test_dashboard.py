@@ -373,7 +373,7 @@ def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
 
 def _record(world_size: int = 2) -> RunRecord:
     record = RunRecord(run_dir=Path("/tmp/run"), world_size=world_size, backend="gloo")
-    record.ranks = [RankRecord(rank=r) for r in range(world_size)]
+    record.current.ranks = [RankRecord(rank=r) for r in range(world_size)]
     return record
 
 
@@ -410,7 +410,7 @@ def test_static_summary_escapes_what_the_ranks_print():
 def test_static_summary_keeps_the_runs_hint():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
-    record.hint = "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
+    record.current.hint = "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
     assert "ddpnb.preload(&#x27;torchvision&#x27;)" in _html.summary_html(record, [])
     assert record.hint in summary_text(record)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import sys
@@ -68,6 +69,39 @@ def ignores_sigterm_on_rank_0(rank):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"rank {rank} up", flush=True)
     time.sleep(300)
+
+
+def trains_and_fails_once(rank, world_size, ray_train=False):
+    """40 steps of DDP, a checkpoint every 10; rank 1 is SIGKILLed at step $FAIL_AT of attempt 0 (never where it is
+    unset). `ray_train`: also return the checkpoint Ray Train restarted the workers with."""
+    import os
+    import signal
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    reported = None
+    if ray_train and ddpnb.attempt():
+        import ray.train
+
+        reported = ray.train.get_checkpoint()
+    start = ddpnb.load_checkpoint({"model": model, "opt": opt})
+    print(f"attempt {ddpnb.attempt()} starts from step {start}", flush=True)
+    for step in range(start or 0, 40):
+        if rank == 1 and ddpnb.attempt() == 0 and step == int(os.environ.get("FAIL_AT", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 10 == 0:
+            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
+    return {"start": start, "attempt": ddpnb.attempt(), "state": model.module.state_dict(),
+            "ray_checkpoint": reported and os.path.basename(reported.path)}
 
 
 # --- each engine, set up once for the module ----------------------------------------------------------------------
@@ -323,3 +357,49 @@ def test_a_failing_rank_stops_the_others_and_leaves_nothing(engine):
     assert [r.state for r in run.record.ranks] == [RankState.STOPPED, RankState.FAILED]
     assert engine.left(run) == []
 
+
+
+def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint_and_resume_continues_it(engine, capsys):
+    """Issue 18's scenario on every engine with real ranks: rank 1 dies at step 25 of attempt 0; attempt 1 loads
+    step 20 (on Ray through Ray Train's own restart within one fit, which reports the checkpoints and hands the
+    latest to `ray.train.get_checkpoint()`; on Slurm in a new step, both nodes writing the checkpoint); the weights
+    equal those of a run that never failed, bit for bit; each attempt has its own logs, the newest 3 checkpoints are
+    kept; `resume=` that run, on the same engine, starts from step 40; and nothing is left."""
+    if engine.fake:
+        pytest.skip("checkpoints are written by torch.distributed.checkpoint on real ranks: the fake has none")
+    ray_train = engine.name == "ray"
+    restarted = ddpnb.run(trains_and_fails_once, engine=engine.name, nprocs=2, max_restarts=1, view="text",
+                          env={"FAIL_AT": "25"}, args=(ray_train,), **engine.options)
+    record = ddpnb.last_run()
+    shown = capsys.readouterr()
+    assert "[ddpnb] attempt 0 failed: rank 1 failed first" in shown.out, shown.out
+    assert re.search(r"^\[ranks? 0(,1)?\] attempt 1 starts from step 20$", shown.out, re.MULTILINE), shown.out
+    assert (record.attempt, len(record.attempts), record.attempts[0].first_failure.rank, record.outcome) == \
+        (1, 1, 1, Outcome.SUCCEEDED)
+    if not ray_train:  # Ray Train's own words for it: its health check failed
+        assert "killed by SIGKILL" in record.attempts[0].first_failure.summary, record.attempts[0].first_failure
+    assert (restarted["attempt"], restarted["start"]) == (1, 20)
+    assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
+        "rank0.attempt0.log", "rank0.attempt1.log", "rank1.attempt0.log", "rank1.attempt1.log"]
+    assert sorted(p.name for p in record.checkpoint_dir.iterdir() if p.name.startswith("step-")) == [
+        "step-000000020", "step-000000030", "step-000000040"]  # the newest 3 (keep_checkpoints)
+    if ray_train:
+        # Ray Train registered step 10 or 20 by the time rank 1 died (its controller collects reports as it polls)
+        assert restarted["ray_checkpoint"] in ("step-000000010", "step-000000020"), restarted["ray_checkpoint"]
+        assert "Reporting training result" not in shown.out + shown.err  # Ray Train's log line per report
+        # it restarted the workers within one fit: ddpnb connected (started an engine) once, not per attempt
+        assert shown.out.count(" node(s), ") == 1, shown.out
+    pids = [r.pid for a in [*record.attempts, record.current] for r in a.ranks if r.pid]
+    plain = ddpnb.run(trains_and_fails_once, engine="local", nprocs=2, view="none")
+    assert plain["start"] is None
+    assert all(torch_equal(restarted["state"][k], plain["state"][k]) for k in plain["state"])
+    resumed = ddpnb.run(trains_and_fails_once, engine=engine.name, nprocs=2, resume=record.run_dir, view="none",
+                        **engine.options)
+    assert resumed["start"] == 40
+    assert [str(pid) for pid in wait_gone(pids, within=30)] + engine.nothing_left(pids) == []
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return torch.equal(a, b)

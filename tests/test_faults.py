@@ -286,10 +286,10 @@ def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
     collective aborts and ranks ddpnb stopped are knock-on failures. Which happens in a real run is a race, so
     the report is built from the record such a run leaves."""
     from ddpnb.core.failures import Failure
-    from ddpnb.core.record import RankRecord, RunRecord
+    from ddpnb.core.record import AttemptRecord, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
-    record.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)]))
+    record.current.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
                        Failure(2, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
     report = str(ddpnb.WorkerError(record))
     assert report.startswith("ddpnb: rank 1 of 3 failed first: KeyError: 'no such column'")
@@ -301,12 +301,12 @@ def test_the_text_summary_names_each_failed_ranks_role_as_the_dashboard_does(tmp
     """A rank killed first reads 'failed first', one whose collective broke because of it 'stopped: peer failed',
     one with an error of its own 'failed': the words of the dashboard's rank rows, not a bare 'failed'."""
     from ddpnb.core.failures import Failure
-    from ddpnb.core.record import RankRecord, RankState, RunRecord
+    from ddpnb.core.record import AttemptRecord, RankRecord, RankState, RunRecord
 
     ranks = [RankRecord(r, state=RankState.FAILED, exitcode=1) for r in range(3)]
     ranks[2].exitcode = -9
-    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=ranks)
-    record.failures = [Failure(2, 10.0, "killed by SIGKILL"), Failure(1, 10.1, "ValueError: bad batch"),
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, ranks))
+    record.current.failures = [Failure(2, 10.0, "killed by SIGKILL"), Failure(1, 10.1, "ValueError: bad batch"),
                        Failure(0, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
     rows = {int(row.split()[0]): row for row in summary_table(record).splitlines()[1:]}
     assert re.match(r"\s*0  stopped: peer failed +exited with code 1 ", rows[0]), rows[0]
@@ -342,10 +342,10 @@ def test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first(tmp_path):
     """A peer's collective often fails before the kernel even sees the rank that died: the root cause is the
     first failure that is not a knock-on, whatever the times say."""
     from ddpnb.core.failures import Failure
-    from ddpnb.core.record import RankRecord, RunRecord
+    from ddpnb.core.record import AttemptRecord, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", ranks=[RankRecord(r) for r in range(3)])
-    record.failures = [Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
+    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)]))
+    record.current.failures = [Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
                        Failure(2, 10.1, "killed by SIGKILL"),
                        Failure(1, 10.2, "DistBackendError: NCCL communicator was aborted", knock_on=True)]
     assert record.first_failure.rank == 2
@@ -360,11 +360,11 @@ def test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first
     by peer"); that failure is the stop's consequence, so the report heads with the timeout (a race in a real
     run: tutorial 04 met it under load), as it does for an interrupt or stop()."""
     from ddpnb.core.failures import Failure
-    from ddpnb.core.record import Outcome, RankRecord, RunRecord
+    from ddpnb.core.record import AttemptRecord, Outcome, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", ranks=[RankRecord(r) for r in range(2)],
+    record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(2)]),
                        outcome=Outcome.TIMED_OUT, note="stopped after the 5 s timeout (--timeout)")
-    record.failures = [Failure(1, 10.0, "RuntimeError: Connection closed by peer", knock_on=True)]
+    record.current.failures = [Failure(1, 10.0, "RuntimeError: Connection closed by peer", knock_on=True)]
     assert record.first_failure is None
     error = ddpnb.WorkerError(record)
     assert str(error.args[0]) == "run timed out: stopped after the 5 s timeout (--timeout)"

@@ -256,7 +256,8 @@ def test_durations_read_the_same_in_the_dashboard_and_the_text():
     assert [format_duration(s) for s in (0.04, 3.25, 12.4, 65, 3725)] == [
         "0.0 s", "3.2 s", "12 s", "1 min 05 s", "1 h 02 min"]
     record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", function="f", started=100.0,
-                       ended=100.1, ranks=[RankRecord(rank=0, started=100.0, ended=100.1, state=RankState.FINISHED)])
+                       ended=100.1, current=AttemptRecord(0, [RankRecord(rank=0, started=100.0, ended=100.1,
+                                                                         state=RankState.FINISHED)]))
     assert "0.1 s" in header_html(record) and "0.1 s" in ranks_html(record)
     assert "0.1 s" in summary_table(record) and "0.1s" not in summary_table(record)
 
@@ -264,7 +265,7 @@ def test_durations_read_the_same_in_the_dashboard_and_the_text():
 def test_metrics_points_have_named_fields():
     rank = RankRecord(rank=0)
     rank.metrics["loss"] = [Point(0, 10.0, 0.5), Point(1, 11.0, 0.25)]
-    record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", ranks=[rank])
+    record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", current=AttemptRecord(0, [rank]))
     last = record.metrics("loss")[-1]
     assert (last.step, last.time, last.value) == (1, 11.0, 0.25)
     assert repr(last) == "Point(step=1, time=11.0, value=0.25)"
@@ -275,7 +276,7 @@ def test_a_record_of_a_long_run_prints_as_one_short_line_and_its_ranks_too():
     for rank in ranks:
         rank.metrics["loss"] = [Point(step, 10.0 + step, 1.0 / (step + 1)) for step in range(5000)]
     record = RunRecord(run_dir=Path("/tmp/ddpnb-runs/run-1"), world_size=4, backend="gloo", function="train",
-                       started=100.0, ended=112.5, outcome=Outcome.SUCCEEDED, ranks=ranks)
+                       started=100.0, ended=112.5, outcome=Outcome.SUCCEEDED, current=AttemptRecord(0, ranks))
     assert repr(record) == ("<RunRecord train on local: succeeded, 4 ranks (gloo), attempt 0, 12.5 s, "
                             "/tmp/ddpnb-runs/run-1>")
     assert repr(ranks[3]) == "<RankRecord rank 3 finished exit=0 pid=103 device=cpu lines=0 metrics (loss: 5000)>"

@@ -195,10 +195,10 @@ def test_no_rank_colour_is_a_state_colour_nor_near_the_failure_red_or_the_warnin
 def test_static_summary_has_no_style_block_no_svg_and_only_sanitiser_safe_inline_values(tmp_path):
     """What JupyterLab's sanitiser strips from an untrusted notebook's HTML must not carry the summary's look: no
     <style>, no <svg> (the plots are images), no `var(...)` in inline styles."""
-    from ddpnb.core.record import Outcome, RankRecord, RankState, RunRecord
+    from ddpnb.core.record import AttemptRecord, Outcome, RankRecord, RankState, RunRecord
 
     record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", function="train",
-                       ranks=[RankRecord(rank=r, state=RankState.FINISHED) for r in range(2)],
+                       current=AttemptRecord(0, [RankRecord(rank=r, state=RankState.FINISHED) for r in range(2)]),
                        outcome=Outcome.SUCCEEDED)
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1)) for step in range(10)]

@@ -121,7 +121,7 @@ def test_folding_off_passes_every_line_as_printed():
 
 def _record(world_size: int) -> RunRecord:
     record = RunRecord(run_dir=Path("/tmp/ddpnb-run"), world_size=world_size, backend="gloo", function="train")
-    record.ranks = [RankRecord(rank=r, state=RankState.RUNNING) for r in range(world_size)]
+    record.current.ranks = [RankRecord(rank=r, state=RankState.RUNNING) for r in range(world_size)]
     return record
 
 

@@ -21,7 +21,7 @@ from nbclient import NotebookClient
 from packaging.requirements import Requirement
 
 from ddpnb.core import hints
-from ddpnb.core.record import Diagnosis, Outcome, RankWhere, RunRecord
+from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, RankWhere, RunRecord
 from tests import slurm_cluster
 
 ROOT = Path(__file__).parent.parent
@@ -171,7 +171,7 @@ def test_a_timeout_without_a_collective_gives_no_collective_hint(cells):
 
 def _timed_out(*ranks: RankWhere) -> str:
     record = RunRecord(run_dir=Path("/tmp/x"), world_size=len(ranks), backend="gloo", outcome=Outcome.TIMED_OUT,
-                       at_timeout=Diagnosis(taken=0.0, ranks=list(ranks)))
+                       current=AttemptRecord(0, [], at_timeout=Diagnosis(taken=0.0, ranks=list(ranks))))
     return hints.hint(record)
 
 

@@ -18,6 +18,7 @@ from ddpnb.core.spec import Stream
 from ddpnb.views import html as render
 from tests.fake_engine import (
     Exit,
+    Gate,
     Print,
     Queue,
     Script,
@@ -163,6 +164,40 @@ def test_a_lost_rank_is_the_first_failure_in_the_engines_words_and_a_restart_fol
     assert handle.result() == "again"
     (first,) = handle.record.attempts
     assert first.first_failure.rank == 1 and first.first_failure.summary == "was lost with its node n2"
+
+
+def test_a_record_held_across_a_restart_reads_the_new_attempt_and_keeps_the_old_one_as_it_ended():
+    """What a user or a view holds while attempt 0 runs: the run's record (`handle.record`) reads the attempt
+    going on after the restart; attempt 0's own record (`record.current` then: its ranks, failures, its wait in
+    the queue) is the one filed in `record.attempts`, kept as it ended, and nothing of attempt 1 writes into it."""
+    go_on, again = threading.Event(), threading.Event()
+    attempt_0 = Script([Queue("fake job 7", "pending (Priority)"), Queue("fake job 7", ""), started(0), started(1),
+                        metric(0, 0, loss=1.0), Gate(go_on), *raises(1, "ValueError", "rank 1 fails")])
+    attempt_1 = Script([started(0), started(1), metric(0, 0, loss=0.5), Gate(again), returned(0, "again"),
+                        returned(1), Exit(0, 0), Exit(1, 0)])
+    handle = launch([attempt_0, attempt_1], max_restarts=1)
+    record = handle.record
+    wait_for(lambda: record.ranks[1].state is RankState.RUNNING, "attempt 0's ranks to start")
+    first, ranks = record.current, record.ranks  # what a view holds while attempt 0 runs
+    go_on.set()
+    wait_for(lambda: record.attempt == 1 and record.ranks[1].state is RankState.RUNNING, "attempt 1 to start")
+    # the run's record reads attempt 1 ...
+    assert record.current is not first and record.ranks is not ranks and record.failures == []
+    assert [r.state for r in record.ranks] == [RankState.RUNNING] * 2 and record.queued is None
+    # ... and attempt 0's, held, is the one filed, as it ended
+    assert record.attempts == [first] and first.ranks is ranks
+    assert first.outcome is Outcome.FAILED and first.ended is not None and first.note == "rank 1 raised ValueError"
+    assert [r.state for r in ranks] == [RankState.STOPPED, RankState.FAILED] and ranks[1].exitcode == 1
+    assert [f.summary for f in first.failures] == ["ValueError: rank 1 fails"]
+    assert first.queued.what == "fake job 7" and not first.queued.ongoing
+    assert [p.value for p in record.metrics("loss", attempt=0)] == [1.0]
+    again.set()
+    assert handle.result() == "again"
+    # attempt 1's end wrote nothing into attempt 0's
+    assert [r.state for r in ranks] == [RankState.STOPPED, RankState.FAILED] and first.failures[0].rank == 1
+    assert [r.state for r in record.ranks] == [RankState.FINISHED] * 2 and record.current.outcome is Outcome.SUCCEEDED
+    assert [p.value for p in record.metrics("loss")] == [1.0, 0.5]
+    assert open_engines() == []
 
 
 # --- the watchdog (from test_stall.py) ------------------------------------------------------------------------------

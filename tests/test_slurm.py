@@ -734,48 +734,6 @@ def waits(rank):
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-CHECKPOINTED = '''%%ddp --engine slurm -n 2 --nodes 2 --max-restarts 1 --env FAIL_AT=25 -o restarted
-def train_and_fail(rank, world_size):
-    import signal
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(4, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    start = ddpnb.load_checkpoint({"model": model, "opt": opt})
-    print(f"attempt {ddpnb.attempt()} starts from step {start}")
-    for step in range(start or 0, 40):
-        if rank == 1 and ddpnb.attempt() == 0 and step == int(os.environ.get("FAIL_AT", -1)):
-            os.kill(os.getpid(), signal.SIGKILL)
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
-        opt.zero_grad(); loss.backward(); opt.step()
-        if (step + 1) % 10 == 0:
-            ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
-    return {"start": start, "state": model.module.state_dict()}
-'''
-
-
-def test_a_slurm_run_restarts_from_its_checkpoint_on_a_new_step_and_resume_continues_it(slurm_kernel, cluster):
-    """Checkpoints across nodes: rank 1 (on n2) dies at step 25; attempt 1, a new step, loads step 20, which both
-    nodes wrote (torch.distributed.checkpoint, into the run's checkpoint directory: on a cluster, put it on a shared
-    filesystem); the weights equal a run that never failed; `resume=` that run, on Slurm, starts from step 40."""
-    slurm_kernel.execute("import torch")
-    run = slurm_kernel.execute(CHECKPOINTED, timeout=CELL_TIMEOUT)
-    assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
-    assert "[ddpnb] attempt 0 failed: rank 1 failed first" in run.stdout, run.stdout
-    assert re.search(r"^\[ranks? 0(,1)?\] attempt 1 starts from step 20$", run.stdout, re.MULTILINE), run.stdout
-    check = slurm_kernel.execute(
-        "slurm_run = ddpnb.last_run().run_dir\n"
-        "plain = ddpnb.run(train_and_fail, nprocs=2, view='none')\n"
-        "resumed = ddpnb.run(train_and_fail, engine='slurm', nprocs=2, nodes=2, resume=slurm_run, view='none')\n"
-        "print(restarted['start'], plain['start'], resumed['start'],\n"
-        "      all(torch.equal(restarted['state'][k], plain['state'][k]) for k in plain['state']))")
-    assert check.error is None, check.error
-    assert check.stdout.split() == ["20", "None", "40", "True"], check.stdout
-    assert ranks_left() == [] and steps_left(cluster) == []
-
-
 STALLS = '''%%ddp --engine slurm -n 3 --nodes 2 --stall 3
 def computes_then_stalls(rank, world_size):
     import torch, torch.distributed as dist

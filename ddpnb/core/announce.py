@@ -39,3 +39,44 @@ class Announcer:
         with self._changes:
             self._changes.wait_for(lambda: self.generation != seen or done(), timeout)
             return self.generation
+
+
+class Subscribers:
+    """The views a run feeds from the thread in its `wait()`: with the reader's news (and once a tick anyway), or,
+    subscribed with `news=False`, only when `wait()` returns. A view that raises (a bug of ddpnb's) costs the run
+    neither its result nor its end: `notify` hands it back once, by its class's name."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Callable[[], None]] = []
+        self._enders: list[Callable[[], None]] = []
+        self._said: set[str] = set()  # the views whose failure was handed on
+
+    def __bool__(self) -> bool:
+        """Some view is fed with the news."""
+        return bool(self._listeners)
+
+    def subscribe(self, callback: Callable[[], None], news: bool) -> None:
+        (self._listeners if news else self._enders).append(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        # new lists, not removals: `notify` may be going over the old ones in another thread
+        self._listeners = [c for c in self._listeners if c != callback]
+        self._enders = [c for c in self._enders if c != callback]
+
+    def notify(self, ending: bool = False, ended: bool = False) -> list[tuple[str, Exception]]:
+        """Feed every view (`ending`: `wait()` returns, so those fed only then too); once the run has `ended` and
+        they have drawn it, let go of them, so that the run and its value go with the caller's last reference.
+        Returns the views that failed for the first time, and how."""
+        failed = []
+        for callback in [*self._listeners, *(self._enders if ending else ())]:
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - a view's bug must cost the run neither its result nor its end
+                view = getattr(callback, "__qualname__", repr(callback)).split(".")[0]
+                if view not in self._said:
+                    self._said.add(view)
+                    failed.append((view, exc))
+        if ending and ended:
+            self._listeners.clear()
+            self._enders.clear()
+        return failed

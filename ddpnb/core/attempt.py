@@ -1,8 +1,9 @@
 """One attempt of a run: every rank started once on one engine, until all have ended.
 
 The attempt is what its engine reports to (`core.engine.RunEvents`): it turns messages and exits into rank
-states and failures, feeds the rank logs and the watchdog, holds rank 0's result, and stops every rank against
-one deadline. It announces what changed to the run's views. Whether another attempt follows is the restart
+states and failures in its own record (`AttemptRecord`, which it alone writes), feeds the rank logs and the
+watchdog, holds rank 0's result, and stops every rank against one deadline; what other threads ask of its ranks
+(debugger answers, stacks) goes through its `Broker`. It announces what changed to the run's views. Whether another attempt follows is the restart
 policy's decision (`core.policy`), acted on by the run.
 """
 
@@ -11,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 from pathlib import Path
@@ -22,7 +21,7 @@ from ddpnb.core import flight, hints
 from ddpnb.core import profile as profiling
 from ddpnb.core import messages as msg
 from ddpnb.core.announce import Announcer
-from ddpnb.core.cellnames import pdb_where
+from ddpnb.core.broker import Broker
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
@@ -30,10 +29,9 @@ from ddpnb.core.failures import Failure, FrameLocals, is_knock_on
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import AttemptSnapshot
 from ddpnb.core.ranklogs import RankLogs
-from ddpnb.core.record import Diagnosis, Outcome, Point, Queued, RankState, RunRecord, Stall
+from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, Point, Queued, RankState, Stall, bug_text
 from ddpnb.core.result import ResultSlot
 from ddpnb.core.spec import Stream, WorkerSpec
-from ddpnb.core.stacks import readable
 from ddpnb.core.stall import diagnose
 from ddpnb.core.watchdog import Alarm, Watchdog
 from ddpnb.core.words import describe_exit
@@ -64,16 +62,17 @@ class AttemptState(enum.Enum):
 
 class Attempt:
     """One attempt's ranks, as its engine reports them (`RunEvents`, but `restarted`, which is the run's).
-    `number`: 0 for the first attempt; `stop_request`: the run's, read each tick."""
+    `record`: this attempt's, written here alone (`learned` hands it back complete); `stop_request`: the run's,
+    read each tick; `numbered`: the run may restart, so each attempt's logs and traces have their own names."""
 
-    def __init__(self, number: int, spec: WorkerSpec, capabilities: Capabilities, record: RunRecord,
-                 lines: LineBuffer, watchdog: Watchdog, announcer: Announcer, channel: CommandChannel | None,
-                 stop_request: StopRequest) -> None:
-        self.number = number
+    def __init__(self, spec: WorkerSpec, capabilities: Capabilities, record: AttemptRecord, lines: LineBuffer,
+                 watchdog: Watchdog, announcer: Announcer, channel: CommandChannel | None, stop_request: StopRequest,
+                 numbered: bool) -> None:
+        self.number = record.number
         self.spec = spec
         self.engine: Engine = None  # type: ignore[assignment]  # from `start` or `adopt` on
         self.capabilities = capabilities
-        self.record = record  # its `ranks` and `failures` are this attempt's
+        self.record = record
         self._lines = lines
         self.logs: RankLogs | None = None
         self.watchdog = watchdog
@@ -81,52 +80,47 @@ class Attempt:
         self.channel = channel
         self.result = ResultSlot(memory_file=capabilities.shares_memory)
         self.state = AttemptState.STARTING
-        self.started = time.time()
         self._request = stop_request
         self._returned: set[int] = set()
         self._placed: set[int] = set()  # ranks whose process exists
         self._stopping: dict[int, float] = {}  # rank -> when the engine was first asked to stop it (time.time())
         self._stop: StopAsk | None = None  # why every rank is being stopped (a failure, the timeout, a stop)
         self._escalate_at: float | None = None  # the stop's one deadline: when the engine stops harder
-        self._stack_requests: list[tuple[list[int], dict[int, str], threading.Event]] = []
         self._said: set[str] = set()  # what ddpnb could not read, said once an attempt (`_aside`)
         self.reader_failed = False  # ddpnb's own handling of the ranks raised (`failed_inside`)
-        # debugger prompts as they came, those still waiting only (under `_prompt_lock`)
-        self.prompts: deque[msg.Prompt] = deque()
-        # each rank's prompt that waits for an answer: its waiting is no stall, nor timed; the waiting cell, the
-        # dashboard's console and `Run.debug` answer it, whichever comes first
-        self.waiting: dict[int, msg.Prompt] = {}
-        self._where: dict[int, str] = {}  # each rank's place at its latest prompt that said one
-        self._prompt_lock = threading.Lock()
-        self.traces = profiling.Traces(profiling.profile_dir(Path(spec.run_dir), number, record.max_restarts > 0),
-                                       spec.world_size, number)
+        # the prompts and stack requests of other threads (the waiting cell, the console, `Run.stacks`)
+        self.broker = Broker(record.ranks, lambda: self._stop[1] if self._stop is not None else None)
+        self.traces = profiling.Traces(profiling.profile_dir(Path(spec.run_dir), self.number, numbered),
+                                       spec.world_size, self.number)
 
     # --- lifecycle, driven by the run -------------------------------------------------------------------------
     def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
               restarts: int) -> None:
         """Open the logs, make the engine and start every rank, reporting to `events` (a relay to this attempt);
         raises with nothing left running (`abandon` then lets go of the logs and the result file)."""
+        self.record.started = time.time()
         self._open()
-        self.engine = new_engine(self.spec)
-        if self.channel is not None:
-            self.channel.engine = self.engine
+        self._bind(new_engine(self.spec))
         self.engine.start(events, AttemptStart(result_fd=self.result.fd, shipment=shipment,
                                                commands=self.channel is not None or self.spec.prompts,
                                                restarts=restarts))
-        self.started = self.record.ranks[0].started  # the duration counts from the first rank's start
+        self.record.started = self.record.ranks[0].started  # the duration counts from the first rank's start
         self._running()
 
     def adopt(self, engine: Engine) -> None:
         """Take over the ranks `engine` restarted itself (it reports to the same relay)."""
         self._open()
-        self.engine = engine
+        self._bind(engine)
+        self._running()
+
+    def _bind(self, engine: Engine) -> None:
+        self.engine = self.broker.engine = engine
         if self.channel is not None:
             self.channel.engine = engine
-        self._running()
 
     def _open(self) -> None:
         for rank in self.record.ranks:
-            rank.started = self.started
+            rank.started = self.record.started
         self.logs = RankLogs(self.record.ranks, self.record.failures, self._lines)
 
     def _running(self) -> None:
@@ -179,9 +173,7 @@ class Attempt:
             self.announcer.mark(turn=True)
 
     def release_waiters(self) -> None:
-        for _, _, collected in self._stack_requests:  # no stacks will come now
-            collected.set()
-        self._stack_requests = []
+        self.broker.release()
         if self.channel is not None:
             self.channel.release()
 
@@ -189,7 +181,7 @@ class Attempt:
         """ddpnb's own handling of the ranks raised `exc` (a bug of ddpnb's): the attempt ends failed, saying so,
         its traceback in the record; `end` closes the engine, which stops every rank. No restart follows."""
         self.reader_failed = True
-        self.record.internal_error("ddpnb's reader failed", exc)
+        self.record.internal_errors.append(bug_text("ddpnb's reader failed", exc))
         self._stop = (Outcome.FAILED, f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every "
                                       "rank was stopped")
         self.announcer.mark(turn=True)
@@ -201,6 +193,12 @@ class Attempt:
         if all(r.state is RankState.FINISHED for r in self.record.ranks):
             return Outcome.SUCCEEDED, ""
         return Outcome.FAILED, "not every rank finished"
+
+    def learned(self, last_line: int) -> AttemptRecord:
+        """The attempt's record, complete: how it ended, and the run's count of output lines then (`last_line`)."""
+        self.record.outcome, self.record.note = self.outcome()
+        self.record.ended, self.record.last_line = time.time(), last_line
+        return self.record
 
     def snapshot(self) -> AttemptSnapshot:
         return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None,
@@ -291,15 +289,7 @@ class Attempt:
     def _prompt(self, rank: int, message: msg.Prompt) -> None:
         if self._stop is not None:  # every rank is being stopped: nobody is asked (the engine ends this one)
             return
-        record = self.record.ranks[rank]
-        with self._prompt_lock:
-            self.waiting[rank] = message
-            # a prompt after `p x` says no place: the rank is where its last one said
-            record.breakpoint_at = pdb_where(message.text) or self._where.get(rank, "its debugger prompt")
-            self._where[rank] = record.breakpoint_at
-            # those answered meanwhile (the dashboard's console) go: the queue holds what still waits
-            self.prompts = deque(p for p in self.prompts if self.waiting.get(p.rank) is p)
-            self.prompts.append(message)
+        self.broker.prompted(rank, message)
         self.announcer.mark(turn=True)  # the waiting cell asks the front end at once
 
     @contextlib.contextmanager
@@ -315,7 +305,7 @@ class Attempt:
             self._said.add(what)
             doing, done = (f"reading rank {rank}'s {what}", f"read rank {rank}'s {what}") if rank is not None \
                 else (f"trying to {what}", what)
-            self.record.internal_error(doing, exc)
+            self.record.internal_errors.append(bug_text(doing, exc))
             assert self.logs is not None  # open while the engine reports
             self.logs.say(rank or 0, f"could not {done} ({type(exc).__name__}: {exc}): a ddpnb bug, please report "
                                      "it with the run directory; the run goes on")
@@ -354,9 +344,7 @@ class Attempt:
         record = self.record.ranks[rank]
         self.announcer.mark(turn=True)
         record.exitcode, record.ended = exitcode, record.ended or time.time()
-        with self._prompt_lock:  # a rank gone from its prompt waits for no answer
-            self.waiting.pop(rank, None)
-            record.breakpoint_at = ""
+        self.broker.withdraw([rank])  # a rank gone from its prompt waits for no answer
         if record.state is RankState.FAILED:
             return
         if exitcode == 0 and rank in self._returned:
@@ -380,16 +368,13 @@ class Attempt:
     def tick(self) -> None:
         if self.channel is not None:
             self.channel.release()
-        while self._stack_requests:  # asked for by another thread: collected in the reader's thread
-            ranks, taken, collected = self._stack_requests.pop(0)
-            taken.update(self._collect_stacks(ranks))
-            collected.set()
+        self.broker.serve_stack_requests()  # asked for by other threads: collected in the reader's
         asked = self._request.asked
         if asked and self._stop is None:
             self._begin_stop(*asked)
         self._judge_stragglers()
         alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
-                                    armed=self._stop is None, held=bool(self.waiting) or self.is_queued())
+                                    armed=self._stop is None, held=bool(self.broker.waiting) or self.is_queued())
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
@@ -422,11 +407,9 @@ class Attempt:
         going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
                  and r.state is not RankState.FAILED]  # a failed rank exits by itself
         now = time.time()
-        with self._prompt_lock:  # a rank being stopped is asked nothing more: its prompt goes with it
-            for rank in going:
-                self._stopping.setdefault(rank, now)
-                self.waiting.pop(rank, None)
-                self.record.ranks[rank].breakpoint_at = ""
+        for rank in going:
+            self._stopping.setdefault(rank, now)
+        self.broker.withdraw(going)  # a rank being stopped is asked nothing more: its prompt goes with it
         after = self.engine.stop(going, failed=outcome is Outcome.FAILED)
         self._escalate_at = None if after is None else time.monotonic() + after
 
@@ -434,9 +417,9 @@ class Attempt:
         """Where every rank is now: its stack (`keep`: left in the record, as a timeout's report shows them) and,
         on NCCL runs whose ranks write into the run directory, its flight recorder (unless not `recorder`)."""
         running = [r.rank for r in self.record.ranks if r.state in _RUNNING]
-        recorder = recorder and self.record.backend == "nccl" and self.capabilities.shares_run_dir
+        recorder = recorder and self.spec.backend == "nccl" and self.capabilities.shares_run_dir
         asked = flight.request(self.spec.run_dir, running) if recorder else 0.0  # dumped while the stacks come
-        stacks = self._collect_stacks(running)
+        stacks = self.broker.collect_stacks(running)
         if keep:
             for rank, stack in stacks.items():
                 kept = self.record.ranks[rank]
@@ -446,49 +429,6 @@ class Attempt:
 
     def is_queued(self) -> bool:
         return self.record.queued is not None and self.record.queued.ongoing
-
-    def next_prompt(self) -> msg.Prompt | None:
-        """The oldest prompt still waiting for an answer (one answered meanwhile elsewhere is passed over)."""
-        with self._prompt_lock:
-            while self.prompts:
-                prompt = self.prompts.popleft()
-                if self.waiting.get(prompt.rank) is prompt:
-                    return prompt
-            return None
-
-    def answer(self, prompt: msg.Prompt, line: str) -> bool:
-        """An answer to a rank's debugger `prompt` (from the waiting cell's thread, or the kernel's for the
-        dashboard's console); False where that prompt no longer waits (another answer came first: a line typed for
-        it must not reach the rank's next prompt)."""
-        rank = prompt.rank
-        with self._prompt_lock:
-            if self.waiting.get(rank) is not prompt:
-                return False
-            del self.waiting[rank]
-            self.record.ranks[rank].breakpoint_at = ""
-        self.engine.send([rank], line.encode())
-        return True
-
-    def not_waiting(self, rank: int) -> str:
-        """Why `rank`'s prompt took no answer: words after "no longer waits at that prompt: "."""
-        if self._stop is not None:
-            return f"the run is ending ({self._stop[1]})"
-        if self.record.ranks[rank].state not in _RUNNING:
-            return f"rank {rank} has ended"
-        return "it was answered elsewhere first (the waiting cell, the dashboard's console or a .debug cell)"
-
-    def _collect_stacks(self, ranks: list[int]) -> dict[int, str]:
-        return {rank: readable(stack) for rank, stack in self.engine.collect_stacks(ranks).items()}
-
-    def request_stacks(self, ranks: list[int], wait: float, done: Callable[[], bool]) -> dict[int, str]:
-        """Each of `ranks`' stacks now (from any thread but the reader's, which collects them)."""
-        taken: dict[int, str] = {}
-        collected = threading.Event()
-        self._stack_requests.append((list(ranks), taken, collected))
-        deadline = time.monotonic() + wait
-        while not collected.wait(0.1) and not done() and time.monotonic() < deadline:
-            continue  # a run that ends meanwhile sends no stacks
-        return {rank: taken.get(rank, "") for rank in ranks}
 
     def running_ranks(self) -> list[int]:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]

@@ -146,17 +146,25 @@ class RankRecord:
 
 @dataclass(repr=False)
 class AttemptRecord:
-    """One ended attempt of a run that was restarted after it (`--max-restarts`): its ranks and failures as they
-    were when it ended. The attempt going on (or the last one) is the run record's own `ranks` and `failures`."""
+    """One attempt of a run (every rank started once), as plain data written by that attempt alone
+    (`core.attempt`): its ranks, failures, stall, wait in the queue, profile and how it ended. The run files it:
+    the attempt going on (or the last) is `RunRecord.current`, whose fields the run record's `ranks`, `failures`,
+    `stall` and the rest read; the attempts that ended before a restart are in `RunRecord.attempts`."""
 
     number: int
     ranks: list[RankRecord]
-    failures: list[Failure]
-    outcome: Outcome
-    note: str
-    started: float
-    ended: float
-    last_line: int  # the run's count of output lines when it ended: where views show the restart
+    failures: list[Failure] = field(default_factory=list)
+    outcome: Outcome = Outcome.RUNNING
+    note: str = ""
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    last_line: int = 0  # the run's count of output lines when it ended: where views show the restart
+    stall: Stall | None = None  # the latest stall, ongoing or resumed
+    at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped it
+    queued: Queued | None = None  # its wait for its engine's resources, ongoing or over
+    profile: Profile | None = None  # --profile: its merged trace and breakdown (`core.profile`)
+    hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
+    internal_errors: list[str] = field(default_factory=list)  # bugs of ddpnb's own in reading its ranks
 
     @property
     def first_failure(self) -> Failure | None:
@@ -250,15 +258,12 @@ class RunRecord:
     backend: str
     engine: str = "local"  # the engine's name (`ddpnb.engines`)
     function: str = ""  # the name of the function the ranks run
-    ranks: list[RankRecord] = field(default_factory=list)
     outcome: Outcome = Outcome.RUNNING
-    failures: list[Failure] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     ended: float | None = None
     note: str = ""  # why a run was stopped (timeout, interrupt, ...)
-    hint: str = ""  # how to make the next launch faster (`ddpnb.preload`), said once per kernel
-    # restarts: the attempt going on (0 until a restart), the earlier attempts, and how many restarts are allowed
-    attempt: int = 0
+    # the attempt going on (or the last), and those that ended before a restart; each written by its attempt alone
+    current: AttemptRecord = field(default_factory=lambda: AttemptRecord(0, []))
     attempts: list[AttemptRecord] = field(default_factory=list)
     max_restarts: int = 0
     checkpoint_dir: Path | None = None  # where `ddpnb.save_checkpoint` writes this run's checkpoints
@@ -266,16 +271,51 @@ class RunRecord:
     data: DataSent | None = None  # notebook data sent out of the pickle (shared memory, Ray's object store)
     # how the launch went, said in every view's header: a CPU fallback, the checkpoint it resumes, the data it wrote
     launch_note: str = ""
-    stall: Stall | None = None  # the latest stall of this attempt, ongoing or resumed (`stalled`)
-    at_timeout: Diagnosis | None = None  # where every rank was when the timeout stopped the run
-    profile: Profile | None = None  # --profile: the latest attempt's merged trace and breakdown (`core.profile`)
-    # bugs of ddpnb's own (reading the ranks, drawing a view), each what it was doing and the traceback
-    internal_errors: list[str] = field(default_factory=list)
-    queued: Queued | None = None  # the latest attempt's wait for its engine's resources, ongoing or over
+    view_errors: list[str] = field(default_factory=list)  # bugs of ddpnb's own in drawing a view
 
-    def internal_error(self, doing: str, exc: BaseException) -> None:
-        """Keep a bug of ddpnb's own: what it was `doing` ("reading rank 1's step times") and its traceback."""
-        self.internal_errors.append(f"{doing}:\n{''.join(traceback.format_exception(exc)).rstrip()}")
+    # the current attempt's, read where they are written (`current`): a record held across a restart reads the new
+    # attempt's, and an attempt's own record keeps its ranks as they ended
+    @property
+    def attempt(self) -> int:
+        return self.current.number
+
+    @property
+    def ranks(self) -> list[RankRecord]:
+        return self.current.ranks
+
+    @property
+    def failures(self) -> list[Failure]:
+        return self.current.failures
+
+    @property
+    def stall(self) -> Stall | None:
+        """The latest stall of the current attempt, ongoing or resumed (`stalled`)."""
+        return self.current.stall
+
+    @property
+    def at_timeout(self) -> Diagnosis | None:
+        """Where every rank was when the timeout stopped the run."""
+        return self.current.at_timeout
+
+    @property
+    def queued(self) -> Queued | None:
+        """The current attempt's wait for its engine's resources, ongoing or over."""
+        return self.current.queued
+
+    @property
+    def profile(self) -> Profile | None:
+        """--profile: the latest attempt's merged trace and breakdown (`core.profile`)."""
+        return next((a.profile for a in reversed([*self.attempts, self.current]) if a.profile is not None), None)
+
+    @property
+    def hint(self) -> str:
+        """How to make the next launch faster (`ddpnb.preload`), said once per kernel."""
+        return next((a.hint for a in reversed([*self.attempts, self.current]) if a.hint), "")
+
+    @property
+    def internal_errors(self) -> list[str]:
+        """Bugs of ddpnb's own (reading the ranks, drawing a view), each what it was doing and the traceback."""
+        return [*self.view_errors, *(e for a in [*self.attempts, self.current] for e in a.internal_errors)]
 
     def __repr__(self) -> str:
         first = self.first_failure
@@ -359,6 +399,12 @@ class RunRecord:
             "name": pd.Series(columns["name"], dtype="object"),
             "value": pd.Series(columns["value"], dtype="float64"),
         })
+
+
+def bug_text(doing: str, exc: BaseException) -> str:
+    """A bug of ddpnb's own, as a record keeps it: what it was `doing` ("reading rank 1's step times") and its
+    traceback."""
+    return f"{doing}:\n{''.join(traceback.format_exception(exc)).rstrip()}"
 
 
 def _record_html(line: str, ranks: list[RankRecord]) -> str:

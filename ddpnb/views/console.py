@@ -1,6 +1,6 @@
 """The dashboard's debugger console, for a run whose cell has returned (`--background`): a rank's pdb prompt, an
 input line for its commands, and what pdb answered. The foreground cell asks in the front end's input box instead
-(`Run.answer_prompts`); either answers through `Run.answer`, whichever comes first."""
+(`Run.answer_prompts`, `views.frontend`); either answers through `Run.answer`, whichever comes first."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class PromptConsole:
         run = self.run
         if run is None:
             return
-        waiting = run.attempt.waiting
+        waiting = run.attempt.broker.waiting
         with self._lock:
             prompt = next(iter(waiting.values()), None)  # the rank that came first
             if prompt is self._asking:
