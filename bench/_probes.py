@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -114,9 +115,20 @@ def probe_ddpnb(args: argparse.Namespace) -> None:
             started = time.perf_counter()
             ddpnb.run(_workloads.trivial_with_torchvision, nprocs=2)
             preloaded.append(time.perf_counter() - started)
-    emit({"cold": cold, "warm": warm, "shell_warm": shell_warm, "after_matmul": after_matmul, "sum": first["sum"],
-          "distinct_rank0_pids": len(pids), "runs": 1 + args.warm, "library": library, "preload": preload,
-          "preloaded": preloaded})
+    emit(
+        {
+            "cold": cold,
+            "warm": warm,
+            "shell_warm": shell_warm,
+            "after_matmul": after_matmul,
+            "sum": first["sum"],
+            "distinct_rank0_pids": len(pids),
+            "runs": 1 + args.warm,
+            "library": library,
+            "preload": preload,
+            "preloaded": preloaded,
+        }
+    )
 
 
 def _spawn_target(rank: int, world_size: int, out: str) -> None:
@@ -167,8 +179,7 @@ def probe_accelerate(args: argparse.Namespace) -> None:
     for _ in range(args.repeat):
         out = _result_file()
         started = time.perf_counter()
-        notebook_launcher(_accelerate_target, args=(out, args.matmul), num_processes=2,
-                          use_port=str(free_port()))
+        notebook_launcher(_accelerate_target, args=(out, args.matmul), num_processes=2, use_port=str(free_port()))
         value = json.loads(Path(out).read_text())
         times.append(time.perf_counter() - started)
         os.unlink(out)
@@ -275,16 +286,21 @@ def probe_session(args: argparse.Namespace) -> None:
     try:
         assert session.execute("rank") == [0, 1]
         assert shell.run_cell_magic("ranks", "", "rank * 10") == [0, 10]
-        cells = _interleaved({
-            "execute": lambda: session.execute("x = 1"),
-            "execute_value": lambda: session.execute("rank"),
-            "magic_value": lambda: shell.run_cell_magic("ranks", "", "rank"),
-        }, args.warmup, args.cells)
+        cells = _interleaved(
+            {
+                "execute": lambda: session.execute("x = 1"),
+                "execute_value": lambda: session.execute("rank"),
+                "magic_value": lambda: shell.run_cell_magic("ranks", "", "rank"),
+            },
+            args.warmup,
+            args.cells,
+        )
         ddpnb.run(_workloads.trivial, nprocs=2)  # a later launch is what restarts are compared with
         restart, launch, stop, start_again, first_cell = [], [], [], [], []
         pids = [tuple(session.pids)]
         clock = time.perf_counter
         for index in range(args.restarts):
+
             def timed_restart() -> None:
                 began = clock()
                 shell.run_line_magic("ddp_restart", "")
@@ -313,8 +329,18 @@ def probe_session(args: argparse.Namespace) -> None:
         fresh = len(set(every_pid)) == len(every_pid)
     finally:
         session.stop()
-    emit({"start": start, **cells, "restart": restart, "launch": launch, "stop": stop, "start_again": start_again,
-          "first_cell_after_restart": first_cell, "fresh_pids": fresh})
+    emit(
+        {
+            "start": start,
+            **cells,
+            "restart": restart,
+            "launch": launch,
+            "stop": stop,
+            "start_again": start_again,
+            "first_cell_after_restart": first_cell,
+            "fresh_pids": fresh,
+        }
+    )
 
 
 def _outlived(pids: list[int], wait: float = 10.0) -> None:
@@ -365,8 +391,11 @@ def probe_ipyparallel(args: argparse.Namespace) -> None:
             view.execute("x = 1", block=True)
             assert view.pull("x", block=True) == [1, 1]
 
-        cells = _interleaved({"execute": lambda: view.execute("x = 1", block=True), "execute_pull": execute_pull},
-                             args.warmup, args.cells)
+        cells = _interleaved(
+            {"execute": lambda: view.execute("x = 1", block=True), "execute_pull": execute_pull},
+            args.warmup,
+            args.cells,
+        )
         client.close()
     finally:
         cluster.stop_cluster_sync()
@@ -381,11 +410,18 @@ def probe_train_ddpnb(args: argparse.Namespace) -> None:
 
     by_value()
     ddpnb.run(_workloads.trivial, nprocs=2)  # warm
-    value, kernel_cpu = _with_kernel_cpu(lambda: ddpnb.run(_workloads.train, nprocs=2,
-                                                           args=(args.steps, not args.quiet)), args.quiet)
+    value, kernel_cpu = _with_kernel_cpu(
+        lambda: ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, not args.quiet)), args.quiet
+    )
     record = ddpnb.last_run()
-    emit({**value, "kernel_cpu_per_step": kernel_cpu, "lines": sum(r.lines for r in record.ranks),
-          "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks)})
+    emit(
+        {
+            **value,
+            "kernel_cpu_per_step": kernel_cpu,
+            "lines": sum(r.lines for r in record.ranks),
+            "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks),
+        }
+    )
 
 
 def _with_kernel_cpu(call: Any, quiet: bool = False, interval: float = 0.5) -> tuple[Any, float | None]:
@@ -429,10 +465,12 @@ def _with_kernel_cpu(call: Any, quiet: bool = False, interval: float = 0.5) -> t
 # --- streaming ------------------------------------------------------------------------------------------------
 def _busy_view(seconds: float) -> Any:
     """A badly behaved view: each redraw burns `seconds` of Python CPU time while holding the GIL."""
+
     def redraw() -> None:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             pass
+
     return redraw
 
 
@@ -461,22 +499,29 @@ def probe_stream(args: argparse.Namespace) -> None:
             for line in log:
                 if line.startswith(prefix):
                     count += 1
-                    seen[int(line[len(prefix):])] = 1
+                    seen[int(line[len(prefix) :])] = 1
         per_rank_file.append(count)
         missing.append(args.lines - sum(seen))
     ended = record.ended or returned
     printing_ended = max(r["ended"] for r in value["ranks"])
     total = args.ranks * args.lines
-    emit({
-        "lines": total, "launched": launched, "started": value["started"], "ended": ended,
-        "kernel_lines_per_s": total / (ended - value["started"]),
-        "worker_lines_per_s": total / (printing_ended - value["started"]),
-        "record_lines": per_rank_record, "file_lines": per_rank_file, "missing_indices": missing,
-        "worst_stall_s": max(r["worst_stall_s"] for r in value["ranks"]),
-        "stalls_over_5ms": sum(r["stalls_over_5ms"] for r in value["ranks"]),
-        "blocked_writes": sum(r["blocked_writes"] for r in value["ranks"]),
-        "worst_blocked_s": max(r["worst_blocked_s"] for r in value["ranks"]),
-    })
+    emit(
+        {
+            "lines": total,
+            "launched": launched,
+            "started": value["started"],
+            "ended": ended,
+            "kernel_lines_per_s": total / (ended - value["started"]),
+            "worker_lines_per_s": total / (printing_ended - value["started"]),
+            "record_lines": per_rank_record,
+            "file_lines": per_rank_file,
+            "missing_indices": missing,
+            "worst_stall_s": max(r["worst_stall_s"] for r in value["ranks"]),
+            "stalls_over_5ms": sum(r["stalls_over_5ms"] for r in value["ranks"]),
+            "blocked_writes": sum(r["blocked_writes"] for r in value["ranks"]),
+            "worst_blocked_s": max(r["worst_blocked_s"] for r in value["ranks"]),
+        }
+    )
 
 
 # --- large results --------------------------------------------------------------------------------------------
@@ -544,12 +589,19 @@ def probe_result(args: argparse.Namespace) -> None:
     peak = sampler.close()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    emit({
-        "bytes": nbytes, "seconds": arrived - returned_at, "gb_per_s": nbytes / 1e9 / (arrived - returned_at),
-        "baseline_rss": baseline, "peak_rss": peak, "peak_over_size": (peak - baseline) / nbytes,
-        "maxrss_over_size": (maxrss - baseline) / nbytes if maxrss > maxrss_before else None,
-        "checksum": checksum, "torch": torch.__version__,
-    })
+    emit(
+        {
+            "bytes": nbytes,
+            "seconds": arrived - returned_at,
+            "gb_per_s": nbytes / 1e9 / (arrived - returned_at),
+            "baseline_rss": baseline,
+            "peak_rss": peak,
+            "peak_over_size": (peak - baseline) / nbytes,
+            "maxrss_over_size": (maxrss - baseline) / nbytes if maxrss > maxrss_before else None,
+            "checksum": checksum,
+            "torch": torch.__version__,
+        }
+    )
 
 
 def _pipe_sender(conn: Any, nbytes: int) -> None:
@@ -626,14 +678,17 @@ def _pss() -> int:
 
 def _closing_over(data: Any) -> Any:
     """A notebook cell's function closing over `data`: the trivial workload, plus one read of the data."""
+
     def train(rank: int, world_size: int) -> dict[str, Any]:
         value = _workloads.trivial()
         return {**value, "first": float(data[0])}
+
     return train
 
 
 def _ranks_pss(data: Any) -> Any:
     """Every rank reads every page of `data`, then all report their PSS at the same moment."""
+
     def train(rank: int, world_size: int) -> int:
         import torch.distributed as dist
 
@@ -645,6 +700,7 @@ def _ranks_pss(data: Any) -> Any:
         every: list[Any] = [None] * world_size
         dist.all_gather_object(every, pss)
         return sum(every)
+
     return train
 
 
@@ -677,8 +733,13 @@ def probe_data(args: argparse.Namespace) -> None:
         started = clock()
         mp.spawn(_spawn_data_target, args=(2, data, out), nprocs=2, join=True)
         seconds = clock() - started
-        emit({"first": seconds, "peak_over_data": (sampler.close() - baseline) / args.bytes,
-              "value": json.loads(Path(out).read_text())["first"]})
+        emit(
+            {
+                "first": seconds,
+                "peak_over_data": (sampler.close() - baseline) / args.bytes,
+                "value": json.loads(Path(out).read_text())["first"],
+            }
+        )
         os.unlink(out)
         return
 
@@ -709,13 +770,26 @@ def probe_data(args: argparse.Namespace) -> None:
             ddpnb.run(function, nprocs=2, view="none")
             times.append(clock() - started)
     reused = ddpnb.last_run().data.reused if sent else 0  # the last launch was `train` again
-    held = sum(os.fstat(int(fd)).st_size for fd in os.listdir("/proc/self/fd")
-               if "ddpnb-data" in _readlink(f"/proc/self/fd/{fd}"))
+    held = sum(
+        os.fstat(int(fd)).st_size
+        for fd in os.listdir("/proc/self/fd")
+        if "ddpnb-data" in _readlink(f"/proc/self/fd/{fd}")
+    )
     pss_data = ddpnb.run(_ranks_pss(data), nprocs=2, view="none")
     pss_none = ddpnb.run(_ranks_pss(None), nprocs=2, view="none")
-    emit({"trivial": trivial, "clone": clone, "first": first, "later": later, "peak_over_data": peak / args.bytes,
-          "shm_over_data": held / args.bytes, "ranks_pss_over_data": (pss_data - pss_none) / args.bytes,
-          "written": sent.written if sent else 0, "reused_later": reused})
+    emit(
+        {
+            "trivial": trivial,
+            "clone": clone,
+            "first": first,
+            "later": later,
+            "peak_over_data": peak / args.bytes,
+            "shm_over_data": held / args.bytes,
+            "ranks_pss_over_data": (pss_data - pss_none) / args.bytes,
+            "written": sent.written if sent else 0,
+            "reused_later": reused,
+        }
+    )
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
@@ -725,8 +799,16 @@ def probe_checkpoint(args: argparse.Namespace) -> None:
 
     by_value()
     with tempfile.TemporaryDirectory(prefix="ddpnb-bench-ckpt-") as where:
-        emit(ddpnb.run(_workloads.checkpoints, nprocs=2, view="none", checkpoint_dir=where, keep_checkpoints=2,
-                       args=(args.bytes, args.saves)))
+        emit(
+            ddpnb.run(
+                _workloads.checkpoints,
+                nprocs=2,
+                view="none",
+                checkpoint_dir=where,
+                keep_checkpoints=2,
+                args=(args.bytes, args.saves),
+            )
+        )
 
 
 # --- profiling (issue 30) ------------------------------------------------------------------------------------
@@ -741,19 +823,35 @@ def probe_profile(args: argparse.Namespace) -> None:
 
     by_value()
     first = _workloads.TRAIN_WARMUP_STEPS + 1
-    ddpnb.run(_workloads.train, nprocs=args.ranks, view="none", args=(args.steps, True), timeout=900,
-              profile=f"{first}-{first + 2}")
+    ddpnb.run(
+        _workloads.train,
+        nprocs=args.ranks,
+        view="none",
+        args=(args.steps, True),
+        timeout=900,
+        profile=f"{first}-{first + 2}",
+    )
     record = ddpnb.last_run()
     profile = record.profile
     times = [point.time for point in record.metrics("loss", rank=0)]
-    step = {s: later - earlier for s, (earlier, later) in enumerate(zip(times, times[1:]), start=1)}
+    step = {s: later - earlier for s, (earlier, later) in enumerate(itertools.pairwise(times), start=1)}
     plain = statistics.median(seconds for s, seconds in step.items() if s < first - 1 or s > first + 3)
     with gzip.open(profile.trace, "rb") as file:
         events = len(json.load(file)["traceEvents"])
-    emit({"ranks": len(profile.ranks), "merge_seconds": profile.merge_seconds, "merged_bytes": profile.size,
-          "rank_bytes": sum(path.stat().st_size for path in profile.rank_traces.values()), "events": events,
-          "plain_step": plain, "profiled_step": statistics.median(step[s] for s in range(first, first + 3)),
-          "open_cost": step[first] - plain, "close_cost": step[first + 3] - plain, "notes": profile.notes})
+    emit(
+        {
+            "ranks": len(profile.ranks),
+            "merge_seconds": profile.merge_seconds,
+            "merged_bytes": profile.size,
+            "rank_bytes": sum(path.stat().st_size for path in profile.rank_traces.values()),
+            "events": events,
+            "plain_step": plain,
+            "profiled_step": statistics.median(step[s] for s in range(first, first + 3)),
+            "open_cost": step[first] - plain,
+            "close_cost": step[first + 3] - plain,
+            "notes": profile.notes,
+        }
+    )
 
 
 # --- the slurm engine (issue 27) ---------------------------------------------------------------------------------
@@ -815,8 +913,17 @@ def _slurm_data(nbytes: int) -> dict[str, Any]:
             assert session.execute("float(pushed[-1])") == [1.0] * 4
     finally:
         session.stop()
-    return {"data": {"bytes": big.nbytes, "bare": min(bare), "first": first, "later": min(later),
-                     "floor": min(floor), "push": pushes[0], "push_again": pushes[1]}}
+    return {
+        "data": {
+            "bytes": big.nbytes,
+            "bare": min(bare),
+            "first": first,
+            "later": min(later),
+            "floor": min(floor),
+            "push": pushes[0],
+            "push_again": pushes[1],
+        }
+    }
 
 
 def _send_to_two(data: memoryview) -> float:
@@ -834,7 +941,7 @@ def _send_to_two(data: memoryview) -> float:
                 os.ftruncate(fd, len(data))
                 buffer, got = memoryview(bytearray(16 << 20)), 0  # as `wire.receive_data`: the fastest way here
                 while got < len(data):
-                    read = conn.recv_into(buffer[:min(len(buffer), len(data) - got)])
+                    read = conn.recv_into(buffer[: min(len(buffer), len(data) - got)])
                     written = 0
                     while written < read:
                         written += os.pwrite(fd, buffer[written:read], got + written)
@@ -868,8 +975,11 @@ def probe_ray(args: argparse.Namespace) -> None:
     import ddpnb
 
     by_value()
-    ray_options: dict[str, Any] = {"engine": "ray", **({"address": args.address} if args.address else {}),
-                                   **({"placement": args.placement} if args.placement else {})}
+    ray_options: dict[str, Any] = {
+        "engine": "ray",
+        **({"address": args.address} if args.address else {}),
+        **({"placement": args.placement} if args.placement else {}),
+    }
     options = {"ray": ray_options, "local": {}}
     pids: list[int] = []
 
@@ -890,9 +1000,9 @@ def probe_ray(args: argparse.Namespace) -> None:
     start: dict[str, list[float]] = {engine: [] for engine in options}
     round_trip: dict[str, list[float]] = {engine: [] for engine in options}
     for _ in range(args.sessions):
-        for engine in options:
+        for engine, chosen in options.items():
             began = time.perf_counter()
-            session = ddpnb.session(nprocs=2, **options[engine])
+            session = ddpnb.session(nprocs=2, **chosen)
             try:
                 start[engine].append(time.perf_counter() - began)
                 session.execute("x = 0")
@@ -903,8 +1013,15 @@ def probe_ray(args: argparse.Namespace) -> None:
                         round_trip[engine].append(time.perf_counter() - began)
             finally:
                 session.stop()
-    emit({"first": first, "later": later, "session_start": start, "round_trip": round_trip,
-          "fresh_pids": len(set(pids)) == len(pids)})
+    emit(
+        {
+            "first": first,
+            "later": later,
+            "session_start": start,
+            "round_trip": round_trip,
+            "fresh_pids": len(set(pids)) == len(pids),
+        }
+    )
 
 
 def _readlink(path: str) -> str:
@@ -921,8 +1038,12 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--shell-warm", type=int, default=0)
     p.add_argument("--matmul", action="store_true")
-    p.add_argument("--torchvision", type=int, default=0, help="runs of a function importing torchvision, "
-                   "before and after ddpnb.preload('torchvision')")
+    p.add_argument(
+        "--torchvision",
+        type=int,
+        default=0,
+        help="runs of a function importing torchvision, before and after ddpnb.preload('torchvision')",
+    )
     p = sub.add_parser("mp-spawn")
     p.add_argument("--repeat", type=int, default=1)
     p = sub.add_parser("accelerate")
@@ -930,8 +1051,12 @@ def main() -> None:
     p.add_argument("--matmul", action="store_true")
     p = sub.add_parser("nbdistributed")
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--cell", choices=sorted(NBD_CELLS), default="allreduce",
-                   help="allreduce: an all_reduce and a print (the launch table); trivial: x = 1")
+    p.add_argument(
+        "--cell",
+        choices=sorted(NBD_CELLS),
+        default="allreduce",
+        help="allreduce: an all_reduce and a print (the launch table); trivial: x = 1",
+    )
     p = sub.add_parser("session")
     p.add_argument("--cells", type=int, default=200, help="timed cells of each kind")
     p.add_argument("--warmup", type=int, default=20, help="untimed cells of each kind first")
@@ -977,11 +1102,21 @@ def main() -> None:
     p.add_argument("--bytes", type=int, required=True)
     args = parser.parse_args()
     probe = {
-        "ddpnb": probe_ddpnb, "mp-spawn": probe_mp_spawn, "accelerate": probe_accelerate,
-        "nbdistributed": probe_nbdistributed, "session": probe_session, "ipyparallel": probe_ipyparallel,
-        "train-ddpnb": probe_train_ddpnb, "stream": probe_stream,
-        "result": probe_result, "result-steps": probe_result_steps, "data": probe_data,
-        "checkpoint": probe_checkpoint, "slurm": probe_slurm, "ray": probe_ray, "profile": probe_profile,
+        "ddpnb": probe_ddpnb,
+        "mp-spawn": probe_mp_spawn,
+        "accelerate": probe_accelerate,
+        "nbdistributed": probe_nbdistributed,
+        "session": probe_session,
+        "ipyparallel": probe_ipyparallel,
+        "train-ddpnb": probe_train_ddpnb,
+        "stream": probe_stream,
+        "result": probe_result,
+        "result-steps": probe_result_steps,
+        "data": probe_data,
+        "checkpoint": probe_checkpoint,
+        "slurm": probe_slurm,
+        "ray": probe_ray,
+        "profile": probe_profile,
     }[args.probe]
     probe(args)
 

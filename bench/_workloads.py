@@ -85,15 +85,18 @@ def _training_step(rank: int) -> Any:
     init_from_env()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, 512), torch.nn.ReLU(),
-        torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(256, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
         torch.nn.Linear(512, 10),
     )
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(64, 256, generator=generator), torch.randint(0, 10, (64,), generator=generator))
-               for _ in range(16)]
+    batches = [
+        (torch.randn(64, 256, generator=generator), torch.randint(0, 10, (64,), generator=generator)) for _ in range(16)
+    ]
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step_once(step: int, log: Any) -> None:
@@ -150,8 +153,13 @@ def stream(rank: int, world_size: int, lines: int, rate: float) -> dict[str, Any
             over_5ms += 1
             worst = max(worst, took)
     sys.stdout.flush()
-    mine = {"ended": time.time(), "worst_stall_s": worst, "stalls_over_5ms": over_5ms,
-            "blocked_writes": blocked, "worst_blocked_s": worst_blocked}
+    mine = {
+        "ended": time.time(),
+        "worst_stall_s": worst,
+        "stalls_over_5ms": over_5ms,
+        "blocked_writes": blocked,
+        "worst_blocked_s": worst_blocked,
+    }
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return {"started": started, "ranks": everyone}
@@ -168,7 +176,6 @@ def big_result(rank: int, world_size: int, nbytes: int) -> dict[str, Any]:
     state = {f"layer{i}.weight": torch.full((elements,), float(i)) for i in range(count)}
     state["_returned_at"] = time.time()
     return state
-
 
 
 def checkpoints(rank: int, world_size: int, nbytes: int, saves: int) -> dict[str, Any]:
@@ -198,5 +205,4 @@ def checkpoints(rank: int, world_size: int, nbytes: int, saves: int) -> dict[str
     from ddpnb.rank import checkpoint
 
     checkpoint.finish()  # what the end of the function waits for
-    return {"blocked": blocked, "last_async_written_after": time.perf_counter() - started,
-            "bytes": side * side * 4}
+    return {"blocked": blocked, "last_async_written_after": time.perf_counter() - started, "bytes": side * side * 4}

@@ -39,8 +39,15 @@ print("@@AB " + json.dumps(out))
 
 def probe(tree: str, ranks: str) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", PROBE, ranks, str(REPS)], capture_output=True, text=True, env=env,
-                          cwd=tree, check=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, ranks, str(REPS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        check=True,
+        timeout=900,
+    )
     line = next(line for line in done.stdout.splitlines() if line.startswith("@@AB "))
     return json.loads(line[5:])
 
@@ -56,7 +63,7 @@ def main() -> None:
         for tree in (args.old, args.new) if round_ % 2 == 0 else (args.new, args.old):
             for ranks, times in probe(tree, args.ranks).items():
                 samples[tree].setdefault(ranks, []).extend(times)
-    print("| ranks | old (median of %d) | new | new / old |" % (REPS * ROUNDS))
+    print(f"| ranks | old (median of {REPS * ROUNDS}) | new | new / old |")
     print("|---|---|---|---|")
     for ranks in args.ranks.split(","):
         old, new = (statistics.median(samples[tree][ranks]) for tree in (args.old, args.new))

@@ -35,7 +35,7 @@ MARKER = "@@GPU "
 
 # The training function, as source: the plain script and ddpnb.run exec it, the kernel gets it in a %%ddp cell,
 # so all three run the very same code. `ddpnb.log` does nothing outside a ddpnb worker.
-TRAIN_SOURCE = '''
+TRAIN_SOURCE = """
 def train(rank, world_size, config):
     import os
     import time
@@ -97,17 +97,19 @@ def train(rank, world_size, config):
         if cuda:
             torch.cuda.empty_cache()
     return throughput
-'''
+"""
 
 GPU_CONFIG = {
-    "device": "cuda", "log_every": 20,
+    "device": "cuda",
+    "log_every": 20,
     "models": [
         {"name": "resnet18", "batch": 512, "size": 32, "warmup": 30, "steps": 400},
         {"name": "resnet50", "batch": 256, "size": 224, "warmup": 20, "steps": 100},
     ],
 }
 DRY_CONFIG = {
-    "device": "cpu", "log_every": 1,
+    "device": "cpu",
+    "log_every": 1,
     "models": [
         {"name": "resnet18", "batch": 8, "size": 32, "warmup": 1, "steps": 3},
         {"name": "resnet50", "batch": 2, "size": 64, "warmup": 1, "steps": 2},
@@ -124,7 +126,7 @@ def emit(data: Any) -> None:
 def parse(output: str) -> Any:
     for line in reversed(output.splitlines()):
         if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
+            return json.loads(line[len(MARKER) :])
     raise RuntimeError(f"no result in the output:\n{output[-3000:]}")
 
 
@@ -169,8 +171,20 @@ def cmd_run_train(args: argparse.Namespace) -> None:
 
 
 def plain(config: dict[str, Any], timeout: float) -> dict[str, float]:
-    out = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(HERE),
-              "plain-train", "--config", json.dumps(config)], timeout)
+    out = sh(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(HERE),
+            "plain-train",
+            "--config",
+            json.dumps(config),
+        ],
+        timeout,
+    )
     return parse(out)
 
 
@@ -184,21 +198,30 @@ def through_kernel(config: dict[str, Any], timeout: float) -> dict[str, Any]:
     from nbclient import NotebookClient
 
     flags = "--gpus 1" if config["device"] == "cuda" else "-n 1"
-    cell = (f"%%ddp {flags} -o throughput\n{TRAIN_SOURCE}\nCONFIG = {config!r}\n\n\n"
-            "def notebook_train(rank, world_size):\n    return train(rank, world_size, CONFIG)\n")
-    report = ("import json, sys\n"
-              "torch = sys.modules.get('torch')\n"
-              "cuda_in_kernel = bool(torch is not None and torch.cuda.is_initialized())\n"
-              f"print({MARKER!r} + json.dumps({{'throughput': throughput, 'kernel_cuda_initialised': cuda_in_kernel}}))\n")
-    notebook = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("%load_ext ddpnb"),
-        nbformat.v4.new_code_cell(cell),
-        nbformat.v4.new_code_cell(report),
-    ])
-    client = NotebookClient(notebook, timeout=int(timeout), kernel_name="python3",
-                            resources={"metadata": {"path": str(HERE.parent.parent)}})
+    cell = (
+        f"%%ddp {flags} -o throughput\n{TRAIN_SOURCE}\nCONFIG = {config!r}\n\n\n"
+        "def notebook_train(rank, world_size):\n    return train(rank, world_size, CONFIG)\n"
+    )
+    report = (
+        "import json, sys\n"
+        "torch = sys.modules.get('torch')\n"
+        "cuda_in_kernel = bool(torch is not None and torch.cuda.is_initialized())\n"
+        f"print({MARKER!r} + json.dumps({{'throughput': throughput, 'kernel_cuda_initialised': cuda_in_kernel}}))\n"
+    )
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_code_cell("%load_ext ddpnb"),
+            nbformat.v4.new_code_cell(cell),
+            nbformat.v4.new_code_cell(report),
+        ]
+    )
+    client = NotebookClient(
+        notebook, timeout=int(timeout), kernel_name="python3", resources={"metadata": {"path": str(HERE.parent.parent)}}
+    )
     client.execute()
-    text = "".join(output.get("text", "") for output in notebook.cells[2].outputs if output.get("output_type") == "stream")
+    text = "".join(
+        output.get("text", "") for output in notebook.cells[2].outputs if output.get("output_type") == "stream"
+    )
     return parse(text)
 
 
@@ -213,7 +236,7 @@ def bench_training(config: dict[str, Any], repeats: int, timeout: float) -> dict
     errors: dict[str, str] = {}
     kernel_cuda = []
     for r in range(repeats):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
             if mode in errors:
                 continue
             log(f"training, round {r + 1}/{repeats}: {mode}")
@@ -238,10 +261,17 @@ def bench_training(config: dict[str, Any], repeats: int, timeout: float) -> dict
         done = [mode for mode in MODES if runs[mode]]
         medians = {mode: statistics.median(run[name] for run in runs[mode]) for mode in done}
         spread = {mode: (min(run[name] for run in runs[mode]), max(run[name] for run in runs[mode])) for mode in done}
-        ratios = {f"ratio_{mode}": medians[mode] / medians["plain"] if "plain" in medians and mode in medians
-                  else None for mode in ("run", "kernel")}
+        ratios = {
+            f"ratio_{mode}": medians[mode] / medians["plain"] if "plain" in medians and mode in medians else None
+            for mode in ("run", "kernel")
+        }
         summary[name] = {"img_per_s": medians, "spread": spread, **ratios}
-    return {"raw": runs, "errors": errors, "summary": summary, "kernel_cuda_initialised": any(kernel_cuda) if kernel_cuda else None}
+    return {
+        "raw": runs,
+        "errors": errors,
+        "summary": summary,
+        "kernel_cuda_initialised": any(kernel_cuda) if kernel_cuda else None,
+    }
 
 
 # --- launch latency ---------------------------------------------------------------------------------------------
@@ -257,8 +287,7 @@ def cmd_bound(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     if cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     value = torch.ones(1, device="cuda" if cuda else "cpu")
     dist.all_reduce(value)
     value.item()
@@ -313,9 +342,12 @@ def bench_latency(dry_run: bool, warm: int, repeats: int) -> dict[str, Any]:
         gpu_warm += data["gpu_warm"]
     floor, bound = statistics.median(floors), statistics.median(bounds)
     return {
-        "floor_2x_import_torch": floor, "cold_first_run": colds and statistics.median(colds),
-        "cpu_warm": statistics.median(cpu_warm), "gpu_warm": statistics.median(gpu_warm),
-        "gpu_bound": bound, "ratio_cold_to_floor": statistics.median(colds) / floor,
+        "floor_2x_import_torch": floor,
+        "cold_first_run": colds and statistics.median(colds),
+        "cpu_warm": statistics.median(cpu_warm),
+        "gpu_warm": statistics.median(gpu_warm),
+        "gpu_bound": bound,
+        "ratio_cold_to_floor": statistics.median(colds) / floor,
         "ratio_cpu_warm_to_floor": statistics.median(cpu_warm) / floor,
         "ratio_gpu_warm_to_bound": statistics.median(gpu_warm) / bound,
         "raw": {"floor": floors, "bound": bounds, "cold": colds, "cpu_warm": cpu_warm, "gpu_warm": gpu_warm},
@@ -343,8 +375,13 @@ def _parameters_back(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _describe(value: dict[str, Any]) -> dict[str, Any]:
-    return {"sum": value["sum"], **{name: f"{type(value[name]).__name__} on {value[name].device}, requires_grad="
-                                          f"{value[name].requires_grad}" for name in ("weight", "doubled")}}
+    return {
+        "sum": value["sum"],
+        **{
+            name: f"{type(value[name]).__name__} on {value[name].device}, requires_grad={value[name].requires_grad}"
+            for name in ("weight", "doubled")
+        },
+    }
 
 
 def cmd_preload(args: argparse.Namespace) -> None:
@@ -377,8 +414,17 @@ def cmd_preload(args: argparse.Namespace) -> None:
     except ddpnb.PreloadError as exc:
         refused = str(exc)
     value = _describe(ddpnb.run(_parameters_back, **gpu))
-    emit({"before": before, "after": after, "preload_seconds": took, "torchvision_error": error,
-          "refused": refused, "run_after": value, "preloaded": ddpnb.preload()})
+    emit(
+        {
+            "before": before,
+            "after": after,
+            "preload_seconds": took,
+            "torchvision_error": error,
+            "refused": refused,
+            "run_after": value,
+            "preloaded": ddpnb.preload(),
+        }
+    )
 
 
 # --- report -----------------------------------------------------------------------------------------------------
@@ -403,21 +449,34 @@ def report(results: dict[str, Any], dry_run: bool) -> str:
     elif "error" in training:
         lines.append(f"Training: **failed**: {training['error']}")
     else:
-        columns = ["model", "plain script img/s", "ddpnb.run img/s", "%%ddp (kernel) img/s", "run ÷ plain",
-                   "%%ddp ÷ plain", "goal", "reference plain"]
+        columns = [
+            "model",
+            "plain script img/s",
+            "ddpnb.run img/s",
+            "%%ddp (kernel) img/s",
+            "run ÷ plain",
+            "%%ddp ÷ plain",
+            "goal",
+            "reference plain",
+        ]
         lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
         for name, row in training["summary"].items():
             ips, spread = row["img_per_s"], row["spread"]
-            cells = [f"{ips[mode]:,.0f} ({spread[mode][0]:,.0f}–{spread[mode][1]:,.0f})" if mode in ips else "failed"
-                     for mode in MODES]
+            cells = [
+                f"{ips[mode]:,.0f} ({spread[mode][0]:,.0f}–{spread[mode][1]:,.0f})" if mode in ips else "failed"
+                for mode in MODES
+            ]
             ratios = [row["ratio_run"], row["ratio_kernel"]]
             met = "**missed**" if None in ratios or min(ratios) < 0.99 else "met"
             shown = " | ".join("—" if ratio is None else f"{ratio:.3f}" for ratio in ratios)
             lines.append(f"| {name} | {' | '.join(cells)} | {shown} | ≥ 0.99: {met} | {REFERENCE[name]:,} |")
         rounds = max(len(runs) for runs in training["raw"].values())
-        lines += ["", f"img/s: median (min–max) of {rounds} rounds, the modes' order rotated each round.",
-                  "CUDA initialised in the kernel after %%ddp --gpus 1: "
-                  + {None: "not measured", True: "**True**", False: "False"}[training["kernel_cuda_initialised"]]]
+        lines += [
+            "",
+            f"img/s: median (min–max) of {rounds} rounds, the modes' order rotated each round.",
+            "CUDA initialised in the kernel after %%ddp --gpus 1: "
+            + {None: "not measured", True: "**True**", False: "False"}[training["kernel_cuda_initialised"]],
+        ]
         lines += [f"**{mode} failed**: {error}" for mode, error in training["errors"].items()]
     latency = results.get("latency")
     lines.append("")
@@ -428,13 +487,25 @@ def report(results: dict[str, Any], dry_run: bool) -> str:
     else:
         rows = [
             ("floor: 2 concurrent `import torch`", latency["floor_2x_import_torch"], "1", ""),
-            ("ddpnb first run, 2 CPU ranks (cold forkserver)", latency["cold_first_run"],
-             f"{latency['ratio_cold_to_floor']:.3f} × floor", "≤ 1.1"),
-            ("ddpnb later runs, 2 CPU ranks gloo", latency["cpu_warm"],
-             f"{latency['ratio_cpu_warm_to_floor']:.3f} × floor", "≤ 0.05"),
+            (
+                "ddpnb first run, 2 CPU ranks (cold forkserver)",
+                latency["cold_first_run"],
+                f"{latency['ratio_cold_to_floor']:.3f} × floor",
+                "≤ 1.1",
+            ),
+            (
+                "ddpnb later runs, 2 CPU ranks gloo",
+                latency["cpu_warm"],
+                f"{latency['ratio_cpu_warm_to_floor']:.3f} × floor",
+                "≤ 0.05",
+            ),
             ("bound: CUDA context + NCCL init + all_reduce, 1 rank", latency["gpu_bound"], "1", ""),
-            ("ddpnb later runs, 1 GPU rank NCCL", latency["gpu_warm"],
-             f"{latency['ratio_gpu_warm_to_bound']:.3f} × bound", "≤ 1.2"),
+            (
+                "ddpnb later runs, 1 GPU rank NCCL",
+                latency["gpu_warm"],
+                f"{latency['ratio_gpu_warm_to_bound']:.3f} × bound",
+                "≤ 1.2",
+            ),
         ]
         lines += ["| launch | median | ratio | goal |", "|---|---|---|---|"]
         lines += [f"| {label} | {seconds:.3f} s | {ratio} | {goal} |" for label, seconds, ratio, goal in rows]
@@ -452,15 +523,24 @@ def preload_line(preload: dict[str, Any], dry_run: bool) -> str:
     right = "died while importing them" if dry_run else "initialised CUDA"
     refused = "refused" if right in preload["refused"] else "**NOT refused as it should be**"
     back = preload["run_after"]
-    kinds = ("as a CPU run returns them" if back["weight"] == "Parameter on cpu, requires_grad=True"
-             and back["doubled"] == "Tensor on cpu, requires_grad=True" else "**not as a CPU run returns them**")
-    torchvision = (f"**refused**: {preload['torchvision_error']}" if preload["torchvision_error"]
-                   else f"took {preload['preload_seconds']:.1f} s")
-    return (f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
-            f"{statistics.median(preload['before']):.3f} s; ddpnb.preload('torchvision') {torchvision}; then "
-            f"{statistics.median(preload['after']):.3f} s. A module that initialises CUDA at import: {refused} "
-            f"({preload['refused'] or 'no PreloadError'}). A run after both returned {preload['run_after']}: "
-            f"{kinds}; preloaded: {preload['preloaded']}.")
+    kinds = (
+        "as a CPU run returns them"
+        if back["weight"] == "Parameter on cpu, requires_grad=True"
+        and back["doubled"] == "Tensor on cpu, requires_grad=True"
+        else "**not as a CPU run returns them**"
+    )
+    torchvision = (
+        f"**refused**: {preload['torchvision_error']}"
+        if preload["torchvision_error"]
+        else f"took {preload['preload_seconds']:.1f} s"
+    )
+    return (
+        f"ddpnb.preload, 1 {'CPU' if dry_run else 'GPU'} rank: a function importing torchvision launched in "
+        f"{statistics.median(preload['before']):.3f} s; ddpnb.preload('torchvision') {torchvision}; then "
+        f"{statistics.median(preload['after']):.3f} s. A module that initialises CUDA at import: {refused} "
+        f"({preload['refused'] or 'no PreloadError'}). A run after both returned {preload['run_after']}: "
+        f"{kinds}; preloaded: {preload['preloaded']}."
+    )
 
 
 def cmd_all(args: argparse.Namespace) -> None:
@@ -472,8 +552,11 @@ def cmd_all(args: argparse.Namespace) -> None:
     config = DRY_CONFIG if args.dry_run else GPU_CONFIG
     flag = ["--dry-run"] if args.dry_run else []
     results: dict[str, Any] = {
-        "header": (f"ddpnb GPU check{' (dry run)' if args.dry_run else ''}, {time.strftime('%Y-%m-%d %H:%M')}, "
-                   f"{device_name(args.dry_run)}, Python {sys.version.split()[0]}")}
+        "header": (
+            f"ddpnb GPU check{' (dry run)' if args.dry_run else ''}, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"{device_name(args.dry_run)}, Python {sys.version.split()[0]}"
+        )
+    }
     log(results["header"])
     sections = {
         "training": lambda: bench_training(config, args.repeats, timeout=600),
@@ -518,8 +601,13 @@ def main() -> None:
         p.add_argument("--dry-run", action="store_true")
         p.add_argument("--warm", type=int, default=5)
     args = parser.parse_args()
-    commands = {"plain-train": cmd_plain_train, "run-train": cmd_run_train, "bound": cmd_bound,
-                "latency": cmd_latency, "preload": cmd_preload}
+    commands = {
+        "plain-train": cmd_plain_train,
+        "run-train": cmd_run_train,
+        "bound": cmd_bound,
+        "latency": cmd_latency,
+        "preload": cmd_preload,
+    }
     commands.get(args.command, cmd_all)(args)
 
 

@@ -30,8 +30,9 @@ def main() -> int:
         nb = nbformat.read(path, as_version=4)
         started = time.perf_counter()
         try:
-            NotebookClient(nb, timeout=900, kernel_name="python3",
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
+            NotebookClient(
+                nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+            ).execute()
         except Exception as exc:  # noqa: BLE001 - report every notebook, then fail at the end
             failed += 1
             print(f"tutorial {path.name}: FAILED after {time.perf_counter() - started:.0f} s: {exc}"[:4000])

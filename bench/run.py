@@ -89,14 +89,46 @@ class Settings:
     soak_launches: int = 300  # launches in one kernel, per view
 
 
-FULL = Settings(reps=3, warm=8, train_reps=4, train_steps=600, stream_reps=2, stream_lines=250_000,
-                result_reps=5, result_bytes=1 << 30, hang_timeout=20, session_rounds=3, session_cells=200,
-                session_warmup=20, session_restarts=5)
-QUICK = Settings(reps=1, warm=5, train_reps=1, train_steps=200, stream_reps=1, stream_lines=50_000,
-                 result_reps=1, result_bytes=256 << 20, hang_timeout=15, session_rounds=1, session_cells=30,
-                 session_warmup=5, session_restarts=2, data_reps=1,
-                 data_bytes=256 << 20, checkpoint_reps=1, slurm_reps=1, slurm_warm=2,
-                 ray_reps=1, ray_warm=3, ray_sessions=1, profile_reps=1, soak_launches=150)
+FULL = Settings(
+    reps=3,
+    warm=8,
+    train_reps=4,
+    train_steps=600,
+    stream_reps=2,
+    stream_lines=250_000,
+    result_reps=5,
+    result_bytes=1 << 30,
+    hang_timeout=20,
+    session_rounds=3,
+    session_cells=200,
+    session_warmup=20,
+    session_restarts=5,
+)
+QUICK = Settings(
+    reps=1,
+    warm=5,
+    train_reps=1,
+    train_steps=200,
+    stream_reps=1,
+    stream_lines=50_000,
+    result_reps=1,
+    result_bytes=256 << 20,
+    hang_timeout=15,
+    session_rounds=1,
+    session_cells=30,
+    session_warmup=5,
+    session_restarts=2,
+    data_reps=1,
+    data_bytes=256 << 20,
+    checkpoint_reps=1,
+    slurm_reps=1,
+    slurm_warm=2,
+    ray_reps=1,
+    ray_warm=3,
+    ray_sessions=1,
+    profile_reps=1,
+    soak_launches=150,
+)
 
 
 class ProbeFailed(RuntimeError):
@@ -129,8 +161,15 @@ def child_env(runs_dir: Path) -> dict[str, str]:
 def run_process(cmd: Sequence[str], env: dict[str, str], timeout: float) -> tuple[float, str]:
     """Run `cmd` in its own process group; return (wall seconds, stdout). On timeout the whole group is killed."""
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ddpnb_root(), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ddpnb_root(),
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -166,7 +205,7 @@ def probe(name: str, *args: str, env: dict[str, str], timeout: float = 180) -> d
     _, out = run_process([sys.executable, str(PROBES), name, *args], env, timeout)
     for line in reversed(out.splitlines()):
         if line.startswith(MARKER):
-            return json.loads(line[len(MARKER):])
+            return json.loads(line[len(MARKER) :])
     raise ProbeFailed(f"{name} printed no result")
 
 
@@ -175,8 +214,17 @@ def torchrun(workload: str, *args: str, env: dict[str, str], timeout: float = 18
     fd, out = tempfile.mkstemp(prefix="ddpnb-bench-", suffix=".json")
     os.close(fd)
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(TORCHRUN_ENTRY), workload, out, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(TORCHRUN_ENTRY),
+            workload,
+            out,
+            *args,
+        ]
         elapsed, _ = run_process(cmd, {**env, "OMP_NUM_THREADS": "1"}, timeout)
         return elapsed, json.loads(Path(out).read_text())
     finally:
@@ -297,8 +345,17 @@ def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
     for rnd in range(settings.reps):
         say(f"launch latency: round {rnd + 1}/{settings.reps}")
         floor.add(import_torch_floor(env), rnd)
-        data = attempt(cold, lambda: probe("ddpnb", f"--warm={settings.warm}", "--shell-warm=3", "--matmul",
-                                           f"--torchvision={3 if torchvision else 0}", env=env))
+        data = attempt(
+            cold,
+            lambda: probe(
+                "ddpnb",
+                f"--warm={settings.warm}",
+                "--shell-warm=3",
+                "--matmul",
+                f"--torchvision={3 if torchvision else 0}",
+                env=env,
+            ),
+        )
         if data:
             library.add(data["library"], rnd)
             preloaded.add(data["preloaded"], rnd)
@@ -325,8 +382,10 @@ def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
                 nbd_cold.add(data["cold"], rnd)
                 nbd_warm.add(data["warm"], rnd)
                 if not data["ready_at_return"]:
-                    nbd_cold.note = ("workers not connected when %dist_init returned: a cell run then is dropped "
-                                     "and times out after 30 s; timed here with the probe waiting for them")
+                    nbd_cold.note = (
+                        "workers not connected when %dist_init returned: a cell run then is dropped "
+                        "and times out after 30 s; timed here with the probe waiting for them"
+                    )
             else:
                 nbd_warm.note = nbd_cold.note
     if have_accelerate:
@@ -338,42 +397,79 @@ def bench_launch(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
             acc_matmul.note = f"**HANGS**: no result after {settings.hang_timeout:g} s (killed)"
 
     entries = [
-        ("floor: 2 concurrent fresh `python -c \"import torch\"`", floor, "the floor"),
+        ('floor: 2 concurrent fresh `python -c "import torch"`', floor, "the floor"),
         ("ddpnb.run, first run (cold forkserver)", cold, "goal ≤ 1.1× floor; starts the forkserver (imports torch)"),
-        ("ddpnb.run, later runs (warm forkserver)", warm,
-         "goal ≤ 0.05× floor" + ("; new worker PIDs every run" if fresh_pids and all(fresh_pids) else "")),
+        (
+            "ddpnb.run, later runs (warm forkserver)",
+            warm,
+            "goal ≤ 0.05× floor" + ("; new worker PIDs every run" if fresh_pids and all(fresh_pids) else ""),
+        ),
         ("%%ddp -n 2 in an IPython shell, later runs", shell, "the magic over the same path"),
-        ("ddpnb.run after a 1500×1500 matmul in kernel and ranks", after_matmul,
-         "a later run, the ranks' matmul included; no hang"),
-        ("ddpnb.run of a function importing torchvision, later runs", library,
-         "every rank imports torchvision at every launch"),
+        (
+            "ddpnb.run after a 1500×1500 matmul in kernel and ranks",
+            after_matmul,
+            "a later run, the ranks' matmul included; no hang",
+        ),
+        (
+            "ddpnb.run of a function importing torchvision, later runs",
+            library,
+            "every rank imports torchvision at every launch",
+        ),
         ("ddpnb.preload('torchvision') (once)", preload, "restarts the forkserver: torch + torchvision, checked"),
-        ("ddpnb.run of that function after ddpnb.preload('torchvision')", preloaded,
-         "ranks start with torchvision imported"),
+        (
+            "ddpnb.run of that function after ddpnb.preload('torchvision')",
+            preloaded,
+            "ranks start with torchvision imported",
+        ),
         ("torch.multiprocessing.spawn (script file)", spawn, "cannot run notebook-defined functions"),
         ("torchrun (subprocess on a script)", trun, "needs a script file; its launcher process imports torch too"),
         ("accelerate.notebook_launcher", acc, "forks the kernel; returns no value (rank 0 writes a file)"),
-        ("accelerate.notebook_launcher after a 1500×1500 matmul in kernel and ranks", acc_matmul,
-         "fork after multi-threaded torch"),
-        ("nbdistributed: %dist_init + first %%distributed cell", nbd_cold,
-         "persistent workers; %dist_init sleeps a fixed 2 s"),
-        ("nbdistributed: later %%distributed cells", nbd_warm,
-         "the same processes every cell: state carries over, nothing is fresh"),
+        (
+            "accelerate.notebook_launcher after a 1500×1500 matmul in kernel and ranks",
+            acc_matmul,
+            "fork after multi-threaded torch",
+        ),
+        (
+            "nbdistributed: %dist_init + first %%distributed cell",
+            nbd_cold,
+            "persistent workers; %dist_init sleeps a fixed 2 s",
+        ),
+        (
+            "nbdistributed: later %%distributed cells",
+            nbd_warm,
+            "the same processes every cell: state carries over, nothing is fresh",
+        ),
     ]
     rows = []
     for label, samples, note in entries:
         extra = f"{note}; {samples.note}" if samples.note else note
-        rows.append([label, fmt(samples.median, " s"), samples.spread(), fmt(samples.ratio_to(floor), "×", 3),
-                     str(len(samples.values)), extra])
+        rows.append(
+            [
+                label,
+                fmt(samples.median, " s"),
+                samples.spread(),
+                fmt(samples.ratio_to(floor), "×", 3),
+                str(len(samples.values)),
+                extra,
+            ]
+        )
     cold_ratio, warm_ratio = cold.ratio_to(floor), warm.ratio_to(floor)
-    goals.append(Goal("launch: first run ≤ 1.1× floor", fmt(cold_ratio, "×"),
-                      None if cold_ratio is None else cold_ratio <= 1.1))
-    goals.append(Goal("launch: later runs ≤ 0.05× floor, fresh processes", fmt(warm_ratio, "×"),
-                      None if warm_ratio is None else warm_ratio <= 0.05 and all(fresh_pids)))
-    return ("### 1. Launch latency — trivial all_reduce, 2 CPU ranks, gloo, call → rank 0's result\n\n"
-            + table(["launcher", "median", "min–max", "÷ floor", "n", "note"], rows)
-            + "\n\n÷ floor: the median over rounds of (the launcher's median in a round ÷ the floor measured at the "
-              "start of that round).")
+    goals.append(
+        Goal("launch: first run ≤ 1.1× floor", fmt(cold_ratio, "×"), None if cold_ratio is None else cold_ratio <= 1.1)
+    )
+    goals.append(
+        Goal(
+            "launch: later runs ≤ 0.05× floor, fresh processes",
+            fmt(warm_ratio, "×"),
+            None if warm_ratio is None else warm_ratio <= 0.05 and all(fresh_pids),
+        )
+    )
+    return (
+        "### 1. Launch latency — trivial all_reduce, 2 CPU ranks, gloo, call → rank 0's result\n\n"
+        + table(["launcher", "median", "min–max", "÷ floor", "n", "note"], rows)
+        + "\n\n÷ floor: the median over rounds of (the launcher's median in a round ÷ the floor measured at the "
+        "start of that round)."
+    )
 
 
 # --- 2. training overhead -------------------------------------------------------------------------------------
@@ -411,37 +507,76 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
     # The same work in CPU seconds: what each rank spent per step, plus what the kernel spent per step (it comes
     # out of the same 2 cores, counted whole since DDP ranks move in lockstep). Being descheduled costs no CPU
     # time, so this is steadier than wall-clock steps/s on a shared machine.
-    cpu_ratio = (plain_cpu.median / (under_cpu.median + kernel_cpu.median)
-                 if plain_cpu.median and under_cpu.median and kernel_cpu.median is not None else None)
+    cpu_ratio = (
+        plain_cpu.median / (under_cpu.median + kernel_cpu.median)
+        if plain_cpu.median and under_cpu.median and kernel_cpu.median is not None
+        else None
+    )
     rows = [
-        ["torchrun script (no logging, no print)", fmt(plain.median, "", 1), plain.spread(1), "1.000",
-         "—", us(plain_cpu.median), "—", "1.000"],
-        ["ddpnb.run, no logging, no print (the launcher alone)", fmt(quiet.median, "", 1), quiet.spread(1),
-         fmt(quiet.median / plain.median if quiet.median and plain.median else None, ""), "—",
-         us(quiet_cpu.median), "not sampled",
-         fmt(plain_cpu.median / quiet_cpu.median if plain_cpu.median and quiet_cpu.median else None, "", 4)],
-        [f"ddpnb.run + ddpnb.log + print every step ({lines} lines, {metrics} metrics seen)",
-         fmt(under.median, "", 1), under.spread(1), fmt(ratio, ""),
-         fmt(statistics.median(pair_ratios) if pair_ratios else None, ""), us(under_cpu.median),
-         us(kernel_cpu.median), fmt(cpu_ratio, "", 4)],
+        [
+            "torchrun script (no logging, no print)",
+            fmt(plain.median, "", 1),
+            plain.spread(1),
+            "1.000",
+            "—",
+            us(plain_cpu.median),
+            "—",
+            "1.000",
+        ],
+        [
+            "ddpnb.run, no logging, no print (the launcher alone)",
+            fmt(quiet.median, "", 1),
+            quiet.spread(1),
+            fmt(quiet.median / plain.median if quiet.median and plain.median else None, ""),
+            "—",
+            us(quiet_cpu.median),
+            "not sampled",
+            fmt(plain_cpu.median / quiet_cpu.median if plain_cpu.median and quiet_cpu.median else None, "", 4),
+        ],
+        [
+            f"ddpnb.run + ddpnb.log + print every step ({lines} lines, {metrics} metrics seen)",
+            fmt(under.median, "", 1),
+            under.spread(1),
+            fmt(ratio, ""),
+            fmt(statistics.median(pair_ratios) if pair_ratios else None, ""),
+            us(under_cpu.median),
+            us(kernel_cpu.median),
+            fmt(cpu_ratio, "", 4),
+        ],
     ]
-    noisy = any(len(s.values) < 2 or (max(s.values) - min(s.values)) > 0.02 * s.median for s in (plain, under)
-                if s.values)
+    noisy = any(
+        len(s.values) < 2 or (max(s.values) - min(s.values)) > 0.02 * s.median for s in (plain, under) if s.values
+    )
     verdict_on = cpu_ratio if noisy and cpu_ratio is not None else ratio
-    measured = (f"{fmt(cpu_ratio, '', 4)} in CPU time; {fmt(ratio, '', 3)} wall clock"
-                + (" (inside the noise here)" if noisy else ""))
-    goals.append(Goal("training: throughput ratio ≥ 0.99", measured,
-                      None if verdict_on is None else verdict_on >= 0.99))
-    return (f"### 2. Training overhead — DDP MLP 256-512-512-10, batch 64, 2 CPU ranks (1 thread each), gloo, "
-            f"{settings.train_steps} timed steps\n\n"
-            + table(["variant", "steps/s (median)", "min–max", "ratio of medians", "median of paired ratios",
-                     "rank CPU per step", "kernel CPU per step", "ratio in CPU time"], rows)
-            + "\n\nEach round runs the three, in reverse order every other round; each rank's own clocks time the "
-              "steps (launch excluded). With 2 ranks on 2 cores, load from anything else on the machine moves "
-              "steps/s by more than the 1% the goal is about, so the verdict uses the CPU-time ratio when the "
-              "wall-clock spread exceeds 2%: plain CPU per step ÷ (ddpnb rank CPU per step + kernel CPU per step). "
-              "The kernel's CPU is sampled while the steps run (launch and teardown left out, as they are from "
-              "the steps' clocks). The quiet row tells the launcher's own cost from the cost of reporting.")
+    measured = f"{fmt(cpu_ratio, '', 4)} in CPU time; {fmt(ratio, '', 3)} wall clock" + (
+        " (inside the noise here)" if noisy else ""
+    )
+    goals.append(
+        Goal("training: throughput ratio ≥ 0.99", measured, None if verdict_on is None else verdict_on >= 0.99)
+    )
+    return (
+        f"### 2. Training overhead — DDP MLP 256-512-512-10, batch 64, 2 CPU ranks (1 thread each), gloo, "
+        f"{settings.train_steps} timed steps\n\n"
+        + table(
+            [
+                "variant",
+                "steps/s (median)",
+                "min–max",
+                "ratio of medians",
+                "median of paired ratios",
+                "rank CPU per step",
+                "kernel CPU per step",
+                "ratio in CPU time",
+            ],
+            rows,
+        )
+        + "\n\nEach round runs the three, in reverse order every other round; each rank's own clocks time the "
+        "steps (launch excluded). With 2 ranks on 2 cores, load from anything else on the machine moves "
+        "steps/s by more than the 1% the goal is about, so the verdict uses the CPU-time ratio when the "
+        "wall-clock spread exceeds 2%: plain CPU per step ÷ (ddpnb rank CPU per step + kernel CPU per step). "
+        "The kernel's CPU is sampled while the steps run (launch and teardown left out, as they are from "
+        "the steps' clocks). The quiet row tells the launcher's own cost from the cost of reporting."
+    )
 
 
 # --- 3. streaming ---------------------------------------------------------------------------------------------
@@ -487,51 +622,95 @@ def bench_stream(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
         lost_total += lost_files + lost_record
         worst = max(d["worst_stall_s"] for d in got)
         stalls = statistics.median(d["stalls_over_5ms"] for d in got)
-        blocked = (f"{sum(d['blocked_writes'] for d in got)} / "
-                   f"{max(d['worst_blocked_s'] for d in got) * 1000:.1f} ms" if rate else "not counted")
-        rows.append([label, f"{into_kernel:,.0f}", f"{printed:,.0f}", str(lost_files), str(lost_record),
-                     f"{worst * 1000:.0f} ms / {stalls:.0f}", blocked, notes[key].note])
+        blocked = (
+            f"{sum(d['blocked_writes'] for d in got)} / {max(d['worst_blocked_s'] for d in got) * 1000:.1f} ms"
+            if rate
+            else "not counted"
+        )
+        rows.append(
+            [
+                label,
+                f"{into_kernel:,.0f}",
+                f"{printed:,.0f}",
+                str(lost_files),
+                str(lost_record),
+                f"{worst * 1000:.0f} ms / {stalls:.0f}",
+                blocked,
+                notes[key].note,
+            ]
+        )
     none_rate = [d["kernel_lines_per_s"] for d in results["none"]]
     rate = statistics.median(none_rate) if none_rate else None
-    goals.append(Goal("streaming: ≥ 200,000 lines/s into the kernel (no view)", fmt(rate, " lines/s", 0),
-                      None if rate is None else rate >= 200_000))
-    goals.append(Goal("streaming: zero lines lost (log files and run record, every variant)", f"{lost_total} lost",
-                      lost_total == 0 if any(results.values()) else None))
+    goals.append(
+        Goal(
+            "streaming: ≥ 200,000 lines/s into the kernel (no view)",
+            fmt(rate, " lines/s", 0),
+            None if rate is None else rate >= 200_000,
+        )
+    )
+    goals.append(
+        Goal(
+            "streaming: zero lines lost (log files and run record, every variant)",
+            f"{lost_total} lost",
+            lost_total == 0 if any(results.values()) else None,
+        )
+    )
     paced_keys = ("paced", "paced-widget", "paced-slow")
     worst_ms = {key: max((d["worst_stall_s"] * 1000 for d in results[key]), default=None) for key in paced_keys}
     blocked_ms = {key: max((d["worst_blocked_s"] * 1000 for d in results[key]), default=None) for key in paced_keys}
     if blocked_ms["paced-slow"] is not None:
-        goals.append(Goal("streaming: a slow view blocks no rank for more than a few ms (≤ 10 ms, paced printing)",
-                          f"longest blocked write {blocked_ms['paced-slow']:.1f} ms with the slow view "
-                          f"({fmt(blocked_ms['paced-widget'], ' ms', 1)} dashboard); longest print, descheduling "
-                          f"included: {worst_ms['paced-slow']:.0f} ms (slow view), "
-                          f"{fmt(worst_ms['paced'], ' ms', 0)} (no view)",
-                          blocked_ms["paced-slow"] <= 10))
-    return (f"### 3. Streaming — 4 ranks printing numbered lines with `print` ({full:,} each flat out; "
-            f"{paced:,} each when paced)\n\n"
-            + table(["variant", "lines/s into kernel", "lines/s printed", "lost (log files)", "lost (record)",
-                     "worst print / prints > 5 ms", "blocked writes / longest", "note"], rows)
-            + "\n\nlines/s into kernel: all lines ÷ (run ended in the kernel − printing started); lines/s "
-              "printed: all lines ÷ (last rank done printing − printing started). Lost: numbered lines missing "
-              "from the per-rank log files, and lines missing from `last_run().ranks[i].lines`. Worst print: the "
-              "longest single `print` call in any rank, time descheduled included: flat out, 4 ranks and the kernel "
-              "share 2 cores, so the scheduler alone makes stalls of tens of ms. Blocked writes (paced rows only): "
-              "prints during which the rank's thread slept (a voluntary context switch: the pipe to the kernel was "
-              "full, or a lock), as opposed to being descheduled; a rank's pipe holds 1 MiB, ~55,000 lines, "
-              "~2.7 s of printing at this pace.")
+        goals.append(
+            Goal(
+                "streaming: a slow view blocks no rank for more than a few ms (≤ 10 ms, paced printing)",
+                f"longest blocked write {blocked_ms['paced-slow']:.1f} ms with the slow view "
+                f"({fmt(blocked_ms['paced-widget'], ' ms', 1)} dashboard); longest print, descheduling "
+                f"included: {worst_ms['paced-slow']:.0f} ms (slow view), "
+                f"{fmt(worst_ms['paced'], ' ms', 0)} (no view)",
+                blocked_ms["paced-slow"] <= 10,
+            )
+        )
+    return (
+        f"### 3. Streaming — 4 ranks printing numbered lines with `print` ({full:,} each flat out; "
+        f"{paced:,} each when paced)\n\n"
+        + table(
+            [
+                "variant",
+                "lines/s into kernel",
+                "lines/s printed",
+                "lost (log files)",
+                "lost (record)",
+                "worst print / prints > 5 ms",
+                "blocked writes / longest",
+                "note",
+            ],
+            rows,
+        )
+        + "\n\nlines/s into kernel: all lines ÷ (run ended in the kernel − printing started); lines/s "
+        "printed: all lines ÷ (last rank done printing − printing started). Lost: numbered lines missing "
+        "from the per-rank log files, and lines missing from `last_run().ranks[i].lines`. Worst print: the "
+        "longest single `print` call in any rank, time descheduled included: flat out, 4 ranks and the kernel "
+        "share 2 cores, so the scheduler alone makes stalls of tens of ms. Blocked writes (paced rows only): "
+        "prints during which the rank's thread slept (a voluntary context switch: the pipe to the kernel was "
+        "full, or a lock), as opposed to being descheduled; a rank's pipe holds 1 MiB, ~55,000 lines, "
+        "~2.7 s of printing at this pace."
+    )
 
 
 # --- 4. large results -----------------------------------------------------------------------------------------
 def bench_result(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
-    variants = [("ddpnb.run returns the state dict", ["--via=ddpnb"]),
-                ("torch.multiprocessing.spawn + a queue (torch moves the tensors to shared memory)", ["--via=mp-queue"])]
+    variants = [
+        ("ddpnb.run returns the state dict", ["--via=ddpnb"]),
+        ("torch.multiprocessing.spawn + a queue (torch moves the tensors to shared memory)", ["--via=mp-queue"]),
+    ]
     got: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in variants}
     notes = {label: Samples() for label, _ in variants}
     for rep in range(settings.result_reps):
         for label, extra in variants:
             say(f"large result: round {rep + 1}/{settings.result_reps}, {label.split(':')[0]}")
-            data = attempt(notes[label], lambda extra=extra: probe("result", f"--bytes={settings.result_bytes}",
-                                                                   *extra, env=env, timeout=300))
+            data = attempt(
+                notes[label],
+                lambda extra=extra: probe("result", f"--bytes={settings.result_bytes}", *extra, env=env, timeout=300),
+            )
             if data:
                 got[label].append(data)
     rows = []
@@ -543,25 +722,35 @@ def bench_result(settings: Settings, env: dict[str, str], goals: list[Goal]) -> 
         speed = statistics.median(d["gb_per_s"] for d in samples)
         seconds = statistics.median(d["seconds"] for d in samples)
         peak = statistics.median(d["peak_over_size"] for d in samples)
-        rows.append([label, f"{seconds:.2f} s", f"{speed:.2f}", f"{peak:.2f}×",
-                     f"{samples[0]['bytes'] / GB:.2f} GB", notes[label].note])
+        rows.append(
+            [
+                label,
+                f"{seconds:.2f} s",
+                f"{speed:.2f}",
+                f"{peak:.2f}×",
+                f"{samples[0]['bytes'] / GB:.2f} GB",
+                notes[label].note,
+            ]
+        )
         if label.startswith("ddpnb"):
             goals.append(Goal("results: ≥ 1 GB/s into the kernel", f"{speed:.2f} GB/s", speed >= 1.0))
             goals.append(Goal("results: kernel memory peak ≤ 1.5× result size", f"{peak:.2f}×", peak <= 1.5))
-    steps = attempt(Samples(), lambda: probe("result-steps", f"--bytes={settings.result_bytes}", env=env,
-                                             timeout=300))
-    step_rows = [[name, f"{seconds:.3f} s", f"{settings.result_bytes / GB / seconds:.2f}"]
-                 for name, seconds in (steps or {}).get("steps", {}).items()]
-    return (f"### 4. Large results — rank 0 returns a {settings.result_bytes / GB:.2f} GB state dict of float32 "
-            "tensors\n\n"
-            + table(["variant", "return → in the kernel", "GB/s", "kernel RSS peak ÷ size", "size", "note"], rows)
-            + "\n\nTimed from rank 0's `return` (a timestamp in the dict) to the value in the kernel's hands; "
-              "peak: the kernel's resident memory sampled every 2 ms, above its level before the launch, with "
-              "every tensor read once after arrival (mapped pages count once touched).\n\n"
-            + "Where the time goes, each step timed alone on the same state dict: a pickle through a pipe (how "
-              "ddpnb sent results until 2026-11-30, and what any pipe- or socket-based launcher does), then "
-              "ddpnb's memory file:\n\n"
-            + table(["step", "time", "GB/s"], step_rows))
+    steps = attempt(Samples(), lambda: probe("result-steps", f"--bytes={settings.result_bytes}", env=env, timeout=300))
+    step_rows = [
+        [name, f"{seconds:.3f} s", f"{settings.result_bytes / GB / seconds:.2f}"]
+        for name, seconds in (steps or {}).get("steps", {}).items()
+    ]
+    return (
+        f"### 4. Large results — rank 0 returns a {settings.result_bytes / GB:.2f} GB state dict of float32 "
+        "tensors\n\n"
+        + table(["variant", "return → in the kernel", "GB/s", "kernel RSS peak ÷ size", "size", "note"], rows)
+        + "\n\nTimed from rank 0's `return` (a timestamp in the dict) to the value in the kernel's hands; "
+        "peak: the kernel's resident memory sampled every 2 ms, above its level before the launch, with "
+        "every tensor read once after arrival (mapped pages count once touched).\n\n"
+        + "Where the time goes, each step timed alone on the same state dict: a pickle through a pipe (how "
+        "ddpnb sent results until 2026-11-30, and what any pipe- or socket-based launcher does), then "
+        "ddpnb's memory file:\n\n" + table(["step", "time", "GB/s"], step_rows)
+    )
 
 
 # --- 5. sessions ------------------------------------------------------------------------------------------------
@@ -589,16 +778,32 @@ def ipyparallel_probe(settings: Settings, env: dict[str, str]) -> dict[str, Any]
     scratch = Path(tempfile.mkdtemp(prefix="ddpnb-bench-ipp-"))
     pids_file = scratch / "pids.json"
     try:
-        return probe("ipyparallel", f"--cells={settings.session_cells}", f"--warmup={settings.session_warmup}",
-                     f"--pids-file={pids_file}", f"--profile-dir={scratch / 'profile'}", env=env, timeout=300)
+        return probe(
+            "ipyparallel",
+            f"--cells={settings.session_cells}",
+            f"--warmup={settings.session_warmup}",
+            f"--pids-file={pids_file}",
+            f"--profile-dir={scratch / 'profile'}",
+            env=env,
+            timeout=300,
+        )
     finally:
         _end_listed(pids_file)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def bench_session(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
-    names = ("start", "execute", "execute_value", "magic_value", "restart", "launch", "stop", "start_again",
-             "first_cell_after_restart")
+    names = (
+        "start",
+        "execute",
+        "execute_value",
+        "magic_value",
+        "restart",
+        "launch",
+        "stop",
+        "start_again",
+        "first_cell_after_restart",
+    )
     ours = {name: Samples() for name in names}
     ipp = {name: Samples() for name in ("start", "execute", "execute_pull")}
     nbd_init, nbd_cell = Samples(), Samples()
@@ -613,9 +818,17 @@ def bench_session(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
     fresh: list[bool] = []
 
     def run_ours(rnd: int) -> None:
-        data = attempt(ours["execute"], lambda: probe(
-            "session", f"--cells={settings.session_cells}", f"--warmup={settings.session_warmup}",
-            f"--restarts={settings.session_restarts}", env=env, timeout=300))
+        data = attempt(
+            ours["execute"],
+            lambda: probe(
+                "session",
+                f"--cells={settings.session_cells}",
+                f"--warmup={settings.session_warmup}",
+                f"--restarts={settings.session_restarts}",
+                env=env,
+                timeout=300,
+            ),
+        )
         if data:
             for name in names:
                 ours[name].add(data[name], rnd)
@@ -654,83 +867,133 @@ def bench_session(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
 
     base = ipp["execute"]
     cell_entries = [
-        ("ddpnb: `s.execute(\"x = 1\")`", ours["execute"], "no value back (None)"),
-        ("ddpnb: `s.execute(\"rank\")`", ours["execute_value"], "one value per rank back: [0, 1]"),
-        ("ddpnb: `%%ranks` cell `rank` (IPython shell, run_cell_magic)", ours["magic_value"],
-         "the issue's cell: the magic over s.execute, [0, 1] back"),
-        ("ipyparallel: `DirectView.execute(\"x = 1\", block=True)`", ipp["execute"], "the goal's yardstick"),
-        ("ipyparallel: the same + `pull(\"x\", block=True)`", ipp["execute_pull"], "a value back: [1, 1]"),
+        ('ddpnb: `s.execute("x = 1")`', ours["execute"], "no value back (None)"),
+        ('ddpnb: `s.execute("rank")`', ours["execute_value"], "one value per rank back: [0, 1]"),
+        (
+            "ddpnb: `%%ranks` cell `rank` (IPython shell, run_cell_magic)",
+            ours["magic_value"],
+            "the issue's cell: the magic over s.execute, [0, 1] back",
+        ),
+        ('ipyparallel: `DirectView.execute("x = 1", block=True)`', ipp["execute"], "the goal's yardstick"),
+        ('ipyparallel: the same + `pull("x", block=True)`', ipp["execute_pull"], "a value back: [1, 1]"),
         ("nbdistributed: `%%distributed` cell `x = 1`", nbd_cell, f"{nbd_cells} cells a round"),
     ]
     rows = []
     for label, samples, note in cell_entries:
         extra = f"{note}; {samples.note}" if samples.note else note
-        rows.append([label, ms(samples.median, 3), ms(samples.percentile(0.9), 3), ms(samples.percentile(0.99), 3),
-                     ms(max(samples.values) if samples.values else None, 1),
-                     fmt(samples.ratio_of_medians_to(base), "×", 3), str(len(samples.values)), extra])
-    cells_table = table(["cell, 2 CPU ranks / engines", "median", "p90", "p99", "max", "÷ ipyparallel execute", "n",
-                         "note"], rows)
+        rows.append(
+            [
+                label,
+                ms(samples.median, 3),
+                ms(samples.percentile(0.9), 3),
+                ms(samples.percentile(0.99), 3),
+                ms(max(samples.values) if samples.values else None, 1),
+                fmt(samples.ratio_of_medians_to(base), "×", 3),
+                str(len(samples.values)),
+                extra,
+            ]
+        )
+    cells_table = table(
+        ["cell, 2 CPU ranks / engines", "median", "p90", "p99", "max", "÷ ipyparallel execute", "n", "note"], rows
+    )
 
     launch = ours["launch"]
     life_entries = [
         ("ddpnb: `%ddp_start -n 2`, the kernel's first (starts the forkserver)", ours["start"], ""),
         ("ddpnb: later `ddpnb.run` of a trivial all_reduce, session open", launch, "the goal's yardstick"),
-        ("ddpnb: `%ddp_restart` (2 ranks)", ours["restart"],
-         "stop + start" + ("; new PIDs every time" if fresh and all(fresh) else "")),
+        (
+            "ddpnb: `%ddp_restart` (2 ranks)",
+            ours["restart"],
+            "stop + start" + ("; new PIDs every time" if fresh and all(fresh) else ""),
+        ),
         ("ddpnb: of which `s.stop()`", ours["stop"], "timed apart, on the same session"),
-        ("ddpnb: of which a start (`s.restart()` when stopped)", ours["start_again"],
-         "fresh ranks, group up, `ddpnb` pushed"),
-        ("ddpnb: first cell after a restart (`s.execute(\"rank\")`)", ours["first_cell_after_restart"], ""),
-        ("ipyparallel: `Cluster(n=2).start_and_connect_sync()` + engines up", ipp["start"],
-         "engines then `import torch`"),
+        (
+            "ddpnb: of which a start (`s.restart()` when stopped)",
+            ours["start_again"],
+            "fresh ranks, group up, `ddpnb` pushed",
+        ),
+        ('ddpnb: first cell after a restart (`s.execute("rank")`)', ours["first_cell_after_restart"], ""),
+        (
+            "ipyparallel: `Cluster(n=2).start_and_connect_sync()` + engines up",
+            ipp["start"],
+            "engines then `import torch`",
+        ),
         ("nbdistributed: `%dist_init -n 2` + first cell", nbd_init, "sleeps a fixed 2 s"),
     ]
     rows = []
     for label, samples, note in life_entries:
         extra = f"{note}; {samples.note}" if samples.note and note else samples.note or note
         small = samples.median is not None and samples.median < 0.01  # a cell: in ms
-        spread = (f"{min(samples.values) * 1e3:.2f}–{max(samples.values) * 1e3:.2f}" if small and
-                  len(samples.values) > 1 else samples.spread())
-        rows.append([label, ms(samples.median) if small else fmt(samples.median, " s"), spread,
-                     fmt(samples.ratio_of_medians_to(launch), "×", 2), str(len(samples.values)), extra])
+        spread = (
+            f"{min(samples.values) * 1e3:.2f}–{max(samples.values) * 1e3:.2f}"
+            if small and len(samples.values) > 1
+            else samples.spread()
+        )
+        rows.append(
+            [
+                label,
+                ms(samples.median) if small else fmt(samples.median, " s"),
+                spread,
+                fmt(samples.ratio_of_medians_to(launch), "×", 2),
+                str(len(samples.values)),
+                extra,
+            ]
+        )
     life_table = table(["start / restart", "median", "min–max", "÷ later launch", "n", "note"], rows)
 
     cell_ratio = ours["magic_value"].ratio_of_medians_to(base)
     api_ratio = ours["execute"].ratio_of_medians_to(base)
     restart_ratio = ours["restart"].ratio_of_medians_to(launch)
-    goals.append(Goal("session (issue 15): `%%ranks` cell with its value ≤ 0.5× ipyparallel execute",
-                      f"{fmt(cell_ratio, '×')} (`s.execute(\"x = 1\")`: {fmt(api_ratio, '×')})",
-                      None if cell_ratio is None else cell_ratio <= 0.5))
-    goals.append(Goal("session (issue 15): `%ddp_restart` ≤ 1.5× a later launch", fmt(restart_ratio, "×"),
-                      None if restart_ratio is None else restart_ratio <= 1.5))
-    say(f"sessions: cell ÷ ipyparallel execute {fmt(cell_ratio, '×')} (goal ≤ 0.5), "
-        f"restart ÷ later launch {fmt(restart_ratio, '×')} (goal ≤ 1.5)")
-    return (f"### 5. Sessions — 2 warm CPU ranks (gloo) / 2 ipyparallel engines, {settings.session_rounds} "
-            f"round{'s' if settings.session_rounds > 1 else ''} of {settings.session_cells} cells of each kind after {settings.session_warmup} untimed\n\n"
-            + cells_table
-            + "\n\nKernel → every rank → back, timed in the probe around the call. Each round is one fresh probe "
-              "per library (ddpnb, ipyparallel, nbdistributed, in an order rotating by round); inside a probe the "
-              "kinds of cell take turns. ÷ ipyparallel execute: the median over rounds of (the row's median in a "
-              "round ÷ ipyparallel execute's median in the same round).\n\n"
-            + life_table
-            + f"\n\n{settings.session_restarts} restarts a round, each paired with a later launch in the same "
-              "kernel (alternating which goes first; the session stays open during the launch), then a stop and "
-              "a start timed apart. ÷ later launch: per round, as above.")
+    goals.append(
+        Goal(
+            "session (issue 15): `%%ranks` cell with its value ≤ 0.5× ipyparallel execute",
+            f'{fmt(cell_ratio, "×")} (`s.execute("x = 1")`: {fmt(api_ratio, "×")})',
+            None if cell_ratio is None else cell_ratio <= 0.5,
+        )
+    )
+    goals.append(
+        Goal(
+            "session (issue 15): `%ddp_restart` ≤ 1.5× a later launch",
+            fmt(restart_ratio, "×"),
+            None if restart_ratio is None else restart_ratio <= 1.5,
+        )
+    )
+    say(
+        f"sessions: cell ÷ ipyparallel execute {fmt(cell_ratio, '×')} (goal ≤ 0.5), "
+        f"restart ÷ later launch {fmt(restart_ratio, '×')} (goal ≤ 1.5)"
+    )
+    return (
+        f"### 5. Sessions — 2 warm CPU ranks (gloo) / 2 ipyparallel engines, {settings.session_rounds} "
+        f"round{'s' if settings.session_rounds > 1 else ''} of {settings.session_cells} cells of each kind after {settings.session_warmup} untimed\n\n"
+        + cells_table
+        + "\n\nKernel → every rank → back, timed in the probe around the call. Each round is one fresh probe "
+        "per library (ddpnb, ipyparallel, nbdistributed, in an order rotating by round); inside a probe the "
+        "kinds of cell take turns. ÷ ipyparallel execute: the median over rounds of (the row's median in a "
+        "round ÷ ipyparallel execute's median in the same round).\n\n"
+        + life_table
+        + f"\n\n{settings.session_restarts} restarts a round, each paired with a later launch in the same "
+        "kernel (alternating which goes first; the session stays open during the launch), then a stop and "
+        "a start timed apart. ÷ later launch: per round, as above."
+    )
 
 
 # --- 6. notebook data into the ranks ----------------------------------------------------------------------------
 def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
     nbytes = settings.data_bytes
-    variants = [("ddpnb", "ddpnb"), ("pickle", "ddpnb pickling the tensor into every rank (before issue 16)"),
-                ("mp-spawn", "torch.multiprocessing.spawn, the tensor in args")]
+    variants = [
+        ("ddpnb", "ddpnb"),
+        ("pickle", "ddpnb pickling the tensor into every rank (before issue 16)"),
+        ("mp-spawn", "torch.multiprocessing.spawn, the tensor in args"),
+    ]
     got: dict[str, list[dict[str, Any]]] = {key: [] for key, _ in variants}
     notes = {key: Samples() for key, _ in variants}
     for rep in range(settings.data_reps):
         order = variants if rep % 2 == 0 else variants[::-1]  # no launcher always first
         for key, _ in order:
             say(f"notebook data: round {rep + 1}/{settings.data_reps}, {key}")
-            data = attempt(notes[key], lambda key=key: probe("data", f"--bytes={nbytes}", f"--via={key}", env=env,
-                                                             timeout=600))
+            data = attempt(
+                notes[key], lambda key=key: probe("data", f"--bytes={nbytes}", f"--via={key}", env=env, timeout=600)
+            )
             if data:
                 got[key].append(data)
 
@@ -745,45 +1008,78 @@ def bench_data(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
     rows = [
         ["ddpnb, trivial launch (no data)", fmt(trivial, " s"), "", "", "the unit of the goals"],
         [f"the kernel's `clone()` of the {size} tensor", fmt(clone, " s"), "", "", "the physical floor of one copy"],
-        ["ddpnb, first launch closing over it", fmt(first, " s"), fmt(median("ddpnb", "peak_over_data"), "×", 2),
-         fmt(median("ddpnb", "ranks_pss_over_data"), "×", 2),
-         f"written once, in parallel, into memory files; the files: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data"],
-        ["ddpnb, later launch, data unchanged", fmt(later, " s"), "", "",
-         f"reused: {fmt(median('ddpnb', 'reused_later') / GB if got['ddpnb'] else None, ' GB', 2)}, nothing written"],
-        ["ddpnb pickling it into every rank (before issue 16)", fmt(pickled, " s"),
-         fmt(median("pickle", "peak_over_data"), "×", 2), fmt(median("pickle", "ranks_pss_over_data"), "×", 2),
-         notes["pickle"].note],
-        ["torch.multiprocessing.spawn, the tensor in args", fmt(spawned, " s"),
-         fmt(median("mp-spawn", "peak_over_data"), "×", 2), "", "fresh interpreters: includes their `import torch`; "
-         + (notes["mp-spawn"].note or "torch moves the tensor into shared memory once")],
+        [
+            "ddpnb, first launch closing over it",
+            fmt(first, " s"),
+            fmt(median("ddpnb", "peak_over_data"), "×", 2),
+            fmt(median("ddpnb", "ranks_pss_over_data"), "×", 2),
+            f"written once, in parallel, into memory files; the files: {fmt(median('ddpnb', 'shm_over_data'), '×', 2)} of the data",
+        ],
+        [
+            "ddpnb, later launch, data unchanged",
+            fmt(later, " s"),
+            "",
+            "",
+            f"reused: {fmt(median('ddpnb', 'reused_later') / GB if got['ddpnb'] else None, ' GB', 2)}, nothing written",
+        ],
+        [
+            "ddpnb pickling it into every rank (before issue 16)",
+            fmt(pickled, " s"),
+            fmt(median("pickle", "peak_over_data"), "×", 2),
+            fmt(median("pickle", "ranks_pss_over_data"), "×", 2),
+            notes["pickle"].note,
+        ],
+        [
+            "torch.multiprocessing.spawn, the tensor in args",
+            fmt(spawned, " s"),
+            fmt(median("mp-spawn", "peak_over_data"), "×", 2),
+            "",
+            "fresh interpreters: includes their `import torch`; "
+            + (notes["mp-spawn"].note or "torch moves the tensor into shared memory once"),
+        ],
     ]
     if trivial and clone and first:
         bound = trivial + 1.5 * clone
-        goals.append(Goal("data: first launch ≤ trivial launch + 1.5× the kernel's clone()",
-                          f"{first:.2f} s vs {bound:.2f} s", first <= bound))
+        goals.append(
+            Goal(
+                "data: first launch ≤ trivial launch + 1.5× the kernel's clone()",
+                f"{first:.2f} s vs {bound:.2f} s",
+                first <= bound,
+            )
+        )
     if trivial and later:
-        goals.append(Goal("data: later launch, unchanged ≤ 1.5× trivial launch", f"{later / trivial:.2f}×",
-                          later <= 1.5 * trivial))
+        goals.append(
+            Goal(
+                "data: later launch, unchanged ≤ 1.5× trivial launch", f"{later / trivial:.2f}×", later <= 1.5 * trivial
+            )
+        )
     for label, other in (("torch.multiprocessing.spawn", spawned), ("ddpnb before issue 16", pickled)):
         if first and other:
-            goals.append(Goal(f"data: first launch ≥ 5× faster than {label}", f"{other / first:.1f}×",
-                              other / first >= 5))
+            goals.append(
+                Goal(f"data: first launch ≥ 5× faster than {label}", f"{other / first:.1f}×", other / first >= 5)
+            )
     peak, pss = median("ddpnb", "peak_over_data"), median("ddpnb", "ranks_pss_over_data")
     if peak is not None:
-        goals.append(Goal("data: kernel peak above baseline ≤ 1.1× the data (RSS; the memory files are reported "
-                          "apart)", f"{peak:.2f}×", peak <= 1.1))
+        goals.append(
+            Goal(
+                "data: kernel peak above baseline ≤ 1.1× the data (RSS; the memory files are reported apart)",
+                f"{peak:.2f}×",
+                peak <= 1.1,
+            )
+        )
     if pss is not None:
         goals.append(Goal("data: the ranks together add ≤ 1.2× the data in PSS", f"{pss:.2f}×", pss <= 1.2))
-    return (f"### 6. Notebook data into the ranks — a function closing over a {size} float32 tensor, 2 CPU ranks\n\n"
-            + table(["launch", "call → result (median)", "kernel RSS peak ÷ data", "ranks' PSS added ÷ data",
-                     "note"], rows)
-            + f"\n\n{settings.data_reps} rounds, each launcher in a fresh process playing the kernel (the tensor "
-              "made and resident before the clock starts; ddpnb's forkserver already up, as from a notebook's "
-              "earlier cell), in alternating order; trivial and later launches alternate in the same process, "
-              "after the first. The function runs the trivial workload (one all_reduce) and "
-              "reads the tensor's first element. Kernel RSS peak: sampled every 2 ms during the first launch, "
-              "above the level just before it. Ranks' PSS added: both ranks read every page, then their PSS is "
-              "summed at one moment, minus the same for a run without the data.")
+    return (
+        f"### 6. Notebook data into the ranks — a function closing over a {size} float32 tensor, 2 CPU ranks\n\n"
+        + table(["launch", "call → result (median)", "kernel RSS peak ÷ data", "ranks' PSS added ÷ data", "note"], rows)
+        + f"\n\n{settings.data_reps} rounds, each launcher in a fresh process playing the kernel (the tensor "
+        "made and resident before the clock starts; ddpnb's forkserver already up, as from a notebook's "
+        "earlier cell), in alternating order; trivial and later launches alternate in the same process, "
+        "after the first. The function runs the trivial workload (one all_reduce) and "
+        "reads the tensor's first element. Kernel RSS peak: sampled every 2 ms during the first launch, "
+        "above the level just before it. Ranks' PSS added: both ranks read every page, then their PSS is "
+        "summed at one moment, minus the same for a run without the data."
+    )
 
 
 # --- 7. checkpoints -----------------------------------------------------------------------------------------------
@@ -791,26 +1087,31 @@ def bench_checkpoint(settings: Settings, env: dict[str, str], goals: list[Goal])
     runs = []
     for rep in range(settings.checkpoint_reps):
         say(f"checkpoints: round {rep + 1}/{settings.checkpoint_reps}")
-        data = attempt(Samples(), lambda: probe("checkpoint", f"--bytes={settings.checkpoint_bytes}", env=env,
-                                                timeout=600))
+        data = attempt(
+            Samples(), lambda: probe("checkpoint", f"--bytes={settings.checkpoint_bytes}", env=env, timeout=600)
+        )
         if data:
             runs.append(data)
     if not runs:
         return "### 7. Checkpoints\n\nnot measured (the probe failed)"
     rows = []
-    for mode, label in (("sync", "save_checkpoint(state, step=)"),
-                        ("async", "save_checkpoint(state, step=, asynchronous=True)")):
+    for mode, label in (
+        ("sync", "save_checkpoint(state, step=)"),
+        ("async", "save_checkpoint(state, step=, asynchronous=True)"),
+    ):
         # the first save of each kind pays for set-up (DCP's planning, the asynchronous save's process group)
         first = statistics.median(run["blocked"][mode][0] for run in runs)
         later = statistics.median(seconds for run in runs for seconds in run["blocked"][mode][1:])
         rows.append([label, f"{first:.3f} s", f"{later:.3f} s"])
     written = statistics.median(run["last_async_written_after"] for run in runs)
-    return (f"### 7. Checkpoints — a DDP model of {runs[0]['bytes'] / GB:.2f} GB (float32), 2 CPU ranks, rank 0's "
-            "time inside the call\n\n"
-            + table(["call", "first save blocks the step", "later saves block the step"], rows)
-            + f"\n\nThe last asynchronous save was still being written for {written:.3f} s after it returned "
-              "(the end of the function waited that long). Median over rounds and saves; checkpoints go to the "
-              "temp directory's disk.")
+    return (
+        f"### 7. Checkpoints — a DDP model of {runs[0]['bytes'] / GB:.2f} GB (float32), 2 CPU ranks, rank 0's "
+        "time inside the call\n\n"
+        + table(["call", "first save blocks the step", "later saves block the step"], rows)
+        + f"\n\nThe last asynchronous save was still being written for {written:.3f} s after it returned "
+        "(the end of the function waited that long). Median over rounds and saves; checkpoints go to the "
+        "temp directory's disk."
+    )
 
 
 # --- 8. the slurm engine ------------------------------------------------------------------------------------------
@@ -852,9 +1153,16 @@ def bench_slurm(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
             timed = attempt(script, lambda: _srun_script(srun, inside))
             if timed:
                 script.add(timed, rnd)
-            data = attempt(slurm_later, lambda: probe("slurm", f"--warm={settings.slurm_warm}",
-                                                      *([f"--data-bytes={settings.data_bytes}"] if rnd == 0 else []),
-                                                      env=inside, timeout=900))
+            data = attempt(
+                slurm_later,
+                lambda: probe(
+                    "slurm",
+                    f"--warm={settings.slurm_warm}",
+                    *([f"--data-bytes={settings.data_bytes}"] if rnd == 0 else []),  # noqa: B023
+                    env=inside,
+                    timeout=900,
+                ),
+            )  # the lambda is called at once
             if data:
                 slurm_first.add(data["first"]["slurm"], rnd)
                 slurm_later.add(data["later"]["slurm"], rnd)
@@ -867,51 +1175,107 @@ def bench_slurm(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
         shutil.rmtree(directory, ignore_errors=True)
     entries = [
         ("`srun -n2 true`", true, "srun's own cost: a step on both nodes, nothing in it"),
-        ("`srun -n2 python -c \"import torch\"`", floor, "the floor of the goal"),
-        ("`srun -n2 python script.py` (plain script, one all_reduce)", script,
-         "MASTER_ADDR/PORT set by hand, RANK from SLURM_PROCID: what a batch script does"),
+        ('`srun -n2 python -c "import torch"`', floor, "the floor of the goal"),
+        (
+            "`srun -n2 python script.py` (plain script, one all_reduce)",
+            script,
+            "MASTER_ADDR/PORT set by hand, RANK from SLURM_PROCID: what a batch script does",
+        ),
         ("ddpnb.run(engine='slurm'), the kernel's first launch", slurm_first, "a fresh kernel inside the allocation"),
-        ("ddpnb.run(engine='slurm'), later launches", slurm_later,
-         "a new step each: srun, a host per node imports torch once and forks its ranks"),
-        ("ddpnb.run (local engine), later launches", local_later,
-         "the same kernel; ranks forked from the warm forkserver"),
+        (
+            "ddpnb.run(engine='slurm'), later launches",
+            slurm_later,
+            "a new step each: srun, a host per node imports torch once and forks its ranks",
+        ),
+        (
+            "ddpnb.run (local engine), later launches",
+            local_later,
+            "the same kernel; ranks forked from the warm forkserver",
+        ),
     ]
     rows = []
     for label, samples, note in entries:
         extra = f"{note}; {samples.note}" if samples.note else note
-        rows.append([label, fmt(samples.median, " s"), samples.spread(), fmt(samples.ratio_to(floor), "×"),
-                     fmt(samples.ratio_of_medians_to(script), "×"), str(len(samples.values)), extra])
+        rows.append(
+            [
+                label,
+                fmt(samples.median, " s"),
+                samples.spread(),
+                fmt(samples.ratio_to(floor), "×"),
+                fmt(samples.ratio_of_medians_to(script), "×"),
+                str(len(samples.values)),
+                extra,
+            ]
+        )
     ratio = slurm_later.ratio_to(floor)
-    goals.append(Goal("slurm (issue 27): a later --engine slurm launch ≤ 1.5× bare srun -n2 python -c 'import torch'",
-                      fmt(ratio, "×"), None if ratio is None else ratio <= 1.5))
+    goals.append(
+        Goal(
+            "slurm (issue 27): a later --engine slurm launch ≤ 1.5× bare srun -n2 python -c 'import torch'",
+            fmt(ratio, "×"),
+            None if ratio is None else ratio <= 1.5,
+        )
+    )
     data_text = ""
     if sent:
         costs = {when: sent[when] - sent["bare"] for when in ("first", "later")}
         data_rows = [
-            ["the same bytes sent once to each of 2 receivers, in parallel (loopback TCP, into memory files)",
-             fmt(sent["floor"], " s"), "1.000×", "the floor of the goal"],
-            *([f"ddpnb, the {when} launch with the data, minus the launch without", fmt(cost, " s"),
-               fmt(cost / sent["floor"], "×"), note] for (when, cost), note in zip(costs.items(), (
-                   "written once into the kernel's memory files, then sent once to each node's host",
-                   "unchanged: reused in the kernel, sent once to each node's host")))]
+            [
+                "the same bytes sent once to each of 2 receivers, in parallel (loopback TCP, into memory files)",
+                fmt(sent["floor"], " s"),
+                "1.000×",
+                "the floor of the goal",
+            ],
+            *(
+                [
+                    f"ddpnb, the {when} launch with the data, minus the launch without",
+                    fmt(cost, " s"),
+                    fmt(cost / sent["floor"], "×"),
+                    note,
+                ]
+                for (when, cost), note in zip(
+                    costs.items(),
+                    (
+                        "written once into the kernel's memory files, then sent once to each node's host",
+                        "unchanged: reused in the kernel, sent once to each node's host",
+                    ),
+                )
+            ),
+        ]
         if "push" in sent:
-            data_rows += [[f"ddpnb, a session's push of the {when} tensor (4 ranks up on 2 nodes)",
-                           fmt(sent[key], " s"), fmt(sent[key] / sent["floor"], "×"), note]
-                          for when, key, note in (
-                              ("new", "push", "written into the kernel's memory files, sent once to each node"),
-                              ("same", "push_again", "unchanged: every node's host holds it, nothing is sent"))]
+            data_rows += [
+                [
+                    f"ddpnb, a session's push of the {when} tensor (4 ranks up on 2 nodes)",
+                    fmt(sent[key], " s"),
+                    fmt(sent[key] / sent["floor"], "×"),
+                    note,
+                ]
+                for when, key, note in (
+                    ("new", "push", "written into the kernel's memory files, sent once to each node"),
+                    ("same", "push_again", "unchanged: every node's host holds it, nothing is sent"),
+                )
+            ]
         worst = max(costs.values()) / sent["floor"]
-        goals.append(Goal(f"slurm (issue 27): a {sent['bytes'] / 2**30:.2f} GiB closure on 2 nodes × 2 ranks ≤ 1.5× "
-                          "sending it once to each node", fmt(worst, "×"), worst <= 1.5))
-        data_text = (f"\n\nNotebook data: a function closing over a {sent['bytes'] / 2**30:.2f} GiB float32 tensor, 4 "
-                     "ranks on 2 nodes, each launch checked; one round, the best of two where repeated.\n\n"
-                     + table(["what", "seconds", "÷ floor", "note"], data_rows))
-    return (f"{title}\n\n"
-            + table(["launch", "median", "min–max", "÷ srun import torch", "÷ srun script", "n", "note"], rows)
-            + "\n\nBoth Slurm nodes are this machine (two slurmd, proctrack/linuxproc, tests/slurm_cluster.py), "
-              "so the ranks share its cores and talk over loopback. ÷ srun import torch: the median over rounds of "
-              "(the row's median in a round ÷ the bare srun measured in that round); ÷ srun script: the same "
-              "against the plain script's. Goal (issue 27): a later slurm launch ≤ 1.5× the bare srun." + data_text)
+        goals.append(
+            Goal(
+                f"slurm (issue 27): a {sent['bytes'] / 2**30:.2f} GiB closure on 2 nodes × 2 ranks ≤ 1.5× "
+                "sending it once to each node",
+                fmt(worst, "×"),
+                worst <= 1.5,
+            )
+        )
+        data_text = (
+            f"\n\nNotebook data: a function closing over a {sent['bytes'] / 2**30:.2f} GiB float32 tensor, 4 "
+            "ranks on 2 nodes, each launch checked; one round, the best of two where repeated.\n\n"
+            + table(["what", "seconds", "÷ floor", "note"], data_rows)
+        )
+    return (
+        f"{title}\n\n"
+        + table(["launch", "median", "min–max", "÷ srun import torch", "÷ srun script", "n", "note"], rows)
+        + "\n\nBoth Slurm nodes are this machine (two slurmd, proctrack/linuxproc, tests/slurm_cluster.py), "
+        "so the ranks share its cores and talk over loopback. ÷ srun import torch: the median over rounds of "
+        "(the row's median in a round ÷ the bare srun measured in that round); ÷ srun script: the same "
+        "against the plain script's. Goal (issue 27): a later slurm launch ≤ 1.5× the bare srun." + data_text
+    )
 
 
 def _srun_script(srun: list[str], env: dict[str, str]) -> float:
@@ -919,10 +1283,15 @@ def _srun_script(srun: list[str], env: dict[str, str]) -> float:
     fd, out = tempfile.mkstemp(prefix="ddpnb-bench-", suffix=".json")
     os.close(fd)
     try:
-        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo",
-                      "OMP_NUM_THREADS": "1"}
-        elapsed, _ = run_process([*srun, sys.executable, str(TORCHRUN_ENTRY), "trivial", out],
-                                 {**env, **rendezvous}, 180)
+        rendezvous = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        elapsed, _ = run_process(
+            [*srun, sys.executable, str(TORCHRUN_ENTRY), "trivial", out], {**env, **rendezvous}, 180
+        )
         if json.loads(Path(out).read_text())["sum"] != 2.0:
             raise ProbeFailed("the plain script's all_reduce gave a wrong sum")
         return elapsed
@@ -945,13 +1314,19 @@ def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str
     if not installed("ray"):
         goals.append(Goal("ray (issue 31): later launch ≤ 3 s", "—", None))
         return f"{title}\n\nnot measured: ray is not installed (pip install -e '.[ray]')"
-    samples = {name: Samples() for name in ("ray_first", "ray_later", "local_later", "ray_start", "local_start",
-                                            "ray_trip", "local_trip")}
+    samples = {
+        name: Samples()
+        for name in ("ray_first", "ray_later", "local_later", "ray_start", "local_start", "ray_trip", "local_trip")
+    }
     fresh = True
     for rnd in range(settings.ray_reps):
         say(f"ray: round {rnd + 1}/{settings.ray_reps} (a fresh kernel starts its own local Ray instance)")
-        data = attempt(samples["ray_later"], lambda: probe(
-            "ray", f"--warm={settings.ray_warm}", f"--sessions={settings.ray_sessions}", env=env, timeout=900))
+        data = attempt(
+            samples["ray_later"],
+            lambda: probe(
+                "ray", f"--warm={settings.ray_warm}", f"--sessions={settings.ray_sessions}", env=env, timeout=900
+            ),
+        )
         if not data:
             continue
         fresh = fresh and data["fresh_pids"]
@@ -968,8 +1343,12 @@ def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str
         ("`ddpnb.session()` starts (local engine)", "local_start", " s", ""),
         ("session round trip on Ray, `s.execute('x = x + 1')`", "ray_trip", " ms", ""),
         ("session round trip, local engine", "local_trip", " ms", ""),
-        ("later `ddpnb.run(engine='ray', placement='spread')`, 2 nodes", "spread_later", " s",
-         "a `ray start` head and a second node on this machine (as tests/test_ray.py starts them), a rank on each"),
+        (
+            "later `ddpnb.run(engine='ray', placement='spread')`, 2 nodes",
+            "spread_later",
+            " s",
+            "a `ray start` head and a second node on this machine (as tests/test_ray.py starts them), a rank on each",
+        ),
     ]
     samples["spread_later"] = _two_node_round(settings, env)
     rows = []
@@ -984,11 +1363,15 @@ def bench_ray(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str
     goals.append(_at_most("ray (issue 31): later launch ≤ 3 s", samples["ray_later"].median, 3.0, " s"))
     goals.append(_at_most("ray (issue 31): session start ≤ 5 s", samples["ray_start"].median, 5.0, " s"))
     trip = samples["ray_trip"].median
-    goals.append(_at_most("ray (issue 31): session round trip ≤ 10 ms", None if trip is None else trip * 1000, 10.0,
-                          " ms"))
-    return (f"{title}\n\n" + table(["", "median", "n", "÷ local engine", "note"], rows)
-            + f"\n\nOne fresh process per round plays the kernel, with a local Ray instance it starts (2 CPUs); "
-              f"launches of the two engines interleave. Every later Ray launch got new rank PIDs: {fresh}.")
+    goals.append(
+        _at_most("ray (issue 31): session round trip ≤ 10 ms", None if trip is None else trip * 1000, 10.0, " ms")
+    )
+    return (
+        f"{title}\n\n"
+        + table(["", "median", "n", "÷ local engine", "note"], rows)
+        + f"\n\nOne fresh process per round plays the kernel, with a local Ray instance it starts (2 CPUs); "
+        f"launches of the two engines interleave. Every later Ray launch got new rank PIDs: {fresh}."
+    )
 
 
 def _two_node_round(settings: Settings, env: dict[str, str]) -> Samples:
@@ -1007,9 +1390,18 @@ def _two_node_round(settings: Settings, env: dict[str, str]) -> Samples:
     say("ray: starting a two-node cluster (ray start, twice)")
     try:
         with two_node_cluster(directory, auth) as (address, _):
-            data = attempt(spread, lambda: probe("ray", f"--warm={settings.ray_warm}", "--sessions=0",
-                                                 f"--address={address}", "--placement=spread",
-                                                 env={**env, **auth}, timeout=900))
+            data = attempt(
+                spread,
+                lambda: probe(
+                    "ray",
+                    f"--warm={settings.ray_warm}",
+                    "--sessions=0",
+                    f"--address={address}",
+                    "--placement=spread",
+                    env={**env, **auth},
+                    timeout=900,
+                ),
+            )
             if data:
                 spread.add(data["later"]["ray"])
     finally:
@@ -1022,9 +1414,13 @@ SHUTDOWN_CELLS = {
     "a plain kernel": [],
     "after %load_ext ddpnb": ["%load_ext ddpnb", "import time; time.sleep(5)"],  # the forkserver warmed
     "with a session and a background run": [
-        "%load_ext ddpnb", "%ddp_start -n 2",
-        "import time\ndef sleeps(rank):\n    time.sleep(300)\nbg = ddpnb.launch(sleeps, nprocs=2, view='none')\n"
-        "time.sleep(2)"],
+        "%load_ext ddpnb",
+        "%ddp_start -n 2",
+        (
+            "import time\ndef sleeps(rank):\n    time.sleep(300)\nbg = ddpnb.launch(sleeps, nprocs=2, view='none')\n"
+            "time.sleep(2)"
+        ),
+    ],
 }
 
 
@@ -1050,16 +1446,29 @@ def bench_shutdown(settings: Settings, env: dict[str, str], goals: list[Goal]) -
             finally:
                 client.stop_channels()
             time.sleep(1)
-            left[label] = max(left[label], sum(child.is_running() and child.status() != psutil.STATUS_ZOMBIE
-                                               for child in children))
-    rows = [[label, fmt(samples[label].median, " s"), samples[label].spread(), str(len(samples[label].values)),
-             str(left[label])] for label in SHUTDOWN_CELLS]
+            left[label] = max(
+                left[label], sum(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
+            )
+    rows = [
+        [
+            label,
+            fmt(samples[label].median, " s"),
+            samples[label].spread(),
+            str(len(samples[label].values)),
+            str(left[label]),
+        ]
+        for label in SHUTDOWN_CELLS
+    ]
     worst = max((samples[label].median or 0.0) for label in list(SHUTDOWN_CELLS)[1:])
-    goals.append(_at_most("kernel shutdown with ddpnb, a session and a background run (issue 28) ≤ 1 s", worst, 1.0,
-                          " s"))
-    return (f"{title}\n\n" + table(["kernel", "median", "min–max", "n", "processes left 1 s after"], rows)
-            + "\n\nBefore ddpnb ended its forkserver and multiprocessing's resource tracker as the shutdown began, "
-              "ipykernel's SIGTERM ladder (0.01, 0.03, 0.1, 0.3, 1 s) waited on the tracker, which ignores SIGTERM.")
+    goals.append(
+        _at_most("kernel shutdown with ddpnb, a session and a background run (issue 28) ≤ 1 s", worst, 1.0, " s")
+    )
+    return (
+        f"{title}\n\n"
+        + table(["kernel", "median", "min–max", "n", "processes left 1 s after"], rows)
+        + "\n\nBefore ddpnb ended its forkserver and multiprocessing's resource tracker as the shutdown began, "
+        "ipykernel's SIGTERM ladder (0.01, 0.03, 0.1, 0.3, 1 s) waited on the tracker, which ignores SIGTERM."
+    )
 
 
 # --- 11. profiling -------------------------------------------------------------------------------------------------
@@ -1071,7 +1480,7 @@ def bench_profile(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
     for rep in range(settings.profile_reps):
         for ranks in PROFILE_RANKS:
             say(f"profiling: {ranks} ranks, round {rep + 1}/{settings.profile_reps}")
-            data = attempt(Samples(), lambda: probe("profile", f"--ranks={ranks}", env=env, timeout=900))
+            data = attempt(Samples(), lambda: probe("profile", f"--ranks={ranks}", env=env, timeout=900))  # noqa: B023 - called at once
             if data:
                 found[ranks].append(data)
     rows = []
@@ -1083,24 +1492,50 @@ def bench_profile(settings: Settings, env: dict[str, str], goals: list[Goal]) ->
         def median(key: str, runs: list[dict[str, Any]] = runs) -> float:
             return statistics.median(run[key] for run in runs)
 
-        rows.append([str(ranks), f"{median('merge_seconds'):.3f} s", f"{median('merged_bytes') / 1e3:.0f} kB",
-                     f"{median('rank_bytes') / 1e3:.0f} kB", f"{median('events'):,.0f}",
-                     f"{median('plain_step') * 1e3:.1f} ms", f"{median('profiled_step') * 1e3:.1f} ms",
-                     f"+{median('open_cost') * 1e3:.0f} / +{median('close_cost') * 1e3:.0f} ms"])
+        rows.append(
+            [
+                str(ranks),
+                f"{median('merge_seconds'):.3f} s",
+                f"{median('merged_bytes') / 1e3:.0f} kB",
+                f"{median('rank_bytes') / 1e3:.0f} kB",
+                f"{median('events'):,.0f}",
+                f"{median('plain_step') * 1e3:.1f} ms",
+                f"{median('profiled_step') * 1e3:.1f} ms",
+                f"+{median('open_cost') * 1e3:.0f} / +{median('close_cost') * 1e3:.0f} ms",
+            ]
+        )
     eight = found[8]
-    goals.append(_at_most("profiling: merging 8 ranks × 3 steps (issue 30) ≤ 2 s",
-                          statistics.median(run["merge_seconds"] for run in eight) if eight else None, 2.0, " s"))
-    return ("### 11. Profiling (issue 30) — the training workload (section 2's DDP MLP, ddpnb.log + print every "
-            "step), --profile over the 3 steps after its warm-up, CPU ranks over gloo\n\n"
-            + table(["ranks", "kernel: merge + breakdown", "merged trace (gzip)", "rank traces (gzip, all)",
-                     "events merged", "rank 0 step, unprofiled", "profiled step", "open / close of the profile"],
-                    rows)
-            + f"\n\nMedians of {settings.profile_reps} run(s) per row, each in a fresh kernel process. The merge "
-              "runs in the kernel when the attempt ends (reading every rank's gzipped trace, shifting it, writing "
-              "one file, and splitting each rank's steps). A profiled step pays torch.profiler's recording; the "
-              "step before the window pays its start and the clock exchanges with rank 0, the step after it the stop "
-              "and the trace's export (its extra time over an unprofiled step is the open / close column). With 8 "
-              "ranks on this machine's cores every step is slower, profiled or not.")
+    goals.append(
+        _at_most(
+            "profiling: merging 8 ranks × 3 steps (issue 30) ≤ 2 s",
+            statistics.median(run["merge_seconds"] for run in eight) if eight else None,
+            2.0,
+            " s",
+        )
+    )
+    return (
+        "### 11. Profiling (issue 30) — the training workload (section 2's DDP MLP, ddpnb.log + print every "
+        "step), --profile over the 3 steps after its warm-up, CPU ranks over gloo\n\n"
+        + table(
+            [
+                "ranks",
+                "kernel: merge + breakdown",
+                "merged trace (gzip)",
+                "rank traces (gzip, all)",
+                "events merged",
+                "rank 0 step, unprofiled",
+                "profiled step",
+                "open / close of the profile",
+            ],
+            rows,
+        )
+        + f"\n\nMedians of {settings.profile_reps} run(s) per row, each in a fresh kernel process. The merge "
+        "runs in the kernel when the attempt ends (reading every rank's gzipped trace, shifting it, writing "
+        "one file, and splitting each rank's steps). A profiled step pays torch.profiler's recording; the "
+        "step before the window pays its start and the clock exchanges with rank 0, the step after it the stop "
+        "and the trace's export (its extra time over an unprofiled step is the open / close column). With 8 "
+        "ranks on this machine's cores every step is slower, profiled or not."
+    )
 
 
 # --- 12. the kernel over many launches -------------------------------------------------------------------------
@@ -1118,8 +1553,9 @@ SOAK_EVERY = 25  # launches between two readings of the kernel's memory
 
 def _in_kernel(client: Any, expression: str) -> str:
     """`expression` evaluated in the kernel, after a full collection, as its repr."""
-    reply = client.execute_interactive("import gc; gc.collect()", user_expressions={"value": expression},
-                                       timeout=120, output_hook=lambda msg: None)
+    reply = client.execute_interactive(
+        "import gc; gc.collect()", user_expressions={"value": expression}, timeout=120, output_hook=lambda msg: None
+    )
     return reply["content"]["user_expressions"]["value"]["data"]["text/plain"]
 
 
@@ -1152,36 +1588,76 @@ def bench_soak(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
             client.stop_channels()
             manager.shutdown_kernel(now=True)
         growth = (rss[launches] - rss[SOAK_SETTLE]) / (launches - SOAK_SETTLE) * 100 / 2**20
-        rows.append([view, f"{rss[SOAK_SETTLE] / 2**20:.1f} MiB", f"{rss[launches] / 2**20:.1f} MiB",
-                     f"{growth:+.2f} MiB", str(widgets), f"{seconds:.2f} s",
-                     " ".join(f"{rss[n] / 2**20:.0f}" for n in sorted(rss))])
+        rows.append(
+            [
+                view,
+                f"{rss[SOAK_SETTLE] / 2**20:.1f} MiB",
+                f"{rss[launches] / 2**20:.1f} MiB",
+                f"{growth:+.2f} MiB",
+                str(widgets),
+                f"{seconds:.2f} s",
+                " ".join(f"{rss[n] / 2**20:.0f}" for n in sorted(rss)),
+            ]
+        )
         if view == "widget":
-            goals.append(_at_most(f"kernel memory growth per 100 dashboard launches after the first {SOAK_SETTLE} "
-                                  "(issue 40) ≤ 2 MiB", growth, 2.0, " MiB"))
-            goals.append(Goal("ipywidgets instances left after the dashboard launches (issue 40): 0", str(widgets),
-                              widgets == 0))
-    return (f"### 12. The kernel over many launches (issue 40) — {launches} `%%ddp -n 2` launches in one kernel per "
-            "view, each a cell: 3 metrics and a line per rank, rank's value returned\n\n"
-            + table(["view", f"RSS after {SOAK_SETTLE}", f"after {launches}", "growth per 100 launches",
-                     "widgets left", "per launch", f"RSS (MiB) every {SOAK_EVERY} launches"], rows)
-            + "\n\nThe kernel's resident memory after a gc.collect(), read from outside it (psutil); growth is "
-              f"the line from launch {SOAK_SETTLE} to the last, per 100 launches.")
+            goals.append(
+                _at_most(
+                    f"kernel memory growth per 100 dashboard launches after the first {SOAK_SETTLE} (issue 40) ≤ 2 MiB",
+                    growth,
+                    2.0,
+                    " MiB",
+                )
+            )
+            goals.append(
+                Goal("ipywidgets instances left after the dashboard launches (issue 40): 0", str(widgets), widgets == 0)
+            )
+    return (
+        f"### 12. The kernel over many launches (issue 40) — {launches} `%%ddp -n 2` launches in one kernel per "
+        "view, each a cell: 3 metrics and a line per rank, rank's value returned\n\n"
+        + table(
+            [
+                "view",
+                f"RSS after {SOAK_SETTLE}",
+                f"after {launches}",
+                "growth per 100 launches",
+                "widgets left",
+                "per launch",
+                f"RSS (MiB) every {SOAK_EVERY} launches",
+            ],
+            rows,
+        )
+        + "\n\nThe kernel's resident memory after a gc.collect(), read from outside it (psutil); growth is "
+        f"the line from launch {SOAK_SETTLE} to the last, per 100 launches."
+    )
 
 
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:
     return Goal(label, fmt(value, unit), None if value is None else value <= bound)
 
 
-SECTIONS = {"launch": bench_launch, "train": bench_train, "stream": bench_stream, "result": bench_result,
-            "session": bench_session, "data": bench_data, "checkpoint": bench_checkpoint, "slurm": bench_slurm,
-            "ray": bench_ray, "shutdown": bench_shutdown, "profile": bench_profile, "soak": bench_soak}
+SECTIONS = {
+    "launch": bench_launch,
+    "train": bench_train,
+    "stream": bench_stream,
+    "result": bench_result,
+    "session": bench_session,
+    "data": bench_data,
+    "checkpoint": bench_checkpoint,
+    "slurm": bench_slurm,
+    "ray": bench_ray,
+    "shutdown": bench_shutdown,
+    "profile": bench_profile,
+    "soak": bench_soak,
+}
 
 
 def machine() -> str:
     import torch
 
-    return (f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, load average before the run {os.getloadavg()[0]:.2f}")
+    return (
+        f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, load average before the run {os.getloadavg()[0]:.2f}"
+    )
 
 
 def main() -> None:
@@ -1197,8 +1673,10 @@ def main() -> None:
         parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     runs_dir = Path(tempfile.mkdtemp(prefix="ddpnb-bench-runs-"))
     env = child_env(runs_dir)
-    header = (f"ddpnb benchmarks ({'--quick' if args.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{machine()}, ddpnb from {ddpnb_root()}")
+    header = (
+        f"ddpnb benchmarks ({'--quick' if args.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{machine()}, ddpnb from {ddpnb_root()}"
+    )
     say(header)
     goals: list[Goal] = []
     parts = []
@@ -1209,13 +1687,16 @@ def main() -> None:
     finally:
         shutil.rmtree(runs_dir, ignore_errors=True)
     verdict = {True: "met", False: "**missed**", None: "not measured here"}
-    summary = table(["goal (issue 5 unless named)", "measured", ""], [[g.text, g.measured, verdict[g.met]] for g in goals])
+    summary = table(
+        ["goal (issue 5 unless named)", "measured", ""], [[g.text, g.measured, verdict[g.met]] for g in goals]
+    )
     footer = f"total bench time {time.monotonic() - started:.0f} s, load average after the run {os.getloadavg()[0]:.2f}"
     report = "\n\n".join([header, *parts, "### Goals\n\n" + summary, footer])
     print(report)
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "sections": parts,
-                                               "goals": [g.__dict__ for g in goals]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"header": header, "sections": parts, "goals": [g.__dict__ for g in goals]}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def _end_first_at_shutdown(kernel: Any, *ends: Any) -> None:
         for end in ends:
             try:
                 end()
-            except Exception:  # noqa: BLE001 - the shutdown goes on: ipykernel's own signals end what is left
+            except Exception:  # noqa: BLE001, S112 - the shutdown goes on: ipykernel's own signals end what is left
                 continue
         return original(restart)
 

@@ -87,11 +87,23 @@ def collective_arrivals(backend: str) -> list[tuple[str, int, int]] | None:
 
         dump = c10d._dump_nccl_trace if backend == "nccl" else c10d._dump_fr_trace
         entries = pickle.loads(dump(True, False, False)).get("entries", [])  # collectives, no stacks, all states
-        return [(str(e["process_group"][0]), int(e["collective_seq_id"]), int(e["time_created_ns"])) for e in entries
-                if not e.get("is_p2p")]
+        return [
+            (str(e["process_group"][0]), int(e["collective_seq_id"]), int(e["time_created_ns"]))
+            for e in entries
+            if not e.get("is_p2p")
+        ]
     # a torch without it, or whose dump reads otherwise: the radar goes without, the training never fails for it
-    except (AttributeError, ImportError, RuntimeError, dist.DistError, KeyError, IndexError, TypeError, ValueError,
-            pickle.UnpicklingError):
+    except (
+        AttributeError,
+        ImportError,
+        RuntimeError,
+        dist.DistError,
+        KeyError,
+        IndexError,
+        TypeError,
+        ValueError,
+        pickle.UnpicklingError,
+    ):
         return None
 
 

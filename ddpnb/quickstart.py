@@ -46,8 +46,7 @@ def main() -> None:
     import torch
 
     gpus = torch.cuda.device_count()
-    print(f"ddpnb quickstart: {gpus} GPU(s) here -> "
-          f"{f'{gpus} NCCL ranks' if gpus else '2 CPU ranks over gloo'}")
+    print(f"ddpnb quickstart: {gpus} GPU(s) here -> {f'{gpus} NCCL ranks' if gpus else '2 CPU ranks over gloo'}")
     result = ddpnb.run(train, gpus="all" if gpus else None, nprocs=None if gpus else 2)
     # no time of its own: the run's line above says how long it took, and one run has one duration
     print(f"rank 0 returned {result} (logs: {ddpnb.last_run().run_dir})")

@@ -33,8 +33,11 @@ START_WAIT = 30.0  # seconds the daemons get to show both nodes idle
 
 def missing() -> list[str]:
     """The daemons and commands this needs that are not installed here."""
-    return [name for name in (*DAEMONS, "srun", "salloc", "sinfo", "scontrol", "scancel", "squeue")
-            if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
+    return [
+        name
+        for name in (*DAEMONS, "srun", "salloc", "sinfo", "scontrol", "scancel", "squeue")
+        if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None
+    ]
 
 
 def install() -> str:
@@ -75,8 +78,9 @@ class Cluster:
         return {"SLURM_CONF": str(self.conf), "PATH": f"{os.environ.get('PATH', '')}:/usr/sbin"}
 
     def run(self, *command: str, check: bool = True) -> str:
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60,
-                              check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60, check=False
+        )
         if check and done.returncode:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
@@ -84,9 +88,14 @@ class Cluster:
     def allocate(self, nodes: int = 2, tasks: int = 4, name: str = "ddpnb-tests") -> str:
         """A job holding `nodes` nodes for `tasks` tasks, with no shell (`salloc --no-shell -N 2 -n 4`): the
         allocation a kernel started inside `salloc` runs in."""
-        out = subprocess.run(["salloc", "--no-shell", f"--nodes={nodes}", f"--ntasks={tasks}", f"--job-name={name}",
-                              "--immediate=20"],
-                             capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60, check=False)
+        out = subprocess.run(
+            ["salloc", "--no-shell", f"--nodes={nodes}", f"--ntasks={tasks}", f"--job-name={name}", "--immediate=20"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **self.env},
+            timeout=60,
+            check=False,
+        )
         for word in (out.stdout + out.stderr).split():
             if word.isdigit():
                 self.job = word
@@ -95,8 +104,9 @@ class Cluster:
 
     def steps(self, job: str) -> list[str]:
         """The job's steps still running, as `squeue --steps` lists them."""
-        return [line for line in self.run("squeue", "--steps", "-h", "-j", job, "-o", "%i %j").splitlines()
-                if line.strip()]
+        return [
+            line for line in self.run("squeue", "--steps", "-h", "-j", job, "-o", "%i %j").splitlines() if line.strip()
+        ]
 
     def stop(self) -> None:
         """SIGTERM to each daemon, then SIGKILL to whichever has not gone within 5 s; by PID, never by name."""
@@ -127,12 +137,15 @@ def start(directory: Path, settings: dict[str, str] | None = None) -> Cluster:
     socket_path = directory / "munge.socket"
     ports = {"ctld": _free_port(), **{node: _free_port() for node in NODES}}
     host = socket.gethostname()
-    nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} "
-                      f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN" for node in NODES)
+    nodes = "\n".join(
+        f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} "
+        f"CPUs={CPUS_PER_NODE} RealMemory=1000 State=UNKNOWN"
+        for node in NODES
+    )
     conf = f"""\
 ClusterName=ddpnb
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ports['ctld']}
+SlurmctldPort={ports["ctld"]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -160,7 +173,7 @@ KillWait=5
 InactiveLimit=0
 MinJobAge=5
 {nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
     again = {line.partition("=")[0] for line in conf.splitlines()} & set(settings)
     if again:
@@ -177,9 +190,17 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         cluster.pids[name] = process.pid
 
     try:
-        daemon("munged", "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket_path}",
-               f"--pid-file={directory}/munged.pid", f"--log-file={directory}/munged.log",
-               f"--seed-file={directory}/munged.seed")
+        daemon(
+            "munged",
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={socket_path}",
+            f"--pid-file={directory}/munged.pid",
+            f"--log-file={directory}/munged.log",
+            f"--seed-file={directory}/munged.seed",
+        )
         _wait_for(lambda: socket_path.exists(), "munged's socket", directory)
         daemon("slurmctld", "slurmctld", "-D", "-i", "-f", str(cluster.conf))
         for node in NODES:
@@ -205,8 +226,10 @@ def _wait_for(ready, what: str, directory: Path) -> None:
     deadline = time.monotonic() + START_WAIT
     while not ready():
         if time.monotonic() > deadline:
-            logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                           for p in sorted(directory.glob("*.out")) + sorted(directory.glob("*.log")))
+            logs = "".join(
+                f"\n--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                for p in sorted(directory.glob("*.out")) + sorted(directory.glob("*.log"))
+            )
             raise RuntimeError(f"the local Slurm did not come up: no {what} after {START_WAIT:g} s{logs}")
         time.sleep(0.1)
 

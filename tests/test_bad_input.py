@@ -67,36 +67,50 @@ def cell(flags):
 LaunchError = ddpnb.LaunchError
 BAD_INPUT = [
     # what is wrong,               passed as,                               refused with, names,         says to pass
-    ("nprocs a bool",              run(nprocs=True),                        LaunchError, "nprocs",       "nprocs=2"),
-    ("gpus a bool",                run(gpus=True),                          LaunchError, "gpus",         "gpus=2"),
-    ("timeout a bool",             run(timeout=True),                       LaunchError, "timeout",      "seconds"),
-    ("max_restarts a bool",        run(max_restarts=True),                  LaunchError, "max_restarts", "whole"),
-    ("keep_checkpoints a bool",    run(keep_checkpoints=True),              LaunchError, "keep_checkpoints", "whole"),
-    ("stall a bool",               run(stall=True),                         LaunchError, "stall",        "--stall 120"),
-    ("a session's nprocs a bool",  session(nprocs=True),                    LaunchError, "nprocs",       "nprocs=2"),
-    ("fold not a bool",            run(fold=1),                             LaunchError, "fold",         "True or"),
-    ("env a string",               run(env="FOO=1"),                        LaunchError, "env",     "env={'FOO': '1'}"),
-    ("env name with =",            run(env={"A=B": "1"}),                   LaunchError, "env",     "letters, digits"),
-    ("env name empty",             run(env={"": "1"}),                      LaunchError, "env",     "letters, digits"),
-    ("env name with a space",      run(env={"A B": "1"}),                   LaunchError, "env",     "letters, digits"),
-    ("env value not a string",     run(env={"FOO": 1}),                     LaunchError, "env",     "str(1)"),
-    ("--env name with NUL",        cell("-n 2 --env 'A\0B=1'"),             UsageError,  "--env",   "letters, digits"),
-    ("--env name with a space",    line("ddp_start", "-n 2 --env 'A B=1'"), UsageError,  "--env",   "letters, digits"),
-    ("--timeout on a session",     line("ddp_start", "-n 2 --timeout 5"),   UsageError,  "--timeout",
-     "a session takes no --timeout"),
-    ("a session's timeout=",       session(nprocs=2, timeout=5),            LaunchError, "timeout",      "this takes"),
-    ("more ranks than processes",  run(nprocs=100_000, oversubscribe=True), LaunchError, "nprocs",       "fewer"),
-    ("-n above the process limit", cell("-n 100000"),                       UsageError,  "-n 100000",    "fewer"),
-    ("more than 8 ranks a CPU",    run(nprocs=ABOVE_CPUS),                  LaunchError, "nprocs",     "oversubscribe"),
-    ("-n above 8 a CPU, session",  line("ddp_start", f"-n {ABOVE_CPUS}"),   UsageError,  f"-n {ABOVE_CPUS}",
-     "--oversubscribe"),
+    ("nprocs a bool", run(nprocs=True), LaunchError, "nprocs", "nprocs=2"),
+    ("gpus a bool", run(gpus=True), LaunchError, "gpus", "gpus=2"),
+    ("timeout a bool", run(timeout=True), LaunchError, "timeout", "seconds"),
+    ("max_restarts a bool", run(max_restarts=True), LaunchError, "max_restarts", "whole"),
+    ("keep_checkpoints a bool", run(keep_checkpoints=True), LaunchError, "keep_checkpoints", "whole"),
+    ("stall a bool", run(stall=True), LaunchError, "stall", "--stall 120"),
+    ("a session's nprocs a bool", session(nprocs=True), LaunchError, "nprocs", "nprocs=2"),
+    ("fold not a bool", run(fold=1), LaunchError, "fold", "True or"),
+    ("env a string", run(env="FOO=1"), LaunchError, "env", "env={'FOO': '1'}"),
+    ("env name with =", run(env={"A=B": "1"}), LaunchError, "env", "letters, digits"),
+    ("env name empty", run(env={"": "1"}), LaunchError, "env", "letters, digits"),
+    ("env name with a space", run(env={"A B": "1"}), LaunchError, "env", "letters, digits"),
+    ("env value not a string", run(env={"FOO": 1}), LaunchError, "env", "str(1)"),
+    ("--env name with NUL", cell("-n 2 --env 'A\0B=1'"), UsageError, "--env", "letters, digits"),
+    ("--env name with a space", line("ddp_start", "-n 2 --env 'A B=1'"), UsageError, "--env", "letters, digits"),
+    (
+        "--timeout on a session",
+        line("ddp_start", "-n 2 --timeout 5"),
+        UsageError,
+        "--timeout",
+        "a session takes no --timeout",
+    ),
+    ("a session's timeout=", session(nprocs=2, timeout=5), LaunchError, "timeout", "this takes"),
+    ("more ranks than processes", run(nprocs=100_000, oversubscribe=True), LaunchError, "nprocs", "fewer"),
+    ("-n above the process limit", cell("-n 100000"), UsageError, "-n 100000", "fewer"),
+    ("more than 8 ranks a CPU", run(nprocs=ABOVE_CPUS), LaunchError, "nprocs", "oversubscribe"),
+    (
+        "-n above 8 a CPU, session",
+        line("ddp_start", f"-n {ABOVE_CPUS}"),
+        UsageError,
+        f"-n {ABOVE_CPUS}",
+        "--oversubscribe",
+    ),
 ]
 
 
-@pytest.mark.parametrize("passed, error, argument, advice", [case[1:] for case in BAD_INPUT],
-                         ids=[case[0].replace(" ", "-") for case in BAD_INPUT])
-def test_bad_input_is_refused_naming_the_argument_before_anything_starts(shell, runs_dir, passed, error, argument,
-                                                                          advice):
+@pytest.mark.parametrize(
+    "passed, error, argument, advice",
+    [case[1:] for case in BAD_INPUT],
+    ids=[case[0].replace(" ", "-") for case in BAD_INPUT],
+)
+def test_bad_input_is_refused_naming_the_argument_before_anything_starts(
+    shell, runs_dir, passed, error, argument, advice
+):
     last_run, current_session, live = ddpnb.last_run(), _session.current_session(), ddpnb.runs()
     runs, processes = set(runs_dir.iterdir()), _descendants()
     try:
@@ -136,9 +150,11 @@ def test_a_second_ddp_stop_says_there_is_no_session_to_stop(shell, runs_dir, cap
     shell.run_line_magic("ddp_stop", "")
     assert "[ddpnb] session stopped: its 1 rank has ended" in capsys.readouterr().out
     shell.run_line_magic("ddp_stop", "")
-    assert capsys.readouterr().out == ("[ddpnb] no session to stop: this kernel's session had ended already "
-                                       "(stopped); %ddp_restart starts it again with its flags, %ddp_start with new "
-                                       "ones\n")
+    assert capsys.readouterr().out == (
+        "[ddpnb] no session to stop: this kernel's session had ended already "
+        "(stopped); %ddp_restart starts it again with its flags, %ddp_start with new "
+        "ones\n"
+    )
 
 
 def calls_setsid(rank):
@@ -158,11 +174,11 @@ def test_setsid_in_a_rank_says_ranks_already_lead_their_own_session(runs_dir):
 
 def test_a_permission_error_raised_elsewhere_gets_no_setsid_hint():
     def traceback(line: str) -> str:
-        return textwrap.dedent(f'''\
+        return textwrap.dedent(f"""\
             Traceback (most recent call last):
               File "Cell In[3]", line 2, in train
                 {line}
-            PermissionError: [Errno 1] Operation not permitted''')
+            PermissionError: [Errno 1] Operation not permitted""")
 
     summary = "PermissionError: [Errno 1] Operation not permitted"
     assert SETSID_HINT in known_cause(summary, traceback("os.setsid()"))

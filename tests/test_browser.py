@@ -19,10 +19,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-
 CHROMIUM = os.environ.get("DDPNB_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 REPO = Path(__file__).resolve().parents[1]
 # the README's pictures: rewritten only when asked (DDPNB_UPDATE_SCREENSHOTS=1), else kept beside the notebooks
 UPDATE_SCREENSHOTS = os.environ.get("DDPNB_UPDATE_SCREENSHOTS") == "1"
@@ -31,7 +36,7 @@ pytestmark = pytest.mark.slow
 NOTEBOOK = ".jp-NotebookPanel:visible .jp-Notebook"
 IDLE = ".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']"
 
-TRAIN_CELL = '''%%ddp -n 2
+TRAIN_CELL = """%%ddp -n 2
 def train(rank, world_size):
     import os, time, torch, ddpnb
     from tqdm.auto import tqdm
@@ -50,9 +55,9 @@ def train(rank, world_size):
         ddpnb.log(step=step, loss=loss.item(), samples_per_s=64 / (time.perf_counter() - started))
         if step % 4 == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}")
-'''
+"""
 
-BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
+BACKGROUND_CELL = """%%ddp -n 2 --background -o job
 def slow(rank):
     import os, time
     import ddpnb
@@ -63,7 +68,7 @@ def slow(rank):
         step += 1
         time.sleep(0.1)
     return "background done"
-'''
+"""
 
 
 def _require(module: str) -> None:
@@ -86,17 +91,34 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Pa
     notification.parent.mkdir(parents=True)
     notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     token = secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(runtime), "JUPYTERLAB_SETTINGS_DIR": str(settings),
-           "JUPYTERLAB_WORKSPACES_DIR": str(root / ".workspaces"),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "JUPYTER_RUNTIME_DIR": str(runtime),
+        "JUPYTERLAB_SETTINGS_DIR": str(settings),
+        "JUPYTERLAB_WORKSPACES_DIR": str(root / ".workspaces"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("DDPNB_VIEW", None)  # auto: the dashboard, as a user gets it
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", "--port=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
-         "--LabApp.extension_manager=readonly", "--LabApp.news_url=", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "wb"),  # noqa: SIM115
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            "--port=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.port_retries=0",
+            "--LabApp.extension_manager=readonly",
+            "--LabApp.news_url=",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "wb"),  # noqa: SIM115
     )
     try:
         url = _server_url(runtime, server, root / "server.log")
@@ -199,8 +221,7 @@ def _run_cell(page, cell, finished: bool = True) -> None:
     else:
         raise AssertionError("the cell did not start running")
     if finished:
-        page.wait_for_function("el => /\\[\\d+\\]/.test(el.innerText)", arg=prompt.element_handle(),
-                               timeout=120_000)
+        page.wait_for_function("el => /\\[\\d+\\]/.test(el.innerText)", arg=prompt.element_handle(), timeout=120_000)
 
 
 def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summary(lab, page):
@@ -238,8 +259,9 @@ def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summar
 
 
 def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
-    cells = _open(page, lab, "background.ipynb", ["%load_ext ddpnb", BACKGROUND_CELL, "print(40 + 2)",
-                                                  "print(job.result())"])
+    cells = _open(
+        page, lab, "background.ipynb", ["%load_ext ddpnb", BACKGROUND_CELL, "print(40 + 2)", "print(job.result())"]
+    )
     _run_cell(page, cells.nth(0))
     _run_cell(page, cells.nth(1))  # returns at once
     background = cells.nth(1).locator(".jp-OutputArea")
@@ -256,8 +278,7 @@ def test_background_run_keeps_its_dashboard_while_another_cell_runs(lab, page):
     background.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=30_000)
 
 
-
-BREAKPOINT_CELL = '''%%ddp -n 2
+BREAKPOINT_CELL = """%%ddp -n 2
 def train(rank, world_size):
     import torch, torch.distributed as dist
     total = torch.ones(1) * (rank + 1)
@@ -265,7 +286,7 @@ def train(rank, world_size):
         breakpoint()
     dist.all_reduce(total)
     return total.item()
-'''
+"""
 
 
 def test_a_rank_at_a_breakpoint_reads_so_in_the_dashboard_until_it_continues(lab, page):
@@ -311,8 +332,9 @@ def test_a_background_runs_breakpoint_is_answered_in_its_dashboards_console(lab,
     entry.fill("p rank")
     entry.press("Enter")
     # pdb's answer to rank 1 alone: its rank
-    console.locator(".ddpnb-console-transcript", has_text=re.compile(r"\(Pdb\) p rank\n1$", re.M)).wait_for(
-        timeout=30_000)
+    console.locator(".ddpnb-console-transcript", has_text=re.compile(r"\(Pdb\) p rank\n1$", re.MULTILINE)).wait_for(
+        timeout=30_000
+    )
     assert re.search(r"at a breakpoint: Cell In\[\d+\], line 7, in train", _row_text(output, 1))
     page.wait_for_function("el => !el.disabled", arg=entry.element_handle(), timeout=30_000)
     entry.fill("c")
@@ -320,13 +342,13 @@ def test_a_background_runs_breakpoint_is_answered_in_its_dashboards_console(lab,
     output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']").wait_for(timeout=60_000)
 
 
-SAVED_CELL = '''%%ddp -n 2 --view widget
+SAVED_CELL = """%%ddp -n 2 --view widget
 def train(rank, world_size):
     import ddpnb
     for step in range(20):
         ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
     print("trained")
-'''
+"""
 
 
 def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots(lab, page, tmp_path):
@@ -339,7 +361,9 @@ def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
-        NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
     url, token, root = lab
     nbformat.write(nb, root / "saved.ipynb")  # not signed: this server has never trusted it
     page.goto(f"{url}/lab/workspaces/saved/tree/saved.ipynb?reset&token={token}")
@@ -364,7 +388,7 @@ def test_a_saved_notebook_opened_untrusted_keeps_the_summarys_look_and_its_plots
     assert "00.20.40.6" not in text  # the plot's labels are not left as a run of text
 
 
-STALL_CELL = '''%%ddp -n 3 --stall 3
+STALL_CELL = """%%ddp -n 3 --stall 3
 def stall(rank):
     import os, time
     import torch
@@ -372,7 +396,7 @@ def stall(rank):
     while rank == 1 and not os.path.exists("stall-go"):
         time.sleep(0.2)
     dist.all_reduce(torch.ones(1))
-'''
+"""
 
 
 def _stalled_for(banner) -> float:
@@ -403,7 +427,9 @@ def test_a_foreground_stall_shows_each_ranks_stack_under_a_banner_whose_seconds_
     page.wait_for_function(  # each redraw replaces the banner's element: look it up each time
         "([area, first]) => parseFloat(/progress for (\\d+(?:\\.\\d)?) s/.exec("
         "area.querySelector('.ddpnb-stall-title').innerText)[1]) > first + 1",
-        arg=[output.element_handle(), first], timeout=30_000)
+        arg=[output.element_handle(), first],
+        timeout=30_000,
+    )
     (lab[2] / "stall-go").touch()
 
     summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
@@ -412,7 +438,7 @@ def test_a_foreground_stall_shows_each_ranks_stack_under_a_banner_whose_seconds_
     assert output.locator(".ddpnb-stall-stacks").count() == 0
 
 
-RESTART_CELL = '''%%ddp -n 2 --max-restarts 1
+RESTART_CELL = """%%ddp -n 2 --max-restarts 1
 def restarts(rank):
     import os, time, ddpnb
     attempt = ddpnb.attempt()
@@ -427,7 +453,7 @@ def restarts(rank):
         while not os.path.exists("rank0-logged"):  # rank 0's points are in its pipe: both curves can be drawn
             time.sleep(0.05)
         raise ValueError("rank 1 fails in attempt 0")
-'''
+"""
 
 
 def test_a_restarted_runs_plot_shows_both_attempts_throughout_and_its_log_marks_the_restart(lab, page):
@@ -462,7 +488,7 @@ def test_a_restarted_runs_plot_shows_both_attempts_throughout_and_its_log_marks_
     assert "40 lines" in text and summary.locator(".ddpnb-restart-mark").count() == 1, text
 
 
-WIDE_CELL = '''%%ddp -n 4 --timeout 6
+WIDE_CELL = """%%ddp -n 4 --timeout 6
 def wide(rank):
     import time
     print("a long line of words that the log wraps between its words " * 6, flush=True)
@@ -474,7 +500,7 @@ def wide(rank):
     if rank == 2:
         raise RuntimeError("rank 2 stops while the others are still starting their work " * 3)
     time.sleep(60)
-'''
+"""
 
 
 def test_a_failed_four_rank_runs_summary_fits_the_output_area_and_wraps_between_words(lab, page):
@@ -501,6 +527,8 @@ def test_a_failed_four_rank_runs_summary_fits_the_output_area_and_wraps_between_
     }""")
     assert widths["area"][0] <= widths["area"][1], widths
     assert widths["wide"] == [], widths
-    styles = summary.evaluate("el => [...el.querySelectorAll('*')].filter(e => getComputedStyle(e).wordBreak "
-                              "=== 'break-all').map(e => e.tagName + '.' + e.className)")
+    styles = summary.evaluate(
+        "el => [...el.querySelectorAll('*')].filter(e => getComputedStyle(e).wordBreak "
+        "=== 'break-all').map(e => e.tagName + '.' + e.className)"
+    )
     assert styles == []  # a line wraps between words; only a word wider than the line breaks

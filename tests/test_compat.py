@@ -23,9 +23,11 @@ def call(helper: Callable[..., Any], library: str, *args: Any) -> Any:
     try:
         return helper(*args)
     except (AttributeError, ImportError, TypeError) as exc:
-        pytest.fail(f"_compat.{helper.__name__} no longer works with {library} "
-                    f"{importlib.metadata.version(library) if library != 'python' else ''}: "
-                    f"{type(exc).__name__}: {exc}")
+        pytest.fail(
+            f"_compat.{helper.__name__} no longer works with {library} "
+            f"{importlib.metadata.version(library) if library != 'python' else ''}: "
+            f"{type(exc).__name__}: {exc}"
+        )
 
 
 def test_forkserver_internals_still_name_and_restart_the_forkserver():

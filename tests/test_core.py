@@ -18,7 +18,7 @@ import ddpnb
 from tests.conftest import left_in_groups, wait_gone, written_result_files
 from tests.test_faults import wait_for
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     import ddpnb
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
 
     if __name__ == "__main__":
         print("RESULT", ddpnb.run(train, nprocs=3))
-''')
+""")
 
 
 def test_run_works_from_a_plain_python_script(tmp_path):
@@ -45,7 +45,7 @@ def test_run_works_from_a_plain_python_script(tmp_path):
         assert f"[rank {rank}] rank {rank} sees 3.0" in done.stdout
 
 
-UNGUARDED_SCRIPT = textwrap.dedent('''
+UNGUARDED_SCRIPT = textwrap.dedent("""
     import sys
     import ddpnb
 
@@ -56,7 +56,7 @@ UNGUARDED_SCRIPT = textwrap.dedent('''
         return [rank * SCALE, sys.modules["__main__"].train is train]  # the rank's __main__ holds what it uses
 
     print("RESULT", ddpnb.run(train, nprocs=2))
-''')
+""")
 
 
 def test_ranks_never_run_the_launching_scripts_top_level_code(tmp_path):
@@ -92,20 +92,35 @@ def _signature_probe_both(rank, world_size):
     return f"{rank}/{world_size}"
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (_signature_probe_none, "none"), (_signature_probe_rank, "rank 0"), (_signature_probe_both, "0/2"),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (_signature_probe_none, "none"),
+        (_signature_probe_rank, "rank 0"),
+        (_signature_probe_both, "0/2"),
+    ],
+)
 def test_function_signatures_fn_fn_rank_fn_rank_world_size(fn, expected):
     assert ddpnb.run(fn, nprocs=2) == expected
 
 
 def _environment():
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA",
-            "TORCH_DIST_INIT_BARRIER")
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "EXTRA",
+        "TORCH_DIST_INIT_BARRIER",
+    )
     import torch.distributed as dist
 
-    return {key: os.environ.get(key) for key in keys} | {"initialized": dist.is_initialized(),
-                                                          "backend": dist.get_backend()}
+    return {key: os.environ.get(key) for key in keys} | {
+        "initialized": dist.is_initialized(),
+        "backend": dist.get_backend(),
+    }
 
 
 def test_ranks_get_torchrun_environment_and_a_ready_process_group():
@@ -167,8 +182,11 @@ def test_result_with_a_timeout_raises_timeout_error_as_a_futures_does_and_the_ru
     release = tmp_path / "release"
     handle = ddpnb.launch(_waits_for, nprocs=2, args=(str(release),), view="none")
     try:
-        with pytest.raises(TimeoutError, match=r"^the run has not ended within 0.2 s, and goes on: .result\(\) again "
-                                               r"waits for it, .stop\(\) ends it.$"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"^the run has not ended within 0.2 s, and goes on: .result\(\) again "
+            r"waits for it, .stop\(\) ends it.$",
+        ):
             handle.result(timeout=0.2)  # the ranks wait for a file no one has made yet: it cannot have ended
         with pytest.raises(ValueError, match="timeout is a number of seconds to wait, 0 or more, not '1'"):
             handle.result(timeout="1")
@@ -287,8 +305,12 @@ def test_settings_that_cannot_work_fail_before_starting(monkeypatch):
     with pytest.raises(ddpnb.LaunchError, match="^timeout must be a positive number of seconds, not '10'.$"):
         ddpnb.run(_returns_pid, nprocs=2, timeout="10")
     for args, shown in ((5, "5"), ("data.csv", "'data.csv'")):  # a lone argument, not a tuple of them
-        with pytest.raises(ddpnb.LaunchError, match=re.escape(
-                f"args must be a tuple of the function's extra arguments, not {shown}: for one, args=({shown},).")):
+        with pytest.raises(
+            ddpnb.LaunchError,
+            match=re.escape(
+                f"args must be a tuple of the function's extra arguments, not {shown}: for one, args=({shown},)."
+            ),
+        ):
             ddpnb.run(_returns_pid, nprocs=2, args=args)
     assert ddpnb.last_run() is before  # nothing started
 
@@ -320,8 +342,10 @@ def test_logging_something_that_is_not_a_number_names_it_raised_on_the_users_lin
     assert "ddpnb.log: loss must be a number or a one-element tensor, not Tensor of shape (2,)" in str(failure.value)
     traceback = failure.value.record.first_failure.traceback.splitlines()
     # as a built-in's error would: the innermost frame is the user's call, not ddpnb's own code below it
-    assert traceback[-3:-1] == [f'  File "{__file__}", line {_logs_a_vector.__code__.co_firstlineno + 3}, in '
-                                "_logs_a_vector", "    ddpnb.log(step=0, loss=torch.tensor([1.0, 2.0]))"], traceback
+    assert traceback[-3:-1] == [
+        (f'  File "{__file__}", line {_logs_a_vector.__code__.co_firstlineno + 3}, in _logs_a_vector'),
+        "    ddpnb.log(step=0, loss=torch.tensor([1.0, 2.0]))",
+    ], traceback
     assert "ddpnb" + os.sep not in "\n".join(traceback).replace(__file__, "")
 
 
@@ -333,7 +357,8 @@ def test_a_checkpoint_of_something_that_is_not_a_dict_is_refused_on_the_users_li
     with pytest.raises(ddpnb.WorkerError) as failure:
         ddpnb.run(_saves_a_list, nprocs=2)
     assert "ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': opt}, not list." in str(
-        failure.value)
+        failure.value
+    )
     assert failure.value.record.first_failure.traceback.splitlines()[-2] == "    ddpnb.save_checkpoint([1, 2], step=0)"
 
 

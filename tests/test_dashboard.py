@@ -29,40 +29,42 @@ from tests.conftest import Kernel, dashboards, wait_gone
 pytestmark = pytest.mark.slow
 
 
-TRAIN_CELL = '''%%ddp -n 2
+TRAIN_CELL = """%%ddp -n 2
 def train(rank, world_size):
     import ddpnb
     for step in range(25):
         ddpnb.log(step=step, loss=1.0 / (step + 1) + rank)
         print(f"step {step} on rank {rank}")
     return "trained"
-'''
+"""
 
-TQDM_CELL = '''%%ddp -n 2
+TQDM_CELL = """%%ddp -n 2
 def bars(rank):
     from tqdm.auto import tqdm
     total = 0
     for i in tqdm(range(20000), desc="batches", mininterval=0, miniters=1):
         total += i
     return total
-'''
+"""
 
-FAILING_CELL = '''%%ddp -n 2
+FAILING_CELL = """%%ddp -n 2
 def broken(rank):
     import time
     if rank == 1:
         raise ValueError("bad batch on rank 1")
     while True:  # until rank 1's failure stops the run
         time.sleep(0.1)
-'''
+"""
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
 
+
 def _execute(cells: list[str], path: Path) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell) for cell in cells])
-    NotebookClient(nb, timeout=240, store_widget_state=True, allow_errors=True,
-                   resources={"metadata": {"path": str(path)}}).execute()
+    NotebookClient(
+        nb, timeout=240, store_widget_state=True, allow_errors=True, resources={"metadata": {"path": str(path)}}
+    ).execute()
     return nb
 
 
@@ -80,13 +82,15 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
     with pytest.MonkeyPatch.context() as env:
         env.delenv("DDPNB_VIEW", raising=False)  # auto: a Jupyter kernel gets the dashboard
         env.setenv("DDPNB_RUNS_DIR", str(path / "runs"))
-        nb = _execute(["%load_ext ddpnb", TRAIN_CELL, TQDM_CELL, "import ddpnb\nrecord = ddpnb.last_run()",
-                       FAILING_CELL], path)
+        nb = _execute(
+            ["%load_ext ddpnb", TRAIN_CELL, TQDM_CELL, "import ddpnb\nrecord = ddpnb.last_run()", FAILING_CELL], path
+        )
     nbformat.write(nb, path / "executed.ipynb")
     return nb
 
 
 # --- through nbclient, widget state stored ----------------------------------------------------------------------
+
 
 def test_widget_state_has_both_rank_rows_the_metric_series_and_finished(executed):
     train = dashboards(executed)[0]
@@ -96,7 +100,7 @@ def test_widget_state_has_both_rank_rows_the_metric_series_and_finished(executed
         assert re.search(rf'<polyline data-rank="{rank}" data-points="25" ', train)
     points = re.search(r'<polyline data-rank="0" data-points="25" [^>]* points="([^"]+)"', train).group(1)
     assert len(points.split()) == 25
-    assert "[rank 1]</span><span class=\"ddpnb-text\">step 24 on rank 1" in train
+    assert '[rank 1]</span><span class="ddpnb-text">step 24 on rank 1' in train
     assert not [out for out in executed.cells[1].outputs if out.get("output_type") == "stream"]
 
 
@@ -132,7 +136,7 @@ def test_first_failure_traceback_shows_in_the_error_panel(executed):
     assert "rank 1 failed first: ValueError: bad batch on rank 1" in failing
     # a foreground run: the traceback is shown once, in the cell's error; the panel says where it was raised
     assert "Cell In[" in failing and "the full traceback is in the cell's error below" in failing
-    assert 'raise ValueError(&quot;bad batch on rank 1&quot;)' not in failing
+    assert "raise ValueError(&quot;bad batch on rank 1&quot;)" not in failing
     summary = _summary(executed.cells[4])
     assert "bad batch on rank 1" in summary["text/html"]
     assert "WorkerError" not in summary["text/html"]
@@ -141,6 +145,7 @@ def test_first_failure_traceback_shows_in_the_error_panel(executed):
 
 
 # --- a real kernel driven through jupyter_client ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def widget_kernel(tmp_path_factory: pytest.TempPathFactory):
@@ -165,7 +170,7 @@ def _ran(kernel: Kernel, code: str, timeout: float = 120) -> None:
     assert done.error is None, done.error
 
 
-FLOOD_CELL = '''%%ddp -n 2 --background -o flood
+FLOOD_CELL = """%%ddp -n 2 --background -o flood
 def flood(rank):
     import os, sys, time
     write = sys.stdout.write
@@ -176,7 +181,7 @@ def flood(rank):
         burst += 1
         time.sleep(0.015)
     print(f"flooded {burst * 1000} lines")
-'''
+"""
 
 
 def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_bounded(widget_kernel, tmp_path):
@@ -187,9 +192,14 @@ def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_boun
         for _ in range(3):  # unrelated cells run to the end while the ranks flood the kernel with output
             _ran(widget_kernel, "1 + 1")
             assert _value(widget_kernel, "flood.done") is False
-            widget_chars.append(_value(widget_kernel, "max((len(w.value) for w in list(__import__('ipywidgets')"
-                                                      ".Widget.widgets.values()) if isinstance(getattr(w, 'value', "
-                                                      "None), str)), default=0)"))
+            widget_chars.append(
+                _value(
+                    widget_kernel,
+                    "max((len(w.value) for w in list(__import__('ipywidgets')"
+                    ".Widget.widgets.values()) if isinstance(getattr(w, 'value', "
+                    "None), str)), default=0)",
+                )
+            )
             time.sleep(0.2)
     finally:
         stop_file.touch()
@@ -200,15 +210,18 @@ def test_a_rank_printing_200k_lines_leaves_the_kernel_responsive_and_memory_boun
     counts = _value(widget_kernel, "[sum(1 for _ in open(r.log_path, 'rb')) for r in flood.record.ranks]")
     assert counts == [n + 1 for n in written]  # every line is in the rank's log file
     assert _value(widget_kernel, "[r.lines for r in flood.record.ranks]") == counts
-    sizes = _value(widget_kernel, """{
+    sizes = _value(
+        widget_kernel,
+        """{
         "recent": len(flood.lines_since(0)[0]), "kept": __import__('ddpnb.core.output').core.output.KEEP_LINES,
         "newest": flood.lines_since(0)[0][-1].text,
-    }""")
+    }""",
+    )
     assert sizes["recent"] == sizes["kept"] == 2000, sizes  # of 400k lines and more, the newest 2,000 stay
     assert sizes["newest"].startswith("flooded "), sizes
 
 
-BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
+BACKGROUND_CELL = """%%ddp -n 2 --background -o job
 def forever(rank):
     import subprocess, time
     child = subprocess.Popen(["sleep", "600"])
@@ -216,7 +229,7 @@ def forever(rank):
     while True:
         print("still training", flush=True)
         time.sleep(0.2)
-'''
+"""
 
 
 def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
@@ -229,8 +242,9 @@ def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
     children: list[int] = []
     while len(children) < 2 and time.monotonic() < deadline:
         time.sleep(0.3)
-        children = _value(widget_kernel, "[int(t.split()[1]) for _, _, _, t in job.lines_since(0)[0] "
-                                         "if t.startswith('child ')]")
+        children = _value(
+            widget_kernel, "[int(t.split()[1]) for _, _, _, t in job.lines_since(0)[0] if t.startswith('child ')]"
+        )
     ranks = _value(widget_kernel, "[r.pid for r in job.record.ranks]")
     assert len(children) == 2, "the ranks did not start their children"
     _ran(widget_kernel, "job.stop()")
@@ -240,33 +254,43 @@ def test_background_run_returns_at_once_and_stop_ends_every_rank(widget_kernel):
 
 def test_stop_button_click_from_the_front_end_stops_a_background_run(widget_kernel):
     launched = widget_kernel.execute(BACKGROUND_CELL.replace("-o job", "-o clicked"), timeout=60)
-    opened = {msg["content"]["comm_id"]: msg["content"]["data"]["state"] for msg in launched.outputs
-              if msg["msg_type"] == "comm_open"}
+    opened = {
+        msg["content"]["comm_id"]: msg["content"]["data"]["state"]
+        for msg in launched.outputs
+        if msg["msg_type"] == "comm_open"
+    }
     stop = [comm for comm, state in opened.items() if state.get("description") == "Stop"]
     assert len(stop) == 1 and opened[stop[0]]["disabled"] is False
     client = widget_kernel.client
-    client.shell_channel.send(client.session.msg("comm_msg", {
-        "comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}))
+    client.shell_channel.send(
+        client.session.msg(
+            "comm_msg", {"comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}
+        )
+    )
     deadline = time.monotonic() + 120  # only how long a click that stops nothing takes to fail the test
     while not _value(widget_kernel, "clicked.done") and time.monotonic() < deadline:
         time.sleep(0.3)
     assert _value(widget_kernel, "[clicked.outcome.value, clicked.record.note]") == ["stopped", "stopped by the user"]
 
 
-TWO_RUNS = '''first = ddpnb.launch(lambda rank: print("first", rank) or "one", nprocs=2)
+TWO_RUNS = """first = ddpnb.launch(lambda rank: print("first", rank) or "one", nprocs=2)
 second = ddpnb.launch(lambda rank: print("second", rank) or "two", nprocs=2)
-'''
+"""
 
 
 def test_two_background_runs_keep_their_own_dashboards_and_results(widget_kernel):
     launched = widget_kernel.execute(TWO_RUNS, timeout=60)
     assert launched.error is None, launched.error
-    displays = [msg["content"]["transient"]["display_id"] for msg in launched.outputs
-                if msg["msg_type"] == "display_data"]
+    displays = [
+        msg["content"]["transient"]["display_id"] for msg in launched.outputs if msg["msg_type"] == "display_data"
+    ]
     assert len(set(displays)) == 2
     # each dashboard's own thread replaces its widget by its summary, the first maybe while the cell still runs
-    summaries = {msg["content"]["transient"]["display_id"]: msg["content"]["data"]["text/plain"]
-                 for msg in launched.outputs if msg["msg_type"] == "update_display_data"}
+    summaries = {
+        msg["content"]["transient"]["display_id"]: msg["content"]["data"]["text/plain"]
+        for msg in launched.outputs
+        if msg["msg_type"] == "update_display_data"
+    }
     deadline = time.monotonic() + 120
     while len(summaries) < 2 and time.monotonic() < deadline:
         try:
@@ -292,9 +316,9 @@ LEAVERS = {  # a run of each way a run ends, the last two in the background
     "succeeded": "%%ddp -n 2\ndef fine(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n    return rank",
     "failed": "%%ddp -n 2\ndef broken(rank):\n    raise ValueError('bad batch')",
     "restarted": "%%ddp -n 2 --max-restarts 1\ndef flaky(rank):\n    import ddpnb\n"
-                 "    if ddpnb.attempt() == 0 and rank == 1:\n        raise ValueError('flaky')",
+    "    if ddpnb.attempt() == 0 and rank == 1:\n        raise ValueError('flaky')",
     "stopped": "%%ddp -n 2 --background -o stopped_run\ndef forever(rank):\n    import time\n"
-               "    while True:\n        time.sleep(0.1)",
+    "    while True:\n        time.sleep(0.1)",
     "never waited for": "%%ddp -n 2 --background -o unwaited\ndef quick(rank):\n    return rank",
 }
 LIVE_WIDGETS = "sorted(__import__('ipywidgets').widgets.widget._instances)"
@@ -316,8 +340,11 @@ def test_a_finished_runs_widgets_are_all_closed_and_its_summary_stays_whatever_e
     deadline = time.monotonic() + 60  # each dashboard closes its widgets in its own thread, a TICK at most after
     while (left := set(_value(widget_kernel, LIVE_WIDGETS)) - before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    kinds = _value(widget_kernel, f"[type(w).__name__ for i, w in __import__('ipywidgets').widgets.widget"
-                                  f"._instances.items() if i in {sorted(left)!r}]")
+    kinds = _value(
+        widget_kernel,
+        f"[type(w).__name__ for i, w in __import__('ipywidgets').widgets.widget"
+        f"._instances.items() if i in {sorted(left)!r}]",
+    )
     assert not left, f"{len(left)} widgets of finished runs left: {kinds}"
     assert _value(widget_kernel, "[stopped_run.outcome.value, unwaited.done]") == ["stopped", True]
     for how in ("succeeded", "failed", "restarted"):  # what a saved notebook shows in the cell: the summary
@@ -327,13 +354,13 @@ def test_a_finished_runs_widgets_are_all_closed_and_its_summary_stays_whatever_e
 
 # --- terminal IPython: the plain-text view ----------------------------------------------------------------------
 
-STILL_RUNNING_CELL = '''%%ddp -n 2 --background -o job
+STILL_RUNNING_CELL = """%%ddp -n 2 --background -o job
 def waits(rank):
     import os, time
     print("started", flush=True)
     while not os.path.exists("saved"):  # until the notebook was saved
         time.sleep(0.1)
-'''
+"""
 
 
 def test_a_notebook_saved_mid_run_says_the_run_was_still_going_when_it_was_saved(tmp_path):
@@ -343,8 +370,14 @@ def test_a_notebook_saved_mid_run_says_the_run_was_still_going_when_it_was_saved
         env.delenv("DDPNB_VIEW", raising=False)
         env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
         try:
-            nb = _execute(["%load_ext ddpnb", STILL_RUNNING_CELL,
-                           "import time\nwhile not job.record.ranks[0].lines: time.sleep(0.1)"], tmp_path)
+            nb = _execute(
+                [
+                    "%load_ext ddpnb",
+                    STILL_RUNNING_CELL,
+                    "import time\nwhile not job.record.ranks[0].lines: time.sleep(0.1)",
+                ],
+                tmp_path,
+            )
         finally:
             (tmp_path / "saved").touch()
     shown = [out["data"] for out in nb.cells[1].outputs if out.get("output_type") == "display_data"]
@@ -355,12 +388,20 @@ def test_a_notebook_saved_mid_run_says_the_run_was_still_going_when_it_was_saved
 
 
 def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
-    cell = ("%%ddp -n 2\ndef hello(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n"
-            "    print('hello from', rank)\n    return 7\n")
+    cell = (
+        "%%ddp -n 2\ndef hello(rank):\n    import ddpnb\n    ddpnb.log(step=0, loss=1.0)\n"
+        "    print('hello from', rank)\n    return 7\n"
+    )
     env = {**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)}
     env.pop("DDPNB_VIEW", None)  # auto: text, since terminal IPython has no widgets
-    done = subprocess.run([sys.executable, "-m", "IPython", "--ext", "ddpnb", "--no-banner", "--colors=NoColor",
-                           "-c", cell], capture_output=True, text=True, timeout=240, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "IPython", "--ext", "ddpnb", "--no-banner", "--colors=NoColor", "-c", cell],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
@@ -370,6 +411,7 @@ def test_terminal_ipython_shows_rank_prefixed_lines_and_the_summary(tmp_path):
 
 
 # --- the renderers, without a kernel ----------------------------------------------------------------------------
+
 
 def _record(world_size: int = 2) -> RunRecord:
     record = RunRecord(run_dir=Path("/tmp/run"), world_size=world_size, backend="gloo")
@@ -410,7 +452,9 @@ def test_static_summary_escapes_what_the_ranks_print():
 def test_static_summary_keeps_the_runs_hint():
     record = _record()
     record.outcome = Outcome.SUCCEEDED
-    record.current.hint = "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
+    record.current.hint = (
+        "rebuilding the function took rank 0 2.5 s, importing 'torchvision', ... ddpnb.preload('torchvision')"
+    )
     assert "ddpnb.preload(&#x27;torchvision&#x27;)" in _html.summary_html(record, [])
     assert record.hint in summary_text(record)
 

@@ -22,8 +22,7 @@ import torch
 
 import ddpnb
 from ddpnb.core import data as notebook_data
-from ddpnb.node import shared
-from ddpnb.node import mapped
+from ddpnb.node import mapped, shared
 from ddpnb.rank import data as rank_data
 
 MB = 1 << 20
@@ -70,8 +69,13 @@ def test_closure_and_tensor_dataset_arrive_mapped_and_writes_stay_in_their_rank(
             big.add_(1)
             x.mul_(0)
         dist.barrier()
-        return {"big": [big[0].item(), big[-1].item()], "x": [x[:3].tolist(), (x == 0).sum().item()],
-                "y": y[-1].item(), "mapped": [mapped(t.data_ptr()) for t in (big, x, y)], "n": len(dataset)}
+        return {
+            "big": [big[0].item(), big[-1].item()],
+            "x": [x[:3].tolist(), (x == 0).sum().item()],
+            "y": y[-1].item(),
+            "mapped": [mapped(t.data_ptr()) for t in (big, x, y)],
+            "n": len(dataset),
+        }
 
     seen = ddpnb.run(train, nprocs=2, view="none")
     assert seen["mapped"] == [True, True, True]
@@ -113,11 +117,15 @@ def test_views_of_one_storage_still_share_it_and_a_parameter_keeps_requires_grad
     def check(rank, row, transposed, weight, frozen):
         shares = row.untyped_storage().data_ptr() == transposed.untyped_storage().data_ptr()
         row.fill_(7)  # through one view: seen through the other, as in the notebook
-        return {"shares": shares, "seen": transposed[10:, 3].unique().tolist(), "row": (row.storage_offset(),
-                row.shape, row.stride(), row.dtype), "transposed": (transposed.shape, transposed.stride(),
-                transposed.is_contiguous()), "weight": (type(weight).__name__, weight.requires_grad,
-                weight.is_leaf), "frozen": (type(frozen).__name__, frozen.requires_grad),
-                "mapped": mapped(weight.data_ptr()) and mapped(row.data_ptr())}
+        return {
+            "shares": shares,
+            "seen": transposed[10:, 3].unique().tolist(),
+            "row": (row.storage_offset(), row.shape, row.stride(), row.dtype),
+            "transposed": (transposed.shape, transposed.stride(), transposed.is_contiguous()),
+            "weight": (type(weight).__name__, weight.requires_grad, weight.is_leaf),
+            "frozen": (type(frozen).__name__, frozen.requires_grad),
+            "mapped": mapped(weight.data_ptr()) and mapped(row.data_ptr()),
+        }
 
     seen = ddpnb.run(check, nprocs=2, args=(row, transposed, weight, frozen), view="none")
     assert seen["shares"] and seen["seen"] == [7.0] and seen["mapped"]
@@ -136,8 +144,14 @@ def test_a_numpy_array_in_args_arrives_with_its_dtype_and_values_and_writes_stay
         before = int(table.sum(dtype=np.int64))
         table[:] = -1
         fortran *= 0
-        return {"dtype": table.dtype.str, "shape": table.shape, "sum": before, "writable": table.flags.writeable,
-                "fortran": (fortran.dtype.str, fortran.flags.f_contiguous), "mapped": mapped(table.ctypes.data)}
+        return {
+            "dtype": table.dtype.str,
+            "shape": table.shape,
+            "sum": before,
+            "writable": table.flags.writeable,
+            "fortran": (fortran.dtype.str, fortran.flags.f_contiguous),
+            "mapped": mapped(table.ctypes.data),
+        }
 
     seen = ddpnb.run(check, nprocs=2, args=(table, fortran), view="none")
     assert seen["dtype"] == table.dtype.str and seen["shape"] == (512, 1024) and seen["writable"]
@@ -211,7 +225,9 @@ def test_fifty_launches_with_new_data_keep_kernel_memory_and_shared_memory_bound
     for _ in range(40):
         launch()
         held = _kernel_memory_files()
-        assert len(held) <= notebook_data.KEEP_LAUNCHES and sum(held.values()) <= notebook_data.KEEP_LAUNCHES * 64 * MB, held
+        assert (
+            len(held) <= notebook_data.KEEP_LAUNCHES and sum(held.values()) <= notebook_data.KEEP_LAUNCHES * 64 * MB
+        ), held
     gc.collect()
     assert process.memory_info().rss - rss < 64 * MB  # not one tensor's worth of growth over 40 launches
     kept.clear()  # the notebook lets go of them all: so does ddpnb
@@ -224,7 +240,8 @@ def test_data_that_cannot_be_written_is_a_clear_error_that_starts_nothing_and_lo
     full memory) launches over a 64 MiB tensor: a LaunchError saying what to do, no rank, no memory file kept, the
     tensor as it was, and the next launch without it runs."""
     script = tmp_path / "limited.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import os, resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 20, 32 << 20))
@@ -237,7 +254,8 @@ def test_data_that_cannot_be_written_is_a_clear_error_that_starts_nothing_and_lo
         held = [n for n in os.listdir("/proc/self/fd") if "ddpnb-data" in os.path.realpath(f"/proc/self/fd/{n}")]
         print("HELD:", held, "INTACT:", data[-1].item() == (16 << 20) - 1)
         print("NEXT:", ddpnb.run(lambda: 7, nprocs=2, view="none"))
-    '''))
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     error = next(line for line in done.stdout.splitlines() if line.startswith("ERROR:"))

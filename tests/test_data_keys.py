@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import ddpnb
+from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
 from ddpnb.node import mapped as rank_side
 from ddpnb.node import shared
-from ddpnb.engines.ray.data import ObjectStoreShipment, RefStore
 from tests.conftest import private_runs_dir
 
 MIB = 1 << 20
@@ -101,6 +101,6 @@ def test_a_pickle_after_the_ranks_were_given_the_files_never_rewrites_what_they_
         mapped = rank_side._map_stripes(copies)
         for fd in copies:
             os.close(fd)
-        assert mapped[block.offset:block.offset + block.nbytes] == tensor.numpy().tobytes()
+        assert mapped[block.offset : block.offset + block.nbytes] == tensor.numpy().tobytes()
         mapped.close()
     shipment.commit()

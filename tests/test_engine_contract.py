@@ -100,8 +100,12 @@ def trains_and_fails_once(rank, world_size, ray_train=False):
         opt.step()
         if (step + 1) % 10 == 0:
             ddpnb.save_checkpoint({"model": model, "opt": opt}, step=step + 1)
-    return {"start": start, "attempt": ddpnb.attempt(), "state": model.module.state_dict(),
-            "ray_checkpoint": reported and os.path.basename(reported.path)}
+    return {
+        "start": start,
+        "attempt": ddpnb.attempt(),
+        "state": model.module.state_dict(),
+        "ray_checkpoint": reported and os.path.basename(reported.path),
+    }
 
 
 # --- each engine, set up once for the module ----------------------------------------------------------------------
@@ -186,8 +190,7 @@ def _slurm() -> Iterator[Contract]:
     try:
         cluster.allocate(nodes=2, tasks=4)
         with _environ({**cluster.env, "SLURM_JOB_ID": cluster.job}):
-            yield Contract("slurm", options={"nodes": 2},
-                           nothing_left=lambda pids: ranks_left() + steps_left(cluster))
+            yield Contract("slurm", options={"nodes": 2}, nothing_left=lambda pids: ranks_left() + steps_left(cluster))
     finally:
         if cluster.job:
             cluster.run("scancel", cluster.job, check=False)
@@ -196,8 +199,12 @@ def _slurm() -> Iterator[Contract]:
 
 
 SETUPS = {"local": _local, "ray": _ray, "slurm": _slurm, "fake": _fake}
-ENGINES = [pytest.param("local"), pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow]),
-           pytest.param("slurm", marks=pytest.mark.slow), pytest.param("fake", marks=pytest.mark.fast)]
+ENGINES = [
+    pytest.param("local"),
+    pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow]),
+    pytest.param("slurm", marks=pytest.mark.slow),
+    pytest.param("fake", marks=pytest.mark.fast),
+]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -269,9 +276,18 @@ def up(world_size: int, *more: Any) -> list[Any]:
 
 # --- the promises -------------------------------------------------------------------------------------------------
 def test_every_rank_starts_and_rank_0s_value_comes_back(engine):
-    script = Script([step for rank in range(2) for step in (
-        started(rank), Print(rank, f"rank {rank} of 2 here"), returned(rank, {"rank": 0, "world_size": 2}),
-        Exit(rank, 0))])
+    script = Script(
+        [
+            step
+            for rank in range(2)
+            for step in (
+                started(rank),
+                Print(rank, f"rank {rank} of 2 here"),
+                returned(rank, {"rank": 0, "world_size": 2}),
+                Exit(rank, 0),
+            )
+        ]
+    )
     run = engine.launch(returns, script)
     assert run.result(timeout=STARTED_WAIT) == {"rank": 0, "world_size": 2}
     assert [r.state for r in run.record.ranks] == [RankState.FINISHED] * 2
@@ -284,8 +300,13 @@ def test_each_ranks_events_come_in_order_placed_then_messages_then_exited_and_it
     """Placed first, once; every message before the exit, once; output from the placing on, and read to its end
     after the exit where it comes late (a pipe read to end-of-file once the process is gone, so the last lines are
     never lost): only output may follow the exit, and all of it is in before the run ends."""
-    script = Script([step for rank in range(2) for step in (
-        started(rank), Print(rank, f"rank {rank} of 2 here"), returned(rank, {}), Exit(rank, 0))])
+    script = Script(
+        [
+            step
+            for rank in range(2)
+            for step in (started(rank), Print(rank, f"rank {rank} of 2 here"), returned(rank, {}), Exit(rank, 0))
+        ]
+    )
     run = engine.launch(returns, script)
     run.result(timeout=STARTED_WAIT)
     for rank in range(2):
@@ -293,7 +314,7 @@ def test_each_ranks_events_come_in_order_placed_then_messages_then_exited_and_it
         kinds = [kind for kind, _ in mine]
         assert kinds[0] == "placed" and kinds.count("placed") == 1, mine
         assert kinds.count("exited") == 1, mine
-        assert set(kinds[kinds.index("exited") + 1:]) <= {"output"}, mine  # nothing but late output after the exit
+        assert set(kinds[kinds.index("exited") + 1 :]) <= {"output"}, mine  # nothing but late output after the exit
         sent = [detail for kind, detail in mine if kind == "message"]
         assert sent[0] == "Started" and sent[-1] == "Returned", sent
         said = b"".join(detail for kind, detail in mine if kind == "output")
@@ -324,8 +345,10 @@ def test_a_rank_that_ignores_the_stop_is_stopped_harder(engine, events):
 
 
 def test_stacks_of_a_sleeping_run_name_the_users_function_on_every_rank(engine):
-    stack = 'Stack (most recent call last):\n  File "tests/test_engine_contract.py", line 1, in sleeps\n' \
-            "    time.sleep(300)  # where every rank is"
+    stack = (
+        'Stack (most recent call last):\n  File "tests/test_engine_contract.py", line 1, in sleeps\n'
+        "    time.sleep(300)  # where every rank is"
+    )
     run = engine.launch(sleeps, Script(up(2), stacks={0: stack, 1: stack}))
     wait_until_up(run)
     stacks = run.stacks()
@@ -358,7 +381,6 @@ def test_a_failing_rank_stops_the_others_and_leaves_nothing(engine):
     assert engine.left(run) == []
 
 
-
 def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint_and_resume_continues_it(engine, capsys):
     """Issue 18's scenario on every engine with real ranks: rank 1 dies at step 25 of attempt 0; attempt 1 loads
     step 20 (on Ray through Ray Train's own restart within one fit, which reports the checkpoints and hands the
@@ -368,21 +390,40 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint_and_resume_cont
     if engine.fake:
         pytest.skip("checkpoints are written by torch.distributed.checkpoint on real ranks: the fake has none")
     ray_train = engine.name == "ray"
-    restarted = ddpnb.run(trains_and_fails_once, engine=engine.name, nprocs=2, max_restarts=1, view="text",
-                          env={"FAIL_AT": "25"}, args=(ray_train,), **engine.options)
+    restarted = ddpnb.run(
+        trains_and_fails_once,
+        engine=engine.name,
+        nprocs=2,
+        max_restarts=1,
+        view="text",
+        env={"FAIL_AT": "25"},
+        args=(ray_train,),
+        **engine.options,
+    )
     record = ddpnb.last_run()
     shown = capsys.readouterr()
     assert "[ddpnb] attempt 0 failed: rank 1 failed first" in shown.out, shown.out
     assert re.search(r"^\[ranks? 0(,1)?\] attempt 1 starts from step 20$", shown.out, re.MULTILINE), shown.out
-    assert (record.attempt, len(record.attempts), record.attempts[0].first_failure.rank, record.outcome) == \
-        (1, 1, 1, Outcome.SUCCEEDED)
+    assert (record.attempt, len(record.attempts), record.attempts[0].first_failure.rank, record.outcome) == (
+        1,
+        1,
+        1,
+        Outcome.SUCCEEDED,
+    )
     if not ray_train:  # Ray Train's own words for it: its health check failed
         assert "killed by SIGKILL" in record.attempts[0].first_failure.summary, record.attempts[0].first_failure
     assert (restarted["attempt"], restarted["start"]) == (1, 20)
     assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
-        "rank0.attempt0.log", "rank0.attempt1.log", "rank1.attempt0.log", "rank1.attempt1.log"]
+        "rank0.attempt0.log",
+        "rank0.attempt1.log",
+        "rank1.attempt0.log",
+        "rank1.attempt1.log",
+    ]
     assert sorted(p.name for p in record.checkpoint_dir.iterdir() if p.name.startswith("step-")) == [
-        "step-000000020", "step-000000030", "step-000000040"]  # the newest 3 (keep_checkpoints)
+        "step-000000020",
+        "step-000000030",
+        "step-000000040",
+    ]  # the newest 3 (keep_checkpoints)
     if ray_train:
         # Ray Train registered step 10 or 20 by the time rank 1 died (its controller collects reports as it polls)
         assert restarted["ray_checkpoint"] in ("step-000000010", "step-000000020"), restarted["ray_checkpoint"]
@@ -393,8 +434,9 @@ def test_a_rank_killed_mid_run_restarts_from_the_last_checkpoint_and_resume_cont
     plain = ddpnb.run(trains_and_fails_once, engine="local", nprocs=2, view="none")
     assert plain["start"] is None
     assert all(torch_equal(restarted["state"][k], plain["state"][k]) for k in plain["state"])
-    resumed = ddpnb.run(trains_and_fails_once, engine=engine.name, nprocs=2, resume=record.run_dir, view="none",
-                        **engine.options)
+    resumed = ddpnb.run(
+        trains_and_fails_once, engine=engine.name, nprocs=2, resume=record.run_dir, view="none", **engine.options
+    )
     assert resumed["start"] == 40
     assert [str(pid) for pid in wait_gone(pids, within=30)] + engine.nothing_left(pids) == []
 

@@ -49,7 +49,7 @@ def test_an_engine_registered_by_another_package_runs_with_its_own_option_and_fl
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: greeting-engine\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[ddpnb.engines]\ngreeting = greeting_engine:GreetingType\n")
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         import os, ddpnb, ddpnb._magic
         def hello(rank):
             return os.environ["GREETING"] + f" {rank}"
@@ -60,10 +60,11 @@ def test_an_engine_registered_by_another_package_runs_with_its_own_option_and_fl
             ddpnb.run(hello, greeting="bonjour", nprocs=2, view="none")
         except ddpnb.LaunchError as exc:
             print(exc)
-    ''')
+    """)
     env = {"PYTHONPATH": f"{site}:{REPO}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
-                         cwd=tmp_path, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path, check=False
+    )
     assert out.returncode == 0, out.stderr
     ran, magic, refused = out.stdout.splitlines()
     assert ran == "bonjour 0"  # rank 0's value: its environment came from the engine's own option

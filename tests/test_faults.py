@@ -47,6 +47,7 @@ KERNEL_DEATH_GRACE = 10.0  # ... and this long after the kernel itself dies
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module", autouse=True)
 def runs_dir(tmp_path_factory):
     """A private runs directory, so this module's retention checks see only its own runs (kernels inherit it)."""
@@ -90,8 +91,9 @@ def stray_processes() -> list[psutil.Process]:
                 keep |= {child.pid, *(descendant.pid for descendant in child.children(recursive=True))}
         except psutil.NoSuchProcess:
             continue
-    return [process for process in psutil.Process().children(recursive=True)
-            if process.pid not in keep and _alive(process)]
+    return [
+        process for process in psutil.Process().children(recursive=True) if process.pid not in keep and _alive(process)
+    ]
 
 
 def described(processes: list[psutil.Process]) -> list[str]:
@@ -99,8 +101,9 @@ def described(processes: list[psutil.Process]) -> list[str]:
     said = []
     for process in processes:
         try:
-            said.append(f"{process.pid}, started {time.time() - process.create_time():.0f} s ago: "
-                        f"{' '.join(process.cmdline())}")
+            said.append(
+                f"{process.pid}, started {time.time() - process.create_time():.0f} s ago: {' '.join(process.cmdline())}"
+            )
         except psutil.NoSuchProcess:
             said.append(f"{process.pid}, gone since")
     return said
@@ -132,7 +135,7 @@ def log_ending(record: ddpnb.RunRecord, rank: int) -> str:
     """A rank's log from its last `[ddpnb]` line to the end of the file: how the rank ended, and nothing after."""
     log = read_log(record, rank)
     assert "\n[ddpnb] " in log, log[-500:]
-    return log[log.rindex("\n[ddpnb] ") + 1:]
+    return log[log.rindex("\n[ddpnb] ") + 1 :]
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -180,6 +183,7 @@ def run_failing(fn, **kwargs) -> ddpnb.WorkerError:
 
 
 # --- 1. one rank raises while the others wait inside all_reduce ----------------------------------------------
+
 
 def raises_while_others_wait(rank, handshake):
     import torch
@@ -263,6 +267,7 @@ def test_process_that_escapes_the_ranks_group_cannot_hang_the_run_and_ends_with_
 
 # --- 2. a rank killed by a signal: SIGKILL, a segfault ------------------------------------------------------
 
+
 def dies_by_signal(rank, how, handshake):
     import signal as signals
 
@@ -288,9 +293,14 @@ def test_ranks_failing_on_their_own_are_not_called_a_consequence(tmp_path):
     from ddpnb.core.failures import Failure
     from ddpnb.core.record import AttemptRecord, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)]))
-    record.current.failures = [Failure(1, 10.0, "KeyError: 'no such column'"), Failure(0, 10.1, "KeyError: 'no such column'"),
-                       Failure(2, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
+    record = RunRecord(
+        run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)])
+    )
+    record.current.failures = [
+        Failure(1, 10.0, "KeyError: 'no such column'"),
+        Failure(0, 10.1, "KeyError: 'no such column'"),
+        Failure(2, 10.2, "RuntimeError: Connection closed by peer", knock_on=True),
+    ]
     report = str(ddpnb.WorkerError(record))
     assert report.startswith("ddpnb: rank 1 of 3 failed first: KeyError: 'no such column'")
     assert "also failed:\n  rank 0: the same error\n" in report
@@ -306,8 +316,11 @@ def test_the_text_summary_names_each_failed_ranks_role_as_the_dashboard_does(tmp
     ranks = [RankRecord(r, state=RankState.FAILED, exitcode=1) for r in range(3)]
     ranks[2].exitcode = -9
     record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, ranks))
-    record.current.failures = [Failure(2, 10.0, "killed by SIGKILL"), Failure(1, 10.1, "ValueError: bad batch"),
-                       Failure(0, 10.2, "RuntimeError: Connection closed by peer", knock_on=True)]
+    record.current.failures = [
+        Failure(2, 10.0, "killed by SIGKILL"),
+        Failure(1, 10.1, "ValueError: bad batch"),
+        Failure(0, 10.2, "RuntimeError: Connection closed by peer", knock_on=True),
+    ]
     rows = {int(row.split()[0]): row for row in summary_table(record).splitlines()[1:]}
     assert re.match(r"\s*0  stopped: peer failed +exited with code 1 ", rows[0]), rows[0]
     assert re.match(r"\s*1  failed +exited with code 1 ", rows[1]), rows[1]
@@ -322,11 +335,12 @@ def test_rank_killed_by_signal_is_named_first_and_knock_on_failures_are_folded(h
 
     assert error.rank == 2
     # a segfault's summary also names the crash frame, from faulthandler's report (tests/test_first_hour_views.py)
-    assert re.fullmatch(rf"ddpnb: rank 2 of 3 failed first: killed by {how}( in dies_by_signal \(.*\))?",
-                        report.splitlines()[0])
+    assert re.fullmatch(
+        rf"ddpnb: rank 2 of 3 failed first: killed by {how}( in dies_by_signal \(.*\))?", report.splitlines()[0]
+    )
     assert "A rank died from a signal" in report  # what to do next
     assert record.ranks[2].exitcode == -getattr(signal, how)
-    consequences = report[report.index("then, as a consequence:"):]
+    consequences = report[report.index("then, as a consequence:") :]
     assert "  rank 0: " in consequences and "  rank 1: " in consequences  # gloo's errors, below the cause
     for rank in range(3):
         assert f"rank {rank} ready" in read_log(record, rank)
@@ -344,10 +358,14 @@ def test_root_cause_is_on_top_even_when_a_knock_on_failure_came_first(tmp_path):
     from ddpnb.core.failures import Failure
     from ddpnb.core.record import AttemptRecord, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)]))
-    record.current.failures = [Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
-                       Failure(2, 10.1, "killed by SIGKILL"),
-                       Failure(1, 10.2, "DistBackendError: NCCL communicator was aborted", knock_on=True)]
+    record = RunRecord(
+        run_dir=tmp_path, world_size=3, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(3)])
+    )
+    record.current.failures = [
+        Failure(0, 10.0, "RuntimeError: Connection closed by peer", knock_on=True),
+        Failure(2, 10.1, "killed by SIGKILL"),
+        Failure(1, 10.2, "DistBackendError: NCCL communicator was aborted", knock_on=True),
+    ]
     assert record.first_failure.rank == 2
     report = str(ddpnb.WorkerError(record))
     assert report.startswith("ddpnb: rank 2 of 3 failed first: killed by SIGKILL")
@@ -362,8 +380,14 @@ def test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first
     from ddpnb.core.failures import Failure
     from ddpnb.core.record import AttemptRecord, Outcome, RankRecord, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", current=AttemptRecord(0, [RankRecord(r) for r in range(2)]),
-                       outcome=Outcome.TIMED_OUT, note="stopped after the 5 s timeout (--timeout)")
+    record = RunRecord(
+        run_dir=tmp_path,
+        world_size=2,
+        backend="gloo",
+        current=AttemptRecord(0, [RankRecord(r) for r in range(2)]),
+        outcome=Outcome.TIMED_OUT,
+        note="stopped after the 5 s timeout (--timeout)",
+    )
     record.current.failures = [Failure(1, 10.0, "RuntimeError: Connection closed by peer", knock_on=True)]
     assert record.first_failure is None
     error = ddpnb.WorkerError(record)
@@ -378,18 +402,37 @@ def test_a_timeout_whose_only_failures_are_its_consequences_says_timed_out_first
 # What gloo (libtorch_cpu) and NCCL (libtorch_cuda, torch 2.x) raise in a rank whose peer died or hung; the NCCL
 # texts are the strings in torch's library, as a CPU-only machine cannot produce them.
 KNOCK_ON_ERRORS = [
-    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                      "[127.0.0.1]:38125")),
-    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:40862: "
-                      "Connection reset by peer")),
-    ("RuntimeError", ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
-                      "for recv operation to complete")),
+    (
+        "RuntimeError",
+        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:38125"),
+    ),
+    (
+        "RuntimeError",
+        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:40862: Connection reset by peer"),
+    ),
+    (
+        "RuntimeError",
+        (
+            "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+            "for recv operation to complete"
+        ),
+    ),
     ("DistBackendError", "NCCL communicator was aborted on rank 1."),
-    ("DistBackendError", ("NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process "
-                          "exited or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed "
-                          "possibly due to a network error or a remote process exiting prematurely.")),
-    ("RuntimeError", ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, "
-                      "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600027 milliseconds before timing out.")),
+    (
+        "DistBackendError",
+        (
+            "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process "
+            "exited or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed "
+            "possibly due to a network error or a remote process exiting prematurely."
+        ),
+    ),
+    (
+        "RuntimeError",
+        (
+            "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600027 milliseconds before timing out."
+        ),
+    ),
     ("DistNetworkError", "failed to recv, got 0 bytes"),
 ]
 OWN_ERRORS = [
@@ -400,9 +443,19 @@ OWN_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("exc_type, message", KNOCK_ON_ERRORS, ids=[
-    "gloo-closed", "gloo-reset", "gloo-recv-timeout", "nccl-aborted", "nccl-remote-error", "nccl-watchdog",
-    "store-recv"])
+@pytest.mark.parametrize(
+    "exc_type, message",
+    KNOCK_ON_ERRORS,
+    ids=[
+        "gloo-closed",
+        "gloo-reset",
+        "gloo-recv-timeout",
+        "nccl-aborted",
+        "nccl-remote-error",
+        "nccl-watchdog",
+        "store-recv",
+    ],
+)
 def test_collective_errors_of_gloo_and_nccl_are_knock_on_failures(exc_type, message):
     from ddpnb.core.failures import is_knock_on
 
@@ -477,13 +530,14 @@ def test_the_same_error_on_every_rank_is_listed_as_also_failed_not_as_a_conseque
     error = run_failing(every_rank_raises_the_same_error, nprocs=3, args=(str(tmp_path),))
     report = str(error)
     assert report.startswith(f"ddpnb: rank {error.rank} of 3 failed first: SameBug: no such column 'label'")
-    also = report[report.index("\nalso failed:\n"):].split("\n\n")[0].splitlines()[2:]  # in the order they failed
+    also = report[report.index("\nalso failed:\n") :].split("\n\n")[0].splitlines()[2:]  # in the order they failed
     assert sorted(also) == [f"  rank {r}: the same error" for r in sorted({0, 1, 2} - {error.rank})]
     assert "as a consequence" not in report
     assert error.record.exit_codes == {0: 1, 1: 1, 2: 1}
 
 
 # --- what a rank started dies with it, however the run ends --------------------------------------------------
+
 
 def starts_children_then(rank, how, children):
     """Three kinds of child: one in the rank's process group (a DataLoader worker, say), one in a session of its own
@@ -508,14 +562,25 @@ def starts_children_then(rank, how, children):
     return rank
 
 
-@pytest.mark.parametrize("how, outcome", [
-    ("succeeds", ddpnb.Outcome.SUCCEEDED), ("raises", ddpnb.Outcome.FAILED),
-    ("times out", ddpnb.Outcome.TIMED_OUT), ("stopped", ddpnb.Outcome.STOPPED),
-], ids=["succeeds", "raises", "times-out", "stopped"])
+@pytest.mark.parametrize(
+    "how, outcome",
+    [
+        ("succeeds", ddpnb.Outcome.SUCCEEDED),
+        ("raises", ddpnb.Outcome.FAILED),
+        ("times out", ddpnb.Outcome.TIMED_OUT),
+        ("stopped", ddpnb.Outcome.STOPPED),
+    ],
+    ids=["succeeds", "raises", "times-out", "stopped"],
+)
 def test_what_a_rank_started_is_gone_after_the_run_however_it_ended(tmp_path, how, outcome):
     # the timeout outlasts the ranks' start, so each has started its children when the stop begins
-    run = ddpnb.launch(starts_children_then, nprocs=2, args=(how, str(tmp_path)),
-                       timeout=2 if how == "times out" else None, view="none")
+    run = ddpnb.launch(
+        starts_children_then,
+        nprocs=2,
+        args=(how, str(tmp_path)),
+        timeout=2 if how == "times out" else None,
+        view="none",
+    )
     if how == "stopped":
         wait_for(lambda: len(list(tmp_path.glob("rank?"))) == 2, "both ranks' children")
         run.stop()
@@ -527,6 +592,7 @@ def test_what_a_rank_started_is_gone_after_the_run_however_it_ended(tmp_path, ho
 
 
 # --- 3. a hang with a timeout ---------------------------------------------------------------------------------
+
 
 def hangs_on_rank_1(rank):
     import torch
@@ -588,14 +654,15 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period():
     assert record.outcome is ddpnb.Outcome.TIMED_OUT
     assert record.exit_codes == {0: -signal.SIGTERM, 1: -signal.SIGKILL}
     for rank, how in ((0, "SIGTERM"), (1, "SIGKILL")):  # a stopped rank's log ends with how it was stopped
-        assert log_ending(record, rank) == (f"[ddpnb] rank {rank} stopped by ddpnb (killed by {how}): "
-                                            "stopped after the 1 s timeout (--timeout)\n")
+        assert log_ending(record, rank) == (
+            f"[ddpnb] rank {rank} stopped by ddpnb (killed by {how}): stopped after the 1 s timeout (--timeout)\n"
+        )
     assert_nothing_left(record)
 
 
 # --- 4. the user interrupts the kernel (a real Jupyter kernel) ----------------------------------------------
 
-LONG_CELL = textwrap.dedent('''\
+LONG_CELL = textwrap.dedent("""\
     %%ddp -n 2
     import os, subprocess, time
     def train(rank):
@@ -604,7 +671,7 @@ LONG_CELL = textwrap.dedent('''\
         for step in range(100_000):
             print(f"step {step}", flush=True)
             time.sleep(0.05)
-''')
+""")
 
 
 class Cell:
@@ -659,14 +726,14 @@ def two_ranks_running(output: Execution) -> bool:
     return len(rank_pids(output)[0]) == 2 and "step 3" in output.text
 
 
-NEXT_CELL = textwrap.dedent('''\
+NEXT_CELL = textwrap.dedent("""\
     %%ddp -n 2
     import torch, torch.distributed as dist
     def train(rank):
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         return t.item()
-''')
+""")
 
 
 @pytest.mark.slow
@@ -688,11 +755,11 @@ def test_kernel_interrupt_stops_every_rank_and_the_kernel_lives_on(kernel):
     assert "3.0" in "".join(following.results)
 
 
-SLOW_FORKSERVER = textwrap.dedent('''\
+SLOW_FORKSERVER = textwrap.dedent("""\
     import sys, time
     if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", [])):
         time.sleep(8)  # the worker process ranks start from takes a while: time to interrupt the first run
-''')
+""")
 
 
 @pytest.mark.slow
@@ -702,9 +769,13 @@ def test_interrupt_while_the_first_run_starts_says_nothing_is_running(tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_FORKSERVER)
     runs = tmp_path / "runs"
-    slow = Kernel(env={"DDPNB_VIEW": "text", "DDPNB_RUNS_DIR": str(runs),
-                       "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"),
-                                                                   os.environ.get("PYTHONPATH")]))})
+    slow = Kernel(
+        env={
+            "DDPNB_VIEW": "text",
+            "DDPNB_RUNS_DIR": str(runs),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
+        }
+    )
     try:
         cell = Cell(slow, "import ddpnb\nddpnb.run(lambda: 1, nprocs=2)")
         cell.read_until(lambda out: any(runs.glob("*/rank0.log")))  # the run has begun starting its ranks
@@ -724,7 +795,7 @@ def test_interrupt_while_the_first_run_starts_says_nothing_is_running(tmp_path):
         slow.shutdown()
 
 
-SLOW_TORCH_IN_FORKSERVER = textwrap.dedent('''\
+SLOW_TORCH_IN_FORKSERVER = textwrap.dedent("""\
     import os, sys, time
     if any("multiprocessing.forkserver" in arg for arg in getattr(sys, "orig_argv", [])):
         class SlowTorch:  # the forkserver's `import torch` takes a while, and says when it begins
@@ -736,7 +807,7 @@ SLOW_TORCH_IN_FORKSERVER = textwrap.dedent('''\
                     time.sleep(8)
                 return None
         sys.meta_path.insert(0, SlowTorch())
-''')
+""")
 
 
 @pytest.mark.slow
@@ -747,18 +818,25 @@ def test_an_interrupt_while_the_forkserver_imports_torch_leaves_it_running_and_t
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_TORCH_IN_FORKSERVER)
     importing = tmp_path / "importing"
-    kernel = Kernel(env={"DDPNB_VIEW": "text", "DDPNB_RUNS_DIR": str(tmp_path / "runs"),
-                         "FORKSERVER_IMPORTING": str(importing),
-                         "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"),
-                                                                     os.environ.get("PYTHONPATH")]))})
+    kernel = Kernel(
+        env={
+            "DDPNB_VIEW": "text",
+            "DDPNB_RUNS_DIR": str(tmp_path / "runs"),
+            "FORKSERVER_IMPORTING": str(importing),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
+        }
+    )
     try:
         kernel.execute("%load_ext ddpnb")
         wait_for(lambda: importing.exists() and importing.read_text(), "the forkserver to import torch", within=120)
         server = int(importing.read_text())
         kernel.manager.interrupt_kernel()  # the kernel is idle; its process group gets SIGINT all the same
-        again = kernel.execute("import multiprocessing.forkserver as fs\n"
-                               "print(ddpnb.run(lambda rank: rank + 40, nprocs=2, view='none'), "
-                               "fs._forkserver._forkserver_pid)", timeout=180)
+        again = kernel.execute(
+            "import multiprocessing.forkserver as fs\n"
+            "print(ddpnb.run(lambda rank: rank + 40, nprocs=2, view='none'), "
+            "fs._forkserver._forkserver_pid)",
+            timeout=180,
+        )
         assert again.error is None, "\n".join(again.error["traceback"])
         assert again.stdout.split() == ["40", str(server)]  # the same forkserver, alive, forked the ranks
     finally:
@@ -813,6 +891,7 @@ def test_kernel_restart_takes_every_rank_with_it():
 
 # --- 6. a function that cannot be pickled -------------------------------------------------------------------
 
+
 class _ConnectionPool:
     """A module-level object that cannot be sent: it holds a lock."""
 
@@ -839,13 +918,19 @@ def _count_runs(runs_dir: Path) -> int:
     return sum(1 for _ in runs_dir.iterdir())
 
 
-@pytest.mark.parametrize("fn_kind, path", [
-    ("lock", "train -> closure 'loader' -> _thread.lock"),
-    ("socket", "train -> closure 'loader' -> socket.socket"),
-    ("generator", "train -> closure 'loader' -> generator"),
-    ("module-level object", "uses_module_level_pool -> global 'CONNECTION_POOL' -> attribute 'lock' -> _thread.lock"),
-    ("argument", "args -> [0] -> _thread.lock"),
-])
+@pytest.mark.parametrize(
+    "fn_kind, path",
+    [
+        ("lock", "train -> closure 'loader' -> _thread.lock"),
+        ("socket", "train -> closure 'loader' -> socket.socket"),
+        ("generator", "train -> closure 'loader' -> generator"),
+        (
+            "module-level object",
+            "uses_module_level_pool -> global 'CONNECTION_POOL' -> attribute 'lock' -> _thread.lock",
+        ),
+        ("argument", "args -> [0] -> _thread.lock"),
+    ],
+)
 def test_unpicklable_function_fails_before_any_process_starts(runs_dir, fn_kind, path):
     args = ()
     with socket.socket() as open_socket:
@@ -854,7 +939,9 @@ def test_unpicklable_function_fails_before_any_process_starts(runs_dir, fn_kind,
         elif fn_kind == "argument":
             fn, args = sum_of_ranks, (threading.Lock(),)
         else:
-            fn = _capturing({"lock": threading.Lock(), "socket": open_socket, "generator": (i for i in range(3))}[fn_kind])
+            fn = _capturing(
+                {"lock": threading.Lock(), "socket": open_socket, "generator": (i for i in range(3))}[fn_kind]
+            )
         runs_before, last_before = _count_runs(runs_dir), ddpnb.last_run()
         with pytest.raises(ddpnb.NotPicklableError) as info:
             ddpnb.run(fn, nprocs=2, args=args, view="none")
@@ -865,7 +952,7 @@ def test_unpicklable_function_fails_before_any_process_starts(runs_dir, fn_kind,
     assert not (stray := stray_processes()), described(stray)
 
 
-UNPICKLABLE_CELL = textwrap.dedent('''\
+UNPICKLABLE_CELL = textwrap.dedent("""\
     %%ddp -n 2 --fn train
     import threading
     def make_train():
@@ -875,20 +962,27 @@ UNPICKLABLE_CELL = textwrap.dedent('''\
                 return rank
         return train
     train = make_train()
-''')
+""")
 
 
 # --- 7. bad input, through a real kernel ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("cell, expected", [
-    ("%%ddp --bogus 1\ndef train(rank): pass", ["unrecognized arguments: --bogus", "See %%ddp?"]),
-    ("%%ddp --nprocs 0\ndef train(rank): pass", ["--nprocs must be at least 1", "%%ddp -n 2"]),
-    ("%%ddp --gpus 64\ndef train(rank): pass", ["--gpus 64 asks for more GPUs than this machine has",
-                                                "DDPNB_CPU_FALLBACK=1"]),
-    ("%%ddp --timeout -1\ndef train(rank): pass", ["--timeout must be a positive number of seconds"]),
-    ("%%ddp -n 2\nx = 1", ["this %%ddp cell defines no function", "def train(rank, world_size)"]),
-    (UNPICKLABLE_CELL, ["train -> closure 'loader' -> _thread.lock", "Create that object inside the function"]),
-], ids=["unknown-flag", "nprocs-0", "gpus-above-count", "negative-timeout", "no-function", "unpicklable"])
+
+@pytest.mark.parametrize(
+    "cell, expected",
+    [
+        ("%%ddp --bogus 1\ndef train(rank): pass", ["unrecognized arguments: --bogus", "See %%ddp?"]),
+        ("%%ddp --nprocs 0\ndef train(rank): pass", ["--nprocs must be at least 1", "%%ddp -n 2"]),
+        (
+            "%%ddp --gpus 64\ndef train(rank): pass",
+            ["--gpus 64 asks for more GPUs than this machine has", "DDPNB_CPU_FALLBACK=1"],
+        ),
+        ("%%ddp --timeout -1\ndef train(rank): pass", ["--timeout must be a positive number of seconds"]),
+        ("%%ddp -n 2\nx = 1", ["this %%ddp cell defines no function", "def train(rank, world_size)"]),
+        (UNPICKLABLE_CELL, ["train -> closure 'loader' -> _thread.lock", "Create that object inside the function"]),
+    ],
+    ids=["unknown-flag", "nprocs-0", "gpus-above-count", "negative-timeout", "no-function", "unpicklable"],
+)
 def test_bad_input_is_a_usage_error_with_a_hint_and_starts_nothing(kernel, runs_dir, cell, expected):
     runs_before = _count_runs(runs_dir)
     result = kernel.execute(cell)
@@ -902,6 +996,7 @@ def test_bad_input_is_a_usage_error_with_a_hint_and_starts_nothing(kernel, runs_
 
 
 # --- 8. concurrent runs and taken ports ------------------------------------------------------------------------
+
 
 def test_two_runs_started_at_the_same_moment_from_two_threads_both_succeed():
     barrier = threading.Barrier(2)
@@ -923,7 +1018,7 @@ def test_two_runs_started_at_the_same_moment_from_two_threads_both_succeed():
     assert not (stray := stray_processes()), described(stray)
 
 
-CONCURRENT_SCRIPT = textwrap.dedent('''\
+CONCURRENT_SCRIPT = textwrap.dedent("""\
     import pathlib, sys, time
     import ddpnb
 
@@ -939,14 +1034,21 @@ CONCURRENT_SCRIPT = textwrap.dedent('''\
     while not go.exists():
         time.sleep(0.001)
     print("RESULT", ddpnb.run(train, nprocs=2, view="none"), flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
 def test_two_processes_starting_runs_at_the_same_moment_both_succeed(tmp_path):
     go = tmp_path / "go"
-    kernels = [subprocess.Popen([sys.executable, "-c", CONCURRENT_SCRIPT, str(go)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    kernels = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_SCRIPT, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     try:
         for process in kernels:
             assert process.stdout.readline().strip() == "READY", process.stderr.read()
@@ -978,13 +1080,15 @@ def test_a_taken_port_does_not_stop_a_run():
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         taken = blocker.getsockname()[1]
-        total, port = ddpnb.run(init_on_a_taken_port, nprocs=2, args=(taken,), env={"MASTER_PORT": str(taken)},
-                                view="none")
+        total, port = ddpnb.run(
+            init_on_a_taken_port, nprocs=2, args=(taken,), env={"MASTER_PORT": str(taken)}, view="none"
+        )
     assert total == 2.0
     assert port != str(taken)  # the run's own port, from binding port 0
 
 
 # --- security: no listening socket in the kernel, private files, no secret in argv or environment ---------------
+
 
 def holds_the_run_open(rank, world_size, release):
     import multiprocessing
@@ -1011,8 +1115,9 @@ def test_kernel_never_listens_and_ranks_listen_on_loopback_only(tmp_path):
         me = psutil.Process()
         assert [c for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN] == []
         for rank in run.record.ranks:
-            listening = [c.laddr for c in psutil.Process(rank.pid).net_connections("inet")
-                         if c.status == psutil.CONN_LISTEN]
+            listening = [
+                c.laddr for c in psutil.Process(rank.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN
+            ]
             assert all(address.ip == "127.0.0.1" for address in listening), listening
     finally:
         (tmp_path / "release").touch()
@@ -1048,10 +1153,17 @@ def reports_its_environment(rank, out, spec_token):
 
     child = subprocess.run(["env", "-0"], capture_output=True, check=True).stdout  # what the rank's children get
     Path(out, f"rank{rank}.child").write_bytes(child)
-    write_atomically(Path(out, f"rank{rank}.json"), json.dumps({
-        "environ": dict(os.environ), "cmdline": Path("/proc/self/cmdline").read_bytes().hex(),
-        "authkey": bytes(multiprocessing.current_process().authkey).hex(), "token": spec_token,
-    }))
+    write_atomically(
+        Path(out, f"rank{rank}.json"),
+        json.dumps(
+            {
+                "environ": dict(os.environ),
+                "cmdline": Path("/proc/self/cmdline").read_bytes().hex(),
+                "authkey": bytes(multiprocessing.current_process().authkey).hex(),
+                "token": spec_token,
+            }
+        ),
+    )
 
 
 def test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank(tmp_path):
@@ -1059,8 +1171,16 @@ def test_no_secret_reaches_a_ranks_environment_and_env_values_reach_every_rank(t
     starting environment). The kernel's environment and `env=` travel; the run's spec (its function and args) and
     multiprocessing's authentication key never go through argv or the environment."""
     token = f"spec-token-{os.getpid()}-{time.time_ns()}"  # travels in the spec's args, so only there
-    assert ddpnb.run(reports_its_environment, nprocs=2, args=(str(tmp_path), token), view="none",
-                     env={"DDPNB_TEST_SETTING": "from env="}) is None
+    assert (
+        ddpnb.run(
+            reports_its_environment,
+            nprocs=2,
+            args=(str(tmp_path), token),
+            view="none",
+            env={"DDPNB_TEST_SETTING": "from env="},
+        )
+        is None
+    )
     kernel_key = bytes(multiprocessing.current_process().authkey)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -1202,6 +1322,7 @@ def test_endless_line_without_newline_keeps_memory_bounded():
 
 # --- 10. results that cannot be sent, and big ones ----------------------------------------------------------------
 
+
 def returns_a_lock(rank):
     return {"weights": [1.0, 2.0], "lock": threading.Lock()}
 
@@ -1250,14 +1371,20 @@ def returns_tensors(rank, release=""):
         wait_for_file(release)  # the test saw rank 0's value written
         raise ValueError("rank 1 failed late")
     grid = torch.arange(12.0).reshape(3, 4)
-    return {"checkpoint": Checkpoint(7, {"w": grid, "w.T": grid.t(), "b": torch.ones(3, dtype=torch.bfloat16)}),
-            "loss": 0.25, "steps": [1, 2, 3]}
+    return {
+        "checkpoint": Checkpoint(7, {"w": grid, "w.T": grid.t(), "b": torch.ones(3, dtype=torch.bfloat16)}),
+        "loss": 0.25,
+        "steps": [1, 2, 3],
+    }
 
 
 def _result_files() -> tuple[list[str], list[str]]:
     """The kernel's fds and mappings of ranks' result files (anonymous memory files named ddpnb-result)."""
-    fds = [fd for fd in os.listdir("/proc/self/fd")
-           if os.path.exists(f"/proc/self/fd/{fd}") and "ddpnb-result" in os.readlink(f"/proc/self/fd/{fd}")]
+    fds = [
+        fd
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}") and "ddpnb-result" in os.readlink(f"/proc/self/fd/{fd}")
+    ]
     maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "ddpnb-result" in line]
     return fds, maps
 
@@ -1300,6 +1427,7 @@ def test_result_of_a_run_that_failed_later_is_dropped(tmp_path):
 
 # --- 11. exits before returning ------------------------------------------------------------------------------------
 
+
 def exits_early(rank, how):
     import torch
     import torch.distributed as dist
@@ -1313,10 +1441,13 @@ def exits_early(rank, how):
     return "finished"
 
 
-@pytest.mark.parametrize("how, summary, exitcode", [
-    ("sys.exit(3)", "called sys.exit(3) before its function returned", 3),
-    ("os._exit(0)", "exited with code 0 before its function returned", 0),
-])
+@pytest.mark.parametrize(
+    "how, summary, exitcode",
+    [
+        ("sys.exit(3)", "called sys.exit(3) before its function returned", 3),
+        ("os._exit(0)", "exited with code 0 before its function returned", 0),
+    ],
+)
 def test_exit_before_returning_is_reported_not_success(how, summary, exitcode):
     error = run_failing(exits_early, args=(how,))
     record = error.record
@@ -1331,6 +1462,7 @@ def test_exit_before_returning_is_reported_not_success(how, summary, exitcode):
 
 
 # --- 12. soak ------------------------------------------------------------------------------------------------------
+
 
 def soak(rank, kind):
     import signal as signals
@@ -1357,8 +1489,11 @@ SOAK_KINDS = ["succeeds", "raises", "succeeds", "killed", "succeeds", "exits"]
 def _kernel_resources() -> dict[str, object]:
     me = psutil.Process()
     return {
-        "fds": sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-                      if os.path.exists(f"/proc/self/fd/{fd}")),
+        "fds": sorted(
+            os.readlink(f"/proc/self/fd/{fd}")
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")
+        ),
         "threads": sorted(thread.name for thread in threading.enumerate()),
         "processes": sorted(p.pid for p in stray_processes()),
         "listening": [c.laddr for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN],
@@ -1375,8 +1510,7 @@ def test_a_hundred_runs_leak_nothing(runs_dir):
     for i in range(100):
         kind = "hangs" if i % 25 == 24 else SOAK_KINDS[i % len(SOAK_KINDS)]
         try:
-            assert ddpnb.run(soak, nprocs=2, args=(kind,), timeout=1.0 if kind == "hangs" else None,
-                             view="none") == 2.0
+            assert ddpnb.run(soak, nprocs=2, args=(kind,), timeout=1.0 if kind == "hangs" else None, view="none") == 2.0
             outcomes["succeeded"] += 1
         except ddpnb.WorkerError as error:
             outcomes[error.record.outcome.value] += 1
@@ -1417,8 +1551,14 @@ def test_a_log_the_disk_cannot_take_is_cut_short_and_the_run_goes_on(tmp_path):
     """A real file size limit (RLIMIT_FSIZE, in a child Python: the kernel's log writes fail with EFBIG, as with a
     full disk): each rank's log stops at the limit, that is said once in its output, which reaches the cell
     whole; the run succeeds."""
-    done = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "result: trained" in lines, done.stdout
@@ -1464,27 +1604,37 @@ def test_a_profile_the_disk_cannot_take_says_why_each_trace_is_missing_and_the_r
     the run succeeds; the profile says, for each rank, that its trace could not be written and why, rather than
     "no rank sent a profile" or "a ddpnb bug"; no cut-short trace is left for a viewer to half load."""
     script = FULL_DISK_PROFILE_SCRIPT.replace("TRACE_FILE_LIMIT", str(TRACE_FILE_LIMIT))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "result: trained" in lines and "trace: None" in lines, done.stdout
     assert "headline: [ddpnb] profile of steps 1-2: no trace to show" in lines, done.stdout  # not "none came back"
     assert [line for line in lines if line.startswith("note: ")] == [
         f"note: rank {rank}'s trace could not be written (OSError: [Errno 27] File too large): it is not in the "
-        "merged trace" for rank in (0, 1)], done.stdout
+        "merged trace"
+        for rank in (0, 1)
+    ], done.stdout
     assert "files:" in lines and "ddpnb errors: 0" in lines, done.stdout
 
 
 # --- 13. a bug in ddpnb's own reading of the ranks (the kernel's side) -----------------------------------------
+
 
 def sends_step_times_the_kernel_cannot_read(rank):
     from ddpnb.core import messages as msg
     from ddpnb.rank import context
 
     for step in range(1, 6):  # once both ranks' report of a step has come, the radar reads its collectives
-        context.current().send(msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step,
-                                             arrivals=(("gloo", step),)))  # (group, number): no arrival time
+        context.current().send(
+            msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step, arrivals=(("gloo", step),))
+        )  # (group, number): no arrival time
     return f"rank {rank} trained"
 
 
@@ -1495,9 +1645,11 @@ def test_a_message_that_only_feeds_views_and_breaks_the_kernel_is_said_once_and_
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
     said = [line for line in run.lines_since(0)[0] if "step times" in line.text]
     assert len(said) == 1, said  # five broken readings, one line
-    assert said[0].text == (f"[ddpnb] could not read rank {said[0].rank}'s step times (ValueError: not enough values "
-                            "to unpack (expected 3, got 2)): a ddpnb bug, please report it with the run directory; "
-                            "the run goes on")
+    assert said[0].text == (
+        f"[ddpnb] could not read rank {said[0].rank}'s step times (ValueError: not enough values "
+        "to unpack (expected 3, got 2)): a ddpnb bug, please report it with the run directory; "
+        "the run goes on"
+    )
     assert said[0].text in read_log(record, said[0].rank)
     [kept] = record.internal_errors
     assert kept.startswith(f"reading rank {said[0].rank}'s step times:\nTraceback (most recent call last):")
@@ -1511,14 +1663,18 @@ def sends_steps_for_the_radar(rank):
     from ddpnb.rank import context
 
     for step in range(1, 6):  # both ranks' reports of each step: the radar has a verdict to give
-        context.current().send(msg.StepTimes(rank=rank, steps=1, wall=0.01, compute=0.01, step=step,
-                                             arrivals=(("gloo", step, time.time_ns()),)))
+        context.current().send(
+            msg.StepTimes(
+                rank=rank, steps=1, wall=0.01, compute=0.01, step=step, arrivals=(("gloo", step, time.time_ns()),)
+            )
+        )
     return f"rank {rank} trained"
 
 
 def test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on(monkeypatch):
     """The radar's verdict runs on the reader's thread each pass, apart from the run's clocks: ddpnb's own bug there
     (injected: nothing the ranks send can break it) is said, kept, and ends nothing."""
+
     def broken(ranks):
         raise ZeroDivisionError("injected")
 
@@ -1529,8 +1685,14 @@ def test_a_bug_in_the_straggler_verdict_is_said_once_and_the_run_goes_on(monkeyp
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
     said = [line for line in run.lines_since(0)[0] if "stragglers" in line.text]
     assert [(line.rank, line.text) for line in said] == [
-        (0, "[ddpnb] could not judge the stragglers (ZeroDivisionError: injected): a ddpnb bug, please report it "
-            "with the run directory; the run goes on")]
+        (
+            0,
+            (
+                "[ddpnb] could not judge the stragglers (ZeroDivisionError: injected): a ddpnb bug, please report it "
+                "with the run directory; the run goes on"
+            ),
+        )
+    ]
     [kept] = record.internal_errors
     assert kept.startswith("trying to judge the stragglers:\nTraceback (most recent call last):"), kept
     assert_nothing_left(record)
@@ -1540,6 +1702,7 @@ def test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end(m
     """The views draw in the waiting cell's thread: ddpnb's own bug there (injected into the text view's summary
     and its lines: nothing a rank sends reaches them broken) is said once, kept in the record, and costs the cell
     neither its result nor its end."""
+
     def broken(*args, **kwargs):
         raise KeyError("injected")
 
@@ -1547,8 +1710,12 @@ def test_a_bug_in_a_view_is_said_once_and_the_run_keeps_its_result_and_its_end(m
     monkeypatch.setattr("ddpnb.views.text.TextView._write", broken)
     assert ddpnb.run(sum_of_ranks, nprocs=2, view="text") == 1
     said = [line for line in capsys.readouterr().err.splitlines() if "could not draw" in line]
-    assert said == ["[ddpnb] the TextView could not draw (KeyError: 'injected'): a ddpnb bug, please report it with "
-                    "the run directory; the run and its result are unaffected"], said
+    assert said == [
+        (
+            "[ddpnb] the TextView could not draw (KeyError: 'injected'): a ddpnb bug, please report it with "
+            "the run directory; the run and its result are unaffected"
+        )
+    ], said
     record = ddpnb.last_run()
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
     [kept] = record.internal_errors
@@ -1574,8 +1741,7 @@ def test_a_bug_in_the_kernels_reading_of_the_ranks_fails_the_run_saying_so_and_s
     record = error.record
     report = str(error)
 
-    note = ("ddpnb's reader failed: ValueError: 'nowhere' is not a valid Stream — a ddpnb bug; every rank was "
-            "stopped")
+    note = "ddpnb's reader failed: ValueError: 'nowhere' is not a valid Stream — a ddpnb bug; every rank was stopped"
     assert record.outcome is ddpnb.Outcome.FAILED and record.note == note
     assert report.splitlines()[0] == f"ddpnb: run failed: {note}"
     assert [r.state for r in record.ranks] == [ddpnb.RankState.STOPPED] * 2  # none still says running

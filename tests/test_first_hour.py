@@ -18,13 +18,13 @@ from ddpnb.core.words import format_duration
 from ddpnb.views.html import header_html, ranks_html
 from tests.conftest import Kernel, wait_gone
 
-LONG_CELL = '''%%ddp -n 2 --background {out}
+LONG_CELL = """%%ddp -n 2 --background {out}
 def long_run(rank):
     import time
     for _ in range(1200):
         time.sleep(0.1)
     return rank
-'''
+"""
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -55,6 +55,7 @@ def _traceback(run) -> str:
 
 # --- 1. running a cell again stops the run it started ----------------------------------------------------------
 
+
 def test_running_a_background_cell_again_stops_its_earlier_run(kernel):
     first = kernel.execute(LONG_CELL.format(out="-o job"), cell_id="cell-1")
     assert first.error is None, first.error
@@ -65,7 +66,10 @@ def test_running_a_background_cell_again_stops_its_earlier_run(kernel):
     assert again.error is None, again.error
     assert re.search(r"\[ddpnb\] stopped the earlier run of this cell \(started \d+(\.\d)? s ago\)\n", again.stdout)
     assert _value(kernel, "[first.done, str(first.outcome), first.record.note]") == [
-        True, "stopped", "stopped because its cell was run again"]
+        True,
+        "stopped",
+        "stopped because its cell was run again",
+    ]
     assert wait_gone(first_pids, within=10) == []
     assert _value(kernel, "[run is job for run in ddpnb.runs()]") == [True]  # only the new run is live
     _stop_all(kernel)
@@ -107,6 +111,7 @@ def test_runs_lists_live_runs_each_stoppable_with_a_current_repr(kernel):
 
 # --- 2. a background cell's value -----------------------------------------------------------------------------
 
+
 def test_background_cell_with_o_shows_no_value(kernel):
     launched = kernel.execute(LONG_CELL.format(out="-o job"), cell_id="cell-value")
     assert launched.error is None and launched.results == []  # no frozen "running after 0.0 s" under the run
@@ -127,6 +132,7 @@ def test_background_cell_without_o_says_where_its_handle_is(kernel):
 
 # --- 3. a user's Stop -------------------------------------------------------------------------------------------
 
+
 def test_result_after_stop_says_stopped_by_the_user_when_and_no_value(kernel):
     assert kernel.execute(LONG_CELL.format(out="-o job"), cell_id="cell-stop").error is None
     _wait_running(kernel, "job")
@@ -134,16 +140,24 @@ def test_result_after_stop_says_stopped_by_the_user_when_and_no_value(kernel):
     result = kernel.execute("job.result()")
     assert result.error is not None and result.error["ename"] == "WorkerError"
     shown = _traceback(result)
-    assert re.search(r"ddpnb: run stopped by the user at \d\d:\d\d:\d\d, \d+(\.\d)? s after it started; it has no "
-                     r"value", shown), shown
+    assert re.search(
+        r"ddpnb: run stopped by the user at \d\d:\d\d:\d\d, \d+(\.\d)? s after it started; it has no "
+        r"value",
+        shown,
+    ), shown
     assert "Fix the error" not in shown and "failed" not in shown.split("\n")[0]
     assert "Run the cell again to start afresh" in shown
 
 
 @pytest.fixture(scope="module")
 def widget_kernel(tmp_path_factory: pytest.TempPathFactory):
-    kernel = Kernel(env={"DDPNB_VIEW": "widget", "DDPNB_CPU_FALLBACK": "1",
-                         "DDPNB_RUNS_DIR": str(tmp_path_factory.mktemp("first-hour") / "runs")})
+    kernel = Kernel(
+        env={
+            "DDPNB_VIEW": "widget",
+            "DDPNB_CPU_FALLBACK": "1",
+            "DDPNB_RUNS_DIR": str(tmp_path_factory.mktemp("first-hour") / "runs"),
+        }
+    )
     kernel.execute("%load_ext ddpnb")
     yield kernel
     kernel.shutdown()
@@ -153,15 +167,21 @@ def test_stop_button_then_result_says_stopped_by_the_user_and_the_header_has_the
     launched = widget_kernel.execute(LONG_CELL.format(out="-o clicked").replace("-n 2", "--gpus 2"), timeout=90)
     assert launched.error is None and "GPU(s) here" not in launched.stderr
     opened = [msg["content"] for msg in launched.outputs if msg["msg_type"] == "comm_open"]
-    states = [msg["content"]["data"].get("state", {}) for msg in launched.outputs
-              if msg["msg_type"] in ("comm_open", "comm_msg")]
+    states = [
+        msg["content"]["data"].get("state", {})
+        for msg in launched.outputs
+        if msg["msg_type"] in ("comm_open", "comm_msg")
+    ]
     headers = [state["value"] for state in states if str(state.get("value")).startswith('<div class="ddpnb-head"')]
     assert headers and "GPU(s) here: running --gpus 2 as 2 CPU ranks over gloo" in headers[0]  # item 8, live
     stop = [c["comm_id"] for c in opened if c["data"]["state"].get("description") == "Stop"]
     _wait_running(widget_kernel, "clicked")
     client = widget_kernel.client
-    client.shell_channel.send(client.session.msg("comm_msg", {
-        "comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}))
+    client.shell_channel.send(
+        client.session.msg(
+            "comm_msg", {"comm_id": stop[0], "data": {"method": "custom", "content": {"event": "click"}}}
+        )
+    )
     deadline = time.monotonic() + 120
     while not _value(widget_kernel, "clicked.done") and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -171,6 +191,7 @@ def test_stop_button_then_result_says_stopped_by_the_user_and_the_header_has_the
 
 
 # --- 7. a SyntaxError in a %%ddp cell -----------------------------------------------------------------------------
+
 
 def test_syntax_error_in_a_ddp_cell_shows_as_a_plain_cells_does(kernel):
     plain = kernel.execute("# where the %%ddp line is\ndef train(rank:\n    return rank\n")
@@ -185,6 +206,7 @@ def test_syntax_error_in_a_ddp_cell_shows_as_a_plain_cells_does(kernel):
 
 
 # --- 8. the CPU-fallback note ------------------------------------------------------------------------------------
+
 
 def test_cpu_fallback_note_is_in_the_run_header_not_on_stderr(kernel):
     kernel.execute("import os\nos.environ['DDPNB_CPU_FALLBACK'] = '1'")
@@ -203,21 +225,27 @@ def test_cpu_fallback_note_is_in_the_run_header_not_on_stderr(kernel):
 
 # --- 9. a cell's value: -o, and a state dict ---------------------------------------------------------------------
 
+
 def test_o_binds_the_value_and_the_cell_shows_none(kernel):
-    run = kernel.execute("%%ddp -n 2 -o weights\ndef train(rank):\n    import torch\n"
-                         "    return torch.nn.Linear(4, 3).state_dict()\n")
+    run = kernel.execute(
+        "%%ddp -n 2 -o weights\ndef train(rank):\n    import torch\n    return torch.nn.Linear(4, 3).state_dict()\n"
+    )
     assert run.error is None and run.results == []
     assert "tensor(" not in run.text
     assert _value(kernel, "sorted(weights)") == ["bias", "weight"]
 
 
 def test_state_dict_value_shows_one_line_and_stays_the_real_dict(kernel):
-    run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    import torch\n"
-                         "    return torch.nn.Linear(4, 3).state_dict()\n")
+    run = kernel.execute(
+        "%%ddp -n 2\ndef train(rank):\n    import torch\n    return torch.nn.Linear(4, 3).state_dict()\n"
+    )
     assert run.error is None and "tensor(" not in run.text
     assert run.results == [f"state dict: 2 tensors, 15 parameters (float32), 60 B (the dict is Out[{run.count}])"]
     assert _value(kernel, f"[type(Out[{run.count}]).__name__, sorted(_), _ is Out[{run.count}]]") == [
-        "OrderedDict", ["bias", "weight"], True]
+        "OrderedDict",
+        ["bias", "weight"],
+        True,
+    ]
 
 
 def test_state_dict_summary_counts_tensors_parameters_and_bytes():
@@ -231,10 +259,13 @@ def test_state_dict_summary_counts_tensors_parameters_and_bytes():
 
 # --- small -----------------------------------------------------------------------------------------------------
 
+
 def test_help_shows_usage_as_the_magic_is_typed_without_rst_markup():
-    for magic, usage in ((DDPMagics.ddp, "usage: %%ddp [--gpus N|all]"),
-                         (SessionMagics.ddp_start, "usage: %ddp_start [--gpus N|all]"),
-                         (SessionMagics.ranks, "usage: %%ranks [-o NAME]")):
+    for magic, usage in (
+        (DDPMagics.ddp, "usage: %%ddp [--gpus N|all]"),
+        (SessionMagics.ddp_start, "usage: %ddp_start [--gpus N|all]"),
+        (SessionMagics.ranks, "usage: %%ranks [-o NAME]"),
+    ):
         assert magic.__doc__.startswith(usage), magic.__doc__[:80]
         assert "::" not in magic.__doc__
 
@@ -248,16 +279,28 @@ def test_unknown_flag_suggests_the_close_one():
 
 def test_unknown_flag_in_a_cell_is_a_usage_error_with_the_suggestion(kernel):
     run = kernel.execute("%%ddp -n 2 --timout 5\ndef f():\n    return 1\n")
-    assert run.stderr.startswith("UsageError: unrecognized arguments: --timout 5 (did you mean --timeout?). See "
-                                 "%%ddp? for every flag"), run.stderr  # IPython shows a UsageError as one line
+    assert run.stderr.startswith(
+        "UsageError: unrecognized arguments: --timout 5 (did you mean --timeout?). See %%ddp? for every flag"
+    ), run.stderr  # IPython shows a UsageError as one line
 
 
 def test_durations_read_the_same_in_the_dashboard_and_the_text():
     assert [format_duration(s) for s in (0.04, 3.25, 12.4, 65, 3725)] == [
-        "0.0 s", "3.2 s", "12 s", "1 min 05 s", "1 h 02 min"]
-    record = RunRecord(run_dir=Path("/tmp/x"), world_size=1, backend="gloo", function="f", started=100.0,
-                       ended=100.1, current=AttemptRecord(0, [RankRecord(rank=0, started=100.0, ended=100.1,
-                                                                         state=RankState.FINISHED)]))
+        "0.0 s",
+        "3.2 s",
+        "12 s",
+        "1 min 05 s",
+        "1 h 02 min",
+    ]
+    record = RunRecord(
+        run_dir=Path("/tmp/x"),
+        world_size=1,
+        backend="gloo",
+        function="f",
+        started=100.0,
+        ended=100.1,
+        current=AttemptRecord(0, [RankRecord(rank=0, started=100.0, ended=100.1, state=RankState.FINISHED)]),
+    )
     assert "0.1 s" in header_html(record) and "0.1 s" in ranks_html(record)
     assert "0.1 s" in summary_table(record) and "0.1s" not in summary_table(record)
 
@@ -275,18 +318,28 @@ def test_a_record_of_a_long_run_prints_as_one_short_line_and_its_ranks_too():
     ranks = [RankRecord(rank=r, pid=100 + r, state=RankState.FINISHED, exitcode=0) for r in range(4)]
     for rank in ranks:
         rank.metrics["loss"] = [Point(step, 10.0 + step, 1.0 / (step + 1)) for step in range(5000)]
-    record = RunRecord(run_dir=Path("/tmp/ddpnb-runs/run-1"), world_size=4, backend="gloo", function="train",
-                       started=100.0, ended=112.5, outcome=Outcome.SUCCEEDED, current=AttemptRecord(0, ranks))
-    assert repr(record) == ("<RunRecord train on local: succeeded, 4 ranks (gloo), attempt 0, 12.5 s, "
-                            "/tmp/ddpnb-runs/run-1>")
+    record = RunRecord(
+        run_dir=Path("/tmp/ddpnb-runs/run-1"),
+        world_size=4,
+        backend="gloo",
+        function="train",
+        started=100.0,
+        ended=112.5,
+        outcome=Outcome.SUCCEEDED,
+        current=AttemptRecord(0, ranks),
+    )
+    assert repr(record) == (
+        "<RunRecord train on local: succeeded, 4 ranks (gloo), attempt 0, 12.5 s, /tmp/ddpnb-runs/run-1>"
+    )
     assert repr(ranks[3]) == "<RankRecord rank 3 finished exit=0 pid=103 device=cpu lines=0 metrics (loss: 5000)>"
     shown = record._repr_html_()  # a notebook's display: the line, and a short row per rank
     assert shown.startswith("<div class='ddpnb-record'><code>&lt;RunRecord train on local: succeeded")
     assert shown.count("<tr><td>") == 4 and "<td>3</td><td></td><td>finished</td><td>0</td><td>0</td>" in shown
     assert len(shown) < 1000
     assert len(ranks[3]._repr_html_()) < 300 and "&lt;RankRecord rank 3 finished" in ranks[3]._repr_html_()
-    attempt = AttemptRecord(number=0, ranks=ranks, failures=[], outcome=Outcome.FAILED, note="", started=100.0,
-                      ended=101.0, last_line=0)
+    attempt = AttemptRecord(
+        number=0, ranks=ranks, failures=[], outcome=Outcome.FAILED, note="", started=100.0, ended=101.0, last_line=0
+    )
     assert repr(attempt) == "<Attempt 0 failed, 4 ranks>"
     assert attempt._repr_html_().count("<tr><td>") == 4 and len(attempt._repr_html_()) < 1000
 

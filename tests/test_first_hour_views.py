@@ -21,7 +21,7 @@ from nbclient import NotebookClient
 from ddpnb.views import html as render
 from tests.conftest import Kernel, dashboards
 
-KNOCK_ON_CELL = '''%%ddp -n 3
+KNOCK_ON_CELL = """%%ddp -n 3
 def peers_fail(rank):
     import os, signal, time, torch, torch.distributed as dist
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ranks 0 and 1 fail in the collective: knock-on failures
@@ -32,21 +32,21 @@ def peers_fail(rank):
         raise ValueError("bad batch on rank 2")
     open(os.path.join(here, f"at-all-reduce.{rank}"), "w").close()
     dist.all_reduce(torch.ones(1))
-'''
+"""
 
-SEGFAULT_CELL = '''%%ddp -n 2
+SEGFAULT_CELL = """%%ddp -n 2
 def crash(rank):
     import ctypes, time
     print("about to crash", flush=True)
     if rank == 1:
         ctypes.string_at(0)  # SIGSEGV: faulthandler's report follows on stderr
     time.sleep(60)  # until rank 1's crash stops the run
-'''
+"""
 
-RECORDS_CELL = '''import json, ddpnb
+RECORDS_CELL = """import json, ddpnb
 crashed = ddpnb.last_run()
 print("<<" + json.dumps({"last_line": crashed.ranks[1].last_line, "summary": crashed.failures[0].summary}) + ">>")
-'''
+"""
 
 
 def _dashboards(nb: nbformat.NotebookNode) -> dict[str, str]:
@@ -76,8 +76,9 @@ def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
         env.setenv("DDPNB_VIEW", "widget")
         env.setenv("DDPNB_RUNS_DIR", str(path / "runs"))
         env.setenv("TEST_HANDSHAKE_DIR", str(path))  # the ranks inherit the kernel's environment
-        NotebookClient(nb, timeout=240, store_widget_state=True, allow_errors=True,
-                       resources={"metadata": {"path": str(path)}}).execute()
+        NotebookClient(
+            nb, timeout=240, store_widget_state=True, allow_errors=True, resources={"metadata": {"path": str(path)}}
+        ).execute()
     return nb
 
 
@@ -100,10 +101,11 @@ def test_a_foreground_failure_shows_its_traceback_once_in_full_in_the_cell_error
     error = _error(executed.cells[1])
     assert 'raise ValueError("bad batch on rank 2")' in error  # in full, in the cell's error
     for html in (_dashboards(executed)["peers_fail"], _summary(executed.cells[1])):
-        panel = html[html.index('class="ddpnb-error"'):]
+        panel = html[html.index('class="ddpnb-error"') :]
         assert "rank 2 failed first: ValueError: bad batch on rank 2" in panel
-        assert re.search(r"at Cell In\[\d+\], line \d+, in peers_fail; the full traceback is in the cell's error below",
-                         panel)  # where, as the text view names cells (issue 17), and no second traceback
+        assert re.search(
+            r"at Cell In\[\d+\], line \d+, in peers_fail; the full traceback is in the cell's error below", panel
+        )  # where, as the text view names cells (issue 17), and no second traceback
         assert "raise ValueError" not in panel
 
 
@@ -137,7 +139,7 @@ def test_a_segfault_keeps_the_ranks_own_last_line_and_names_the_crash_frame(exec
         assert "Current thread" not in html and "Fatal Python error: Segmentation fault (where: in the error" in html
 
 
-BACKGROUND_CELL = '''%%ddp -n 2 --background -o job
+BACKGROUND_CELL = """%%ddp -n 2 --background -o job
 def fails_later(rank):
     import os, time
     while rank == 1 and not os.path.exists(os.environ["TEST_RELEASE"]):
@@ -145,7 +147,8 @@ def fails_later(rank):
     if rank == 1:
         raise ValueError("bad batch in the background")
     time.sleep(60)  # until rank 1's failure stops the run
-'''
+"""
+
 
 @pytest.mark.slow
 def test_a_background_failure_shows_its_full_traceback_in_the_dashboard_with_cells_named(tmp_path):
@@ -176,7 +179,7 @@ def test_a_background_failure_shows_its_full_traceback_in_the_dashboard_with_cel
 
 
 def _hue(colour: str) -> tuple[float, float]:
-    r, g, b = (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
     hue, _, saturation = colorsys.rgb_to_hls(r, g, b)
     return hue * 360, saturation
 
@@ -197,15 +200,23 @@ def test_static_summary_has_no_style_block_no_svg_and_only_sanitiser_safe_inline
     <style>, no <svg> (the plots are images), no `var(...)` in inline styles."""
     from ddpnb.core.record import AttemptRecord, Outcome, RankRecord, RankState, RunRecord
 
-    record = RunRecord(run_dir=tmp_path, world_size=2, backend="gloo", function="train",
-                       current=AttemptRecord(0, [RankRecord(rank=r, state=RankState.FINISHED) for r in range(2)]),
-                       outcome=Outcome.SUCCEEDED)
+    record = RunRecord(
+        run_dir=tmp_path,
+        world_size=2,
+        backend="gloo",
+        function="train",
+        current=AttemptRecord(0, [RankRecord(rank=r, state=RankState.FINISHED) for r in range(2)]),
+        outcome=Outcome.SUCCEEDED,
+    )
     for rank in record.ranks:
         rank.metrics["loss"] = [(step, 0.0, 1.0 / (step + 1)) for step in range(10)]
     html = render.summary_html(record, [])
     assert "<style" not in html and "<svg" not in html and "var(" not in html
-    images = re.findall(r'<img class="ddpnb-plot-image" src="data:image/svg\+xml;base64,([^"]+)" width="400" '
-                        r'height="160"', html)
+    images = re.findall(
+        r'<img class="ddpnb-plot-image" src="data:image/svg\+xml;base64,([^"]+)" width="400" '
+        r'height="160"',
+        html,
+    )
     assert len(images) == 1 and base64.b64decode(images[0]).decode().count("<polyline") == 2
     header = re.sub(r"<[^>]+>", "", render.header_html(record))  # the header's text, markup gone
     assert header.startswith("ddpnb finished train · local")
@@ -215,15 +226,19 @@ def test_faulthandler_report_is_told_apart_from_the_ranks_own_stderr():
     from ddpnb.core.stacks import CrashDump
 
     crash = CrashDump()
-    report = ["Fatal Python error: Segmentation fault", "", "Current thread 0x00007f (most recent call first):",
-              f'  File "{ctypes.__file__}", line 519 in string_at',
-              '  File "/home/me/train.py", line 6 in crash', "",
-              "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)"]
+    report = [
+        "Fatal Python error: Segmentation fault",
+        "",
+        "Current thread 0x00007f (most recent call first):",
+        f'  File "{ctypes.__file__}", line 519 in string_at',
+        '  File "/home/me/train.py", line 6 in crash',
+        "",
+        "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)",
+    ]
     assert crash.own_lines(["warming up", *report[:3]]) == ["warming up"]
     assert crash.own_lines(report[3:]) == []
     assert crash.complete and crash.crash_frame() == ("/home/me/train.py", 6, "crash")
     assert CrashDump().own_lines(["Fatal Python error: x", "my own line"]) == ["my own line"]  # a report cut short
-
 
 
 def test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source(tmp_path):
@@ -234,19 +249,21 @@ def test_run_stacks_read_like_a_traceback_naming_the_cell_with_its_source(tmp_pa
     go = tmp_path / "go"
     try:
         kernel.execute("import os, time, torch, torch.distributed as dist\nimport ddpnb")
-        kernel.execute(f'''def waits(rank):
+        kernel.execute(f"""def waits(rank):
     print("up", flush=True)
     while rank == 1 and not os.path.exists({str(go)!r}):
         time.sleep(0.05)
     dist.all_reduce(torch.ones(1))
-''')
+""")
         shown = kernel.execute(
             "run = ddpnb.launch(waits, nprocs=2, view='none')\n"
             "while not all(r.last_line == 'up' for r in run.record.ranks): time.sleep(0.1)\n"
             "stacks = run.stacks()\n"
             f"open({str(go)!r}, 'w').close()\n"
             "print(run.wait().outcome.value)\n"
-            "print(repr(stacks[0]))\nprint(repr(stacks[1]))", timeout=120)
+            "print(repr(stacks[0]))\nprint(repr(stacks[1]))",
+            timeout=120,
+        )
         assert shown.error is None, shown.text
         outcome, *texts = shown.stdout.strip().splitlines()[-3:]
         stacks = [ast.literal_eval(text) for text in texts]
@@ -272,7 +289,8 @@ def test_the_first_failures_locals_are_kept_in_the_record_and_shown_under_its_tr
     kernel = Kernel(env={"DDPNB_RUNS_DIR": str(tmp_path), "DDPNB_VIEW": "text"})
     try:
         kernel.execute("%load_ext ddpnb\nimport ddpnb")
-        failed = kernel.execute('''%%ddp -n 2
+        failed = kernel.execute(
+            """%%ddp -n 2
 def train(rank):
     import torch
     batch = torch.arange(32.0).reshape(8, 4)
@@ -280,10 +298,12 @@ def train(rank):
     note = "x" * 1000
     if rank == 1:
         raise ValueError("bad batch")
-''', timeout=120)
+""",
+            timeout=120,
+        )
         frames = kernel.execute(
-            "first = ddpnb.last_run().first_failure\n"
-            "print(repr([(f.function, dict(f.values)) for f in first.frames]))")
+            "first = ddpnb.last_run().first_failure\nprint(repr([(f.function, dict(f.values)) for f in first.frames]))"
+        )
     finally:
         kernel.shutdown()
     assert failed.error is not None and failed.error["ename"] == "WorkerError", failed.text

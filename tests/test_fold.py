@@ -34,6 +34,7 @@ def _shown(folded) -> list[str]:
 
 # --- the folding rule, on its own ------------------------------------------------------------------------------
 
+
 @pytest.mark.fast
 def test_rank_ranges_are_compressed():
     assert rank_ranges([0, 1, 2, 5]) == "0-2,5"
@@ -56,8 +57,13 @@ def test_a_torch_warning_every_rank_printed_folds_without_its_rank_prefix_and_ti
     """torch's C++ warnings carry `[rankN]:` and a time to the nanosecond: one warning from two ranks is one line."""
     warning = "reducer.cpp:1400] Warning: find_unused_parameters=True was specified in DDP constructor"
     folder = Folder(2)
-    ready = folder.add([_line(1, 0, f"[rank0]:[W1201 19:22:41.862542944 {warning}"),
-                        _line(2, 1, f"[rank1]:[W1201 19:22:41.863001112 {warning}")], now=0.0)
+    ready = folder.add(
+        [
+            _line(1, 0, f"[rank0]:[W1201 19:22:41.862542944 {warning}"),
+            _line(2, 1, f"[rank1]:[W1201 19:22:41.863001112 {warning}"),
+        ],
+        now=0.0,
+    )
     assert _shown(ready) == [f"[ranks 0,1] [W1201 19:22:41.862542944 {warning}"]
     # another rank's prefix is the line's own text (a rank printing a peer's log), kept as printed
     alone = Folder(2)
@@ -76,8 +82,7 @@ def test_a_line_some_ranks_print_waits_only_for_the_window():
 @pytest.mark.fast
 def test_folded_lines_keep_the_order_of_their_first_printing():
     folder = Folder(3)
-    lines = [_line(1, 0, "a"), _line(2, 0, "b"), _line(3, 1, "a"), _line(4, 1, "b"), _line(5, 2, "b"),
-             _line(6, 2, "a")]
+    lines = [_line(1, 0, "a"), _line(2, 0, "b"), _line(3, 1, "a"), _line(4, 1, "b"), _line(5, 2, "b"), _line(6, 2, "a")]
     assert _shown(folder.add(lines, now=0.0)) == ["[ranks 0-2] a", "[ranks 0-2] b"]
     # a line not everyone printed holds back the complete ones behind it, so the order stays
     folder.add([_line(7, 0, "only rank 0"), _line(8, 0, "c"), _line(9, 1, "c"), _line(10, 2, "c")], now=1.0)
@@ -119,6 +124,7 @@ def test_folding_off_passes_every_line_as_printed():
 
 # --- the dashboard's parts, from a record ----------------------------------------------------------------------
 
+
 def _record(world_size: int) -> RunRecord:
     record = RunRecord(run_dir=Path("/tmp/ddpnb-run"), world_size=world_size, backend="gloo", function="train")
     record.current.ranks = [RankRecord(rank=r, state=RankState.RUNNING) for r in range(world_size)]
@@ -141,8 +147,8 @@ def test_the_static_summary_shows_folded_lines_and_counts_every_copy():
     lines = folder.add([_line(rank + 1, rank, "epoch 1 done") for rank in range(4)], now=0.0)
     lines += folder.add([_line(5, 2, "rank 2 only")], now=0.0) + folder.flush()
     html = render.summary_html(record, lines)
-    assert "[ranks 0-3]</span><span class=\"ddpnb-text\">epoch 1 done" in html
-    assert "[rank 2]</span><span class=\"ddpnb-text\">rank 2 only" in html
+    assert '[ranks 0-3]</span><span class="ddpnb-text">epoch 1 done' in html
+    assert '[rank 2]</span><span class="ddpnb-text">rank 2 only' in html
     assert "last 5 of 8 lines" in html  # the folded line stands for four printed lines
 
 
@@ -202,6 +208,7 @@ def test_tensorboard_without_tensorboard_is_refused_before_anything_starts(tmp_p
 
 # --- real runs -------------------------------------------------------------------------------------------------
 
+
 def _logged(rank):
     import ddpnb
 
@@ -211,7 +218,7 @@ def _logged(rank):
     return rank
 
 
-FOLD_CELL = '''%%ddp -n 4 {flags}
+FOLD_CELL = """%%ddp -n 4 {flags}
 def same_lines(rank):
     import torch.distributed as dist
     for epoch in range(2):
@@ -219,7 +226,7 @@ def same_lines(rank):
         print(f"epoch {{epoch}} done", flush=True)
     print(f"rank {{rank}} has its own line", flush=True)
     return rank
-'''
+"""
 
 
 def _log_dir(text: str) -> Path:
@@ -260,13 +267,13 @@ def test_a_session_cell_printing_on_every_rank_shows_the_line_once(kernel):
         kernel.execute("%ddp_stop", timeout=60)
 
 
-TENSORBOARD_CELL = '''%%ddp -n 3 --tensorboard {directory}
+TENSORBOARD_CELL = """%%ddp -n 3 --tensorboard {directory}
 def logged(rank):
     import ddpnb
     for step in range(6):
         ddpnb.log(step=step, loss=1.0 / (step + 1) + rank)
     return rank
-'''
+"""
 
 
 @pytest.mark.slow
@@ -281,7 +288,7 @@ def test_tensorboard_flag_writes_every_ranks_points_that_tensorboard_reads_back(
         assert points == [(step, pytest.approx(1.0 / (step + 1) + rank)) for step in range(6)], points
 
 
-MANY_CELL = '''%%ddp -n 8
+MANY_CELL = """%%ddp -n 8
 def many(rank):
     import ddpnb
     import torch.distributed as dist
@@ -290,7 +297,7 @@ def many(rank):
     dist.barrier()
     print("all logged", flush=True)
     return rank
-'''
+"""
 
 
 @pytest.mark.slow
@@ -300,19 +307,23 @@ def test_eight_ranks_logging_loss_plot_a_band_not_eight_lines():
         kernel.execute("%load_ext ddpnb")
         run = kernel.execute(MANY_CELL, timeout=300)
         assert run.error is None, run.text
-        summaries = [msg["content"]["data"]["text/html"] for msg in run.outputs
-                     if msg["msg_type"] == "update_display_data"
-                     and "data-ddpnb-summary" in msg["content"]["data"].get("text/html", "")]
+        summaries = [
+            msg["content"]["data"]["text/html"]
+            for msg in run.outputs
+            if msg["msg_type"] == "update_display_data"
+            and "data-ddpnb-summary" in msg["content"]["data"].get("text/html", "")
+        ]
         assert summaries, [msg["msg_type"] for msg in run.outputs]
         summary = summaries[-1]
         assert summary.count('<tr data-rank="') == 8 and 'data-state="finished"' in summary
         # the summary's plots are SVG images (untrusted notebooks keep those): one per metric
-        (svg,) = [base64.b64decode(data).decode()
-                  for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', summary)]
+        (svg,) = [
+            base64.b64decode(data).decode() for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', summary)
+        ]
         assert re.findall(r'<polyline data-rank="(\d+)"', svg) == ["0"]  # rank 0's line, not one per rank
         assert svg.count('<polygon class="ddpnb-band"') == 1 and svg.count('class="ddpnb-median"') == 1
         # the all-ranks log (the summary keeps its last lines): the eight copies folded into one
-        assert summary.count("[ranks 0-7]</span><span class=\"ddpnb-text\">all logged") == 1, summary
+        assert summary.count('[ranks 0-7]</span><span class="ddpnb-text">all logged') == 1, summary
     finally:
         kernel.shutdown()
 
@@ -364,8 +375,9 @@ def test_tensorboard_files_fill_while_the_run_goes(tmp_path):
     try:
         files = tmp_path / "tb" / run.record.run_dir.name
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(len(_tensorboard_points(files / f"rank{rank}", "loss")) < 3
-                                                  for rank in (0, 1)):
+        while time.monotonic() < deadline and any(
+            len(_tensorboard_points(files / f"rank{rank}", "loss")) < 3 for rank in (0, 1)
+        ):
             time.sleep(0.2)
         assert not run.done  # read back while the ranks still run
         for rank in (0, 1):

@@ -18,7 +18,7 @@ from tests.conftest import left_in_groups
 
 # Defined the way a notebook cell defines things: in `__main__`, so cloudpickle sends it by value, with its
 # module-level global MARK.
-NOTEBOOK_CELL = textwrap.dedent('''
+NOTEBOOK_CELL = textwrap.dedent("""
     import os
     import sys
 
@@ -42,10 +42,13 @@ NOTEBOOK_CELL = textwrap.dedent('''
         json.ddpnb_test_mark = token
         sys.modules["ddpnb_test_leaked_module"] = type(sys)("ddpnb_test_leaked_module")
         return found
-''')
+""")
 CLEAN = {
-    "notebook global": None, "__main__ attribute": None, "environment variable": None,
-    "attribute on an imported module": None, "module in sys.modules": False,
+    "notebook global": None,
+    "__main__ attribute": None,
+    "environment variable": None,
+    "attribute on an imported module": None,
+    "module in sys.modules": False,
 }
 
 
@@ -145,16 +148,20 @@ def _cuda_state(rank, world_size):
     }
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="without a usable GPU nothing can initialise CUDA, so "
-                    "every check here holds whatever the forkserver does")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="without a usable GPU nothing can initialise CUDA, so every check here holds whatever the forkserver does",
+)
 def test_cuda_is_not_initialised_at_the_start_of_a_worker():
     """The forkserver never touches CUDA, so a worker forked from it may still initialise CUDA itself.
 
     A CPU-rank run on a GPU machine checks the same forkserver the GPU runs fork from.
     """
     assert ddpnb.run(_cuda_state, nprocs=2) == {
-        "initialised": False, "bad fork": False,
-        "libcuda in this worker": False, "libcuda in the process it was forked from": False,
+        "initialised": False,
+        "bad fork": False,
+        "libcuda in this worker": False,
+        "libcuda in the process it was forked from": False,
     }
 
 

@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 
 from tests.conftest import PACKAGE_DIR, wait_gone
 
-TRAIN_CELL = '''%%ddp -n 2 -o trained
+TRAIN_CELL = """%%ddp -n 2 -o trained
 def train(rank, world_size):
     import sys
     import torch.distributed as dist
@@ -39,12 +39,16 @@ def train(rank, world_size):
     dist.all_gather(gathered, flat)
     assert all(torch.equal(g, flat) for g in gathered), "ranks diverged"
     return {"state": state, "ranks_agree": True}
-'''
+"""
 
 
 def test_notebook_trains_ddp_on_two_cpu_ranks(tmp_path, monkeypatch):
-    cells = ["%load_ext ddpnb", "import os\nimport torch\nimport ddpnb", TRAIN_CELL,
-             "print(sorted(trained['state']), trained['ranks_agree'])"]
+    cells = [
+        "%load_ext ddpnb",
+        "import os\nimport torch\nimport ddpnb",
+        TRAIN_CELL,
+        "print(sorted(trained['state']), trained['ranks_agree'])",
+    ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     monkeypatch.setenv("DDPNB_VIEW", "text")  # for the notebook's kernel only: later tests choose their own
     NotebookClient(nb, timeout=180, resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -63,7 +67,7 @@ def test_notebook_trains_ddp_on_two_cpu_ranks(tmp_path, monkeypatch):
 
 def test_seed_style_code_runs_unmodified(kernel):
     kernel.execute("import torch, torch.distributed as dist")
-    run = kernel.execute('''%%ddp -n 2
+    run = kernel.execute("""%%ddp -n 2
 def setup(rank, world_size):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
@@ -76,13 +80,13 @@ def demo_basic(rank, world_size):
     dist.all_reduce(t)
     cleanup()
     return t.item()
-''')
+""")
     assert run.error is None, run.error
     assert run.results == ["3.0"]
 
 
 def test_closure_notebook_class_and_global_reach_the_workers(kernel):
-    kernel.execute('''
+    kernel.execute("""
 import torch
 class Scaler(torch.nn.Module):
     def __init__(self, factor):
@@ -91,14 +95,14 @@ class Scaler(torch.nn.Module):
     def forward(self, x):
         return x * self.factor
 OFFSET = 100
-''')
-    run = kernel.execute('''
+""")
+    run = kernel.execute("""
 def make(factor):
     def scaled(rank):
         return Scaler(factor)(torch.tensor(float(rank))).item() + OFFSET
     return scaled
 job = make(7)
-''')
+""")
     assert run.error is None
     run = kernel.execute("%ddp -n 2 --fn job")
     assert run.error is None, run.error
@@ -117,8 +121,10 @@ def test_cell_definitions_stay_in_the_kernel(kernel):
 
 def test_the_cells_function_runs_once_on_each_rank_and_never_in_the_kernel(kernel, tmp_path):
     calls = tmp_path / "calls"  # every call of the function appends the PID of the process it ran in
-    run = kernel.execute(f"%%ddp -n 2\nimport os\ndef record_pid():\n    with open({str(calls)!r}, 'a') as f:\n"
-                         "        f.write(f'{os.getpid()}\\n')\n    return os.getpid()\n")
+    run = kernel.execute(
+        f"%%ddp -n 2\nimport os\ndef record_pid():\n    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n    return os.getpid()\n"
+    )
     assert run.error is None, run.error
     pids = [int(pid) for pid in calls.read_text().split()]
     assert kernel.pid not in pids
@@ -126,40 +132,42 @@ def test_the_cells_function_runs_once_on_each_rank_and_never_in_the_kernel(kerne
 
 
 def test_failing_rank_raises_worker_error_with_user_traceback(kernel):
-    run = kernel.execute('''%%ddp -n 2
+    run = kernel.execute("""%%ddp -n 2
 def fails(rank, world_size):
     import torch.distributed as dist
     if rank == 1:
         raise ValueError("bad batch on purpose")
     dist.barrier()
-''')
+""")
     assert run.error is not None and run.error["ename"] == "WorkerError"
     shown = "\n".join(run.error["traceback"])
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
     assert 'raise ValueError("bad batch on purpose")' in shown  # the user's own line, from the cell
     assert f"Cell In[{run.count}], line 5, in fails" in shown  # named as IPython names its cells
     assert PACKAGE_DIR not in shown
-    pids = [int(p) for p in kernel.execute(
-        "print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+    pids = [int(p) for p in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
     assert wait_gone(pids) == []
     after = kernel.execute("1 + 1")
     assert after.error is None and after.results == ["2"]
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("--bogus", "unrecognized arguments: --bogus"),
-    ("--nprocs 0", "--nprocs must be at least 1"),
-    ("--gpus 64", "asks for more GPUs than this machine has"),
-    ("--timeout -1", "--timeout must be a positive number"),
-    ("--env NOEQUALS", "--env takes KEY=VALUE"),
-    ("--timeout nan", "--timeout must be a positive number"),
-    ("-o 1bad", "-o/--out takes a variable name"),
-    ("--address auto", "address is for the ray engine"),
-    ("--fn OFFSET_VALUE", "OFFSET_VALUE is not a function (its type is int)"),
-    ("--max-restarts -1", "max_restarts must be a whole number of 0 or more"),
-    ("--keep-checkpoints 0", "keep_checkpoints must be a whole number of 1 or more"),
-    ("--resume /no/such/run", "--resume /no/such/run: no such directory. Pass 'last', a run directory"),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("--bogus", "unrecognized arguments: --bogus"),
+        ("--nprocs 0", "--nprocs must be at least 1"),
+        ("--gpus 64", "asks for more GPUs than this machine has"),
+        ("--timeout -1", "--timeout must be a positive number"),
+        ("--env NOEQUALS", "--env takes KEY=VALUE"),
+        ("--timeout nan", "--timeout must be a positive number"),
+        ("-o 1bad", "-o/--out takes a variable name"),
+        ("--address auto", "address is for the ray engine"),
+        ("--fn OFFSET_VALUE", "OFFSET_VALUE is not a function (its type is int)"),
+        ("--max-restarts -1", "max_restarts must be a whole number of 0 or more"),
+        ("--keep-checkpoints 0", "keep_checkpoints must be a whole number of 1 or more"),
+        ("--resume /no/such/run", "--resume /no/such/run: no such directory. Pass 'last', a run directory"),
+    ],
+)
 def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
     kernel.execute("OFFSET_VALUE = 3\nran = False")
     run = kernel.execute(f"%%ddp {line}\nran = True\ndef f():\n    return 1\n")
@@ -172,12 +180,15 @@ def test_bad_flags_raise_usage_error_with_hint(kernel, line, expected):
 def test_the_function_is_the_one_nothing_else_in_the_cell_uses(kernel):
     """A helper defined after `train`, or a factory that builds it, is not what the ranks run."""
     kernel.execute("import torch")  # the second cell builds a model: this test must not rely on an earlier one's
-    run = kernel.execute("%%ddp -n 2\ndef train(rank):\n    return helper(rank + 10)\n"
-                         "def helper(x):\n    return x * 2\n")
+    run = kernel.execute(
+        "%%ddp -n 2\ndef train(rank):\n    return helper(rank + 10)\ndef helper(x):\n    return x * 2\n"
+    )
     assert run.error is None and run.results == ["20"]
     assert "[ddpnb] train on 2 ranks" in run.stdout  # the header names the function it ran
-    run = kernel.execute("%%ddp -n 2\ndef make_train(offset):\n    def train(rank):\n        return rank + offset\n"
-                         "    return train\ntrain_fn = make_train(5)\nmodel = torch.nn.Linear(2, 2)\n")
+    run = kernel.execute(
+        "%%ddp -n 2\ndef make_train(offset):\n    def train(rank):\n        return rank + offset\n"
+        "    return train\ntrain_fn = make_train(5)\nmodel = torch.nn.Linear(2, 2)\n"
+    )
     assert run.error is None and run.results == ["5"]
 
 
@@ -188,12 +199,18 @@ def test_two_unrelated_functions_ask_which_one(kernel):
     assert kernel.execute("%ddp -n 2 --fn evaluate").results == ["2"]  # the cell's definitions are in place
 
 
-@pytest.mark.parametrize("cell, expected", [
-    ("async def train(rank):\n    return rank", "train is an async function"),
-    ("def train(rank):\n    yield rank", "train is a generator function"),
-    ("def train(*, rank, world_size):\n    return rank", "train(*, rank, world_size) cannot be called as each rank"),
-    ("def train(rank, world_size, lr):\n    return rank", "missing a required argument: 'lr'"),
-])
+@pytest.mark.parametrize(
+    "cell, expected",
+    [
+        ("async def train(rank):\n    return rank", "train is an async function"),
+        ("def train(rank):\n    yield rank", "train is a generator function"),
+        (
+            "def train(*, rank, world_size):\n    return rank",
+            "train(*, rank, world_size) cannot be called as each rank",
+        ),
+        ("def train(rank, world_size, lr):\n    return rank", "missing a required argument: 'lr'"),
+    ],
+)
 def test_a_function_the_ranks_cannot_call_is_refused_before_launch(kernel, cell, expected):
     run = kernel.execute(f"%%ddp -n 2\n{cell}\n")
     assert "UsageError" in run.stderr and expected in run.stderr, run.text
@@ -220,9 +237,11 @@ def test_cell_without_function_is_a_usage_error(kernel):
 def test_help_documents_every_flag(kernel, magic, kind):
     """Every flag the magic's own parser takes (not a list kept by hand) is in the help `%%ddp?` shows."""
     found = f"get_ipython().find_{kind}_magic({magic!r})"
-    run = kernel.execute(f"from ddpnb._compat import parser_options\nmagic = {found}\n"
-                         "print(*parser_options(magic.parser))\n"
-                         "print('@@HELP@@', magic.__doc__)")
+    run = kernel.execute(
+        f"from ddpnb._compat import parser_options\nmagic = {found}\n"
+        "print(*parser_options(magic.parser))\n"
+        "print('@@HELP@@', magic.__doc__)"
+    )
     flags, _, help_text = run.stdout.partition("@@HELP@@")
     assert flags.split(), run.text
     missing = [flag for flag in flags.split() if flag.startswith("--") and flag not in help_text]
@@ -237,14 +256,17 @@ def test_gpu_notebook_dry_runs_on_cpu_with_fallback_variable(kernel):
     assert "running --gpus 2 as 2 CPU ranks over gloo" in run.stdout.splitlines()[0]  # the run's header
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="without a usable GPU nothing can initialise CUDA, so the "
-                    "check holds whatever ddpnb does")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="without a usable GPU nothing can initialise CUDA, so the check holds whatever ddpnb does",
+)
 def test_kernel_never_initialises_cuda(kernel):
     run = kernel.execute("print(torch.cuda.is_initialized())")
     assert run.stdout.strip() == "False"
 
 
-TRAINER_CELLS = ['''
+TRAINER_CELLS = [
+    """
 class Trainer:
     def __init__(self, model, rank, save_every, path):
         self.model = DDP(model)
@@ -259,20 +281,24 @@ class Trainer:
             print(f"epoch {epoch} loss {loss.item():.3f}")
             if self.rank == 0 and epoch % self.save_every == 0:
                 torch.save(self.model.module.state_dict(), self.path)
-''', '''
+""",
+    """
 def main(rank, world_size, epochs, batch_size, path):
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = "12355"
     init_process_group(backend="gloo", rank=rank, world_size=world_size)
     Trainer(torch.nn.Linear(4, 1), rank, 1, path).train(epochs, batch_size)
     destroy_process_group()
-''']
+""",
+]
 
 
 def test_trainer_tutorial_runs_through_spawn_drop_in(kernel, tmp_path):
-    kernel.execute("import os\nimport torch\nimport torch.distributed as dist\n"
-                   "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-                   "from torch.distributed import init_process_group, destroy_process_group")
+    kernel.execute(
+        "import os\nimport torch\nimport torch.distributed as dist\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "from torch.distributed import init_process_group, destroy_process_group"
+    )
     for cell in TRAINER_CELLS:
         assert kernel.execute(cell).error is None
     checkpoint = tmp_path / "checkpoint.pt"

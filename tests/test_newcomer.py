@@ -32,14 +32,14 @@ CELLS = {
     "load": "%load_ext ddpnb",
     "default view": '%%ddp -n 2\ndef hello(rank):\n    print(f"hello from {rank}", flush=True)\n    return rank\n',
     "text view": '%%ddp -n 2 --view text\ndef hello_text(rank):\n    print(f"hi from {rank}", flush=True)\n'
-                 '    return rank\n',
-    "fails": '%%ddp -n 2\ndef fails(rank):\n    import time\n    if rank == 1:\n'
-             '        raise ValueError("bad batch")\n    time.sleep(60)  # until rank 1\'s failure stops the run\n',
-    "fails, text view": '%%ddp -n 2 --view text\ndef fails_text(rank):\n    import time\n    if rank == 1:\n'
-                        '        raise ValueError("bad batch")\n    time.sleep(60)\n',
+    "    return rank\n",
+    "fails": "%%ddp -n 2\ndef fails(rank):\n    import time\n    if rank == 1:\n"
+    '        raise ValueError("bad batch")\n    time.sleep(60)  # until rank 1\'s failure stops the run\n',
+    "fails, text view": "%%ddp -n 2 --view text\ndef fails_text(rank):\n    import time\n    if rank == 1:\n"
+    '        raise ValueError("bad batch")\n    time.sleep(60)\n',
     # no collective anywhere: rank 1 returns, rank 0 sleeps until the timeout
-    "times out": '%%ddp -n 2 --timeout 8\ndef one_sleeps(rank):\n    import time\n    if rank == 0:\n'
-                 '        time.sleep(120)\n    return rank\n',
+    "times out": "%%ddp -n 2 --timeout 8\ndef one_sleeps(rank):\n    import time\n    if rank == 0:\n"
+    "        time.sleep(120)\n    return rank\n",
     "session": "%ddp_start -n 2",
     "ranks": "%%ranks\nx = rank\n",
     "runs": "print(json.dumps([repr(run) for run in ddpnb.runs()]))",
@@ -58,8 +58,9 @@ def cells(tmp_path_factory: pytest.TempPathFactory) -> dict[str, nbformat.Notebo
     with pytest.MonkeyPatch.context() as env:
         env.delenv("DDPNB_VIEW", raising=False)  # the default: what a newcomer gets
         env.setenv("DDPNB_RUNS_DIR", str(path / "runs"))
-        NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=True,
-                       resources={"metadata": {"path": str(path)}}).execute()
+        NotebookClient(
+            nb, timeout=240, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(path)}}
+        ).execute()
     return dict(zip(CELLS, nb.cells))
 
 
@@ -79,17 +80,23 @@ def _error(cell: nbformat.NotebookNode) -> str:
 
 # --- 1 and 2: the Install section, read top to bottom ---------------------------------------------------------
 
+
 def _before_first(command: str) -> str:
     """The README up to the first line that runs `command`: what a reader has read before it."""
     found = re.search(rf"^{re.escape(command)}(?=\s)", README, re.MULTILINE)
     assert found, f"the README never runs {command!r}"
-    return README[:found.start()]
+    return README[: found.start()]
 
 
 def test_the_readme_names_what_the_test_command_installs_and_starts_before_the_command():
     script = (ROOT / "scripts" / "test.sh").read_text()
-    installed = {word for line in script.splitlines() if "apt-get install" in line
-                 for word in shlex.split(line.split("apt-get install", 1)[1].split(">")[0]) if not word.startswith("-")}
+    installed = {
+        word
+        for line in script.splitlines()
+        if "apt-get install" in line
+        for word in shlex.split(line.split("apt-get install", 1)[1].split(">")[0])
+        if not word.startswith("-")
+    }
     assert installed == {"chromium", *slurm_cluster.PACKAGES}  # what the script and the Slurm tests install
     read = _before_first("bash scripts/test.sh")
     for package in installed:
@@ -110,6 +117,7 @@ def test_the_readme_says_how_to_get_a_cpu_only_torch_before_the_install_command_
 
 # --- 3: the default view under nbclient ---------------------------------------------------------------------------
 
+
 def test_a_headless_notebook_keeps_the_summary_by_default_and_rank_lines_with_view_text(cells):
     default = cells["default view"]
     assert "[rank " not in _streams(default)  # no [rank N] lines by default, as the README says
@@ -122,6 +130,7 @@ def test_a_headless_notebook_keeps_the_summary_by_default_and_rank_lines_with_vi
 
 
 # --- 4: a failed cell's table and logs, once ------------------------------------------------------------------------
+
 
 def test_a_failed_cell_shows_the_rank_table_and_the_logs_once(cells):
     failed = cells["fails"]
@@ -138,6 +147,7 @@ def test_a_failed_cell_shows_the_rank_table_and_the_logs_once(cells):
 
 # --- 5: a session is not last_run() -------------------------------------------------------------------------------
 
+
 def test_last_run_after_a_session_is_the_latest_ddp_run_and_the_session_is_named_as_one(cells):
     assert json.loads(_streams(cells["last"])) == ["one_sleeps", "session"]
     [listed] = json.loads(_streams(cells["runs"]))
@@ -148,10 +158,17 @@ def test_last_run_after_a_session_is_the_latest_ddp_run_and_the_session_is_named
 
 # --- 6: one duration for the quickstart's run ----------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_the_quickstart_says_how_long_its_run_took_once(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ddpnb.quickstart"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpnb.quickstart"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DDPNB_RUNS_DIR": str(tmp_path)},
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     durations = re.findall(r"^.*\bin \d+(?:\.\d)? (?:s|min)\b.*$", done.stdout, re.MULTILINE)
     assert len(durations) == 1 and durations[0].startswith("[ddpnb] run succeeded in "), done.stdout
@@ -161,17 +178,27 @@ def test_the_quickstart_says_how_long_its_run_took_once(tmp_path):
 
 # --- 7: the collective hint, only where a rank waited in one --------------------------------------------------------
 
+
 def test_a_timeout_without_a_collective_gives_no_collective_hint(cells):
     error = _error(cells["times out"])
-    assert re.search(r"^where each rank was: rank 0 is in time\.sleep \(Cell In\[\d+\], line 5\); rank 1 has "
-                     r"(finished|returned)$", error, re.MULTILINE), error
+    assert re.search(
+        r"^where each rank was: rank 0 is in time\.sleep \(Cell In\[\d+\], line 5\); rank 1 has "
+        r"(finished|returned)$",
+        error,
+        re.MULTILINE,
+    ), error
     assert error.rstrip().endswith("The stacks above show where each rank was when the timeout stopped the run.")
     assert "collective" not in error
 
 
 def _timed_out(*ranks: RankWhere) -> str:
-    record = RunRecord(run_dir=Path("/tmp/x"), world_size=len(ranks), backend="gloo", outcome=Outcome.TIMED_OUT,
-                       current=AttemptRecord(0, [], at_timeout=Diagnosis(taken=0.0, ranks=list(ranks))))
+    record = RunRecord(
+        run_dir=Path("/tmp/x"),
+        world_size=len(ranks),
+        backend="gloo",
+        outcome=Outcome.TIMED_OUT,
+        current=AttemptRecord(0, [], at_timeout=Diagnosis(taken=0.0, ranks=list(ranks))),
+    )
     return hints.hint(record)
 
 
@@ -182,5 +209,6 @@ def test_the_collective_hint_comes_where_a_rank_waited_in_one_while_another_was_
     assert fits in _timed_out(waits, RankWhere(rank=1, quiet=5.0, ended="returned"))
     both_wait = _timed_out(waits, RankWhere(rank=1, quiet=5.0, waits_in="broadcast", at="Cell In[4], line 8"))
     assert "collective" not in both_wait  # every rank reached one: "a rank that never does" would be untrue
-    assert "collective" not in _timed_out(RankWhere(rank=0, quiet=5.0, call="time.sleep"),
-                                          RankWhere(rank=1, quiet=5.0, ended="finished"))
+    assert "collective" not in _timed_out(
+        RankWhere(rank=0, quiet=5.0, call="time.sleep"), RankWhere(rank=1, quiet=5.0, ended="finished")
+    )

@@ -43,7 +43,7 @@ WARNING = re.compile(r"\b\w*Warning\b")  # FutureWarning, UserWarning, "Warning:
 
 
 def _around(found: re.Match) -> str:
-    return "..." + found.string[max(0, found.start() - 80):found.end() + 80] + "..."
+    return "..." + found.string[max(0, found.start() - 80) : found.end() + 80] + "..."
 
 
 def _shown_text(cell) -> str:
@@ -58,8 +58,11 @@ def _shown_text(cell) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.ray] if "--engine ray" in p.read_text() else [])
-                                  for p in NOTEBOOKS], ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=[pytest.mark.ray] if "--engine ray" in p.read_text() else []) for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     run_notebook(path, tmp_path, monkeypatch)
 
@@ -69,10 +72,14 @@ def run_notebook(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     tagged raises-exception raises what EXPECTED_ERRORS says. Returns the executed notebook."""
     monkeypatch.setenv("DDPNB_QUICK", "1")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
-    warned = [f"cell {number}: {_around(found)}" for number, cell in enumerate(nb.cells)
-              if (found := WARNING.search(_shown_text(cell)))]
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()  # raises on any unexpected error
+    warned = [
+        f"cell {number}: {_around(found)}"
+        for number, cell in enumerate(nb.cells)
+        if (found := WARNING.search(_shown_text(cell)))
+    ]
     assert not warned, f"{path.name} prints warnings (teach the API the supported torch wants):\n" + "\n".join(warned)
     for cell in nb.cells:
         if "raises-exception" not in cell.get("metadata", {}).get("tags", []):
@@ -82,7 +89,8 @@ def run_notebook(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         raised = _raised(cell)
         assert raised, f"{path.name}: a cell tagged raises-exception did not raise:\n{cell.source}"
         assert raised[0] == expected[0] and expected[1] in raised[1], (
-            f"{path.name}: expected {expected[0]} saying {expected[1]!r}, got {raised[0]}:\n{raised[1][-2000:]}")
+            f"{path.name}: expected {expected[0]} saying {expected[1]!r}, got {raised[0]}:\n{raised[1][-2000:]}"
+        )
     return nb
 
 
@@ -99,8 +107,9 @@ def test_notebook_runs_on_a_machine_with_one_gpu(path, tmp_path, monkeypatch):
     for cell in nb.cells:
         cell.source = cell.source.replace("%%ddp --gpus all", "%%ddp -n 1")
     nb.cells.append(nbformat.v4.new_code_cell("print('ranks in the last run:', ddpnb.last_run().world_size)"))
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any unexpected error
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()  # raises on any unexpected error
     assert nb.cells[-1].outputs[0].text == "ranks in the last run: 1\n"
 
 

@@ -23,11 +23,11 @@ def _traceback(run) -> str:
 
 # --- 1. line numbers match JupyterLab's ---------------------------------------------------------------------------
 
-RAISES_ON_LINE_4 = '''%%ddp -n 2
+RAISES_ON_LINE_4 = """%%ddp -n 2
 def fails(rank):
     ready = True
     raise ValueError(f"line four, ready={ready}")
-'''
+"""
 
 
 def test_a_ranks_traceback_names_the_line_jupyterlab_shows(kernel):
@@ -59,12 +59,12 @@ def test_an_error_in_the_cells_own_code_names_the_line_jupyterlab_shows(kernel):
     assert run.error["ename"] == "ModuleNotFoundError" and f"Cell In[{run.count}], line 3" in shown, shown
 
 
-SLEEPS_ON_LINE_5 = '''%%ddp -n 2 --background -o sleeper --stall 2
+SLEEPS_ON_LINE_5 = """%%ddp -n 2 --background -o sleeper --stall 2
 def sleeper(rank):
     import time
     while True:
         time.sleep(0.5)
-'''
+"""
 
 
 def test_stacks_and_the_stall_summary_name_the_line_jupyterlab_shows(kernel):
@@ -97,11 +97,13 @@ def test_a_ranks_cells_traceback_names_the_line_jupyterlab_shows(kernel):
         assert f"Cell In[{line_form.count}], line 1" in _traceback(line_form), line_form.text
     finally:
         stopped = kernel.execute("%ddp_stop")
-    assert stopped.stdout == "[ddpnb] session stopped: its 2 ranks have ended, and their namespaces with them\n", \
+    assert stopped.stdout == "[ddpnb] session stopped: its 2 ranks have ended, and their namespaces with them\n", (
         stopped.text
+    )
 
 
 # --- 2. launch notes in the header, not on stderr -------------------------------------------------------------------
+
 
 def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
     kernel.execute("import torch\nbig = torch.zeros(32 * 2**20)")  # 128 MiB of float32
@@ -109,8 +111,10 @@ def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
         run = kernel.execute("%%ddp -n 2\ndef size(rank):\n    return big.numel()\n", timeout=180)
         assert run.error is None and run.results == [str(32 * 2**20)], run.text
         header = run.stdout.splitlines()[0]
-        assert header.startswith("[ddpnb] size on 2 ranks, backend gloo, devices cpu; wrote 128.0 MiB of notebook "
-                                 "data into shared memory for the ranks in "), header
+        assert header.startswith(
+            "[ddpnb] size on 2 ranks, backend gloo, devices cpu; wrote 128.0 MiB of notebook "
+            "data into shared memory for the ranks in "
+        ), header
         assert header.endswith(f"; logs in {_value(kernel, 'str(ddpnb.last_run().run_dir)')}"), header
         assert "shared memory" not in run.stderr, run.stderr
         assert "wrote 128.0 MiB" in _value(kernel, "ddpnb.last_run().launch_note")
@@ -122,13 +126,17 @@ def test_the_data_note_is_in_the_text_views_header_not_on_stderr(kernel):
 
 def test_the_resume_note_is_in_the_header_and_the_record_not_on_stderr(kernel):
     kernel.execute("import torch")  # the cells below use the notebook's torch, whichever test ran before
-    saved = kernel.execute("%%ddp -n 2\ndef save(rank):\n    ddpnb.save_checkpoint({'step': torch.tensor(7)}, step=7)\n",
-                           timeout=180)
+    saved = kernel.execute(
+        "%%ddp -n 2\ndef save(rank):\n    ddpnb.save_checkpoint({'step': torch.tensor(7)}, step=7)\n", timeout=180
+    )
     assert saved.error is None, saved.text
     source = _value(kernel, "str(ddpnb.last_run().run_dir)")
-    run = kernel.execute(f"%%ddp -n 2 --resume {source}\ndef load(rank):\n"
-                         "    state = {{'step': torch.tensor(0)}}\n    ddpnb.load_checkpoint(state)\n"
-                         "    return int(state['step'])\n".replace("{{", "{").replace("}}", "}"), timeout=180)
+    run = kernel.execute(
+        f"%%ddp -n 2 --resume {source}\ndef load(rank):\n"
+        "    state = {{'step': torch.tensor(0)}}\n    ddpnb.load_checkpoint(state)\n"
+        "    return int(state['step'])\n".replace("{{", "{").replace("}}", "}"),
+        timeout=180,
+    )
     assert run.error is None and run.results == ["7"], run.text
     note = f"resuming from {source}/checkpoints: its latest complete checkpoint is step 7"
     assert note in run.stdout.splitlines()[0], run.stdout
@@ -138,13 +146,18 @@ def test_the_resume_note_is_in_the_header_and_the_record_not_on_stderr(kernel):
 
 # --- 3. warnings name the cell ---------------------------------------------------------------------------------------
 
+
 def test_a_warning_in_the_function_names_the_cell_and_its_line(kernel):
-    run = kernel.execute("%%ddp -n 2\nimport warnings\ndef warns(rank):\n"
-                         "    warnings.warn(f'careful on rank {rank}')\n    return rank\n", timeout=180)
+    run = kernel.execute(
+        "%%ddp -n 2\nimport warnings\ndef warns(rank):\n"
+        "    warnings.warn(f'careful on rank {rank}')\n    return rank\n",
+        timeout=180,
+    )
     assert run.error is None and run.results == ["0"], run.text
     for rank in (0, 1):
-        assert f"[rank {rank}] Cell In[{run.count}], line 4: UserWarning: careful on rank {rank}" in run.stderr, \
+        assert f"[rank {rank}] Cell In[{run.count}], line 4: UserWarning: careful on rank {rank}" in run.stderr, (
             run.text
+        )
     assert "warnings.warn(f'careful on rank {rank}')" in run.stderr  # the source line under it, as Python shows it
     assert "ipykernel_" not in run.text, run.text
 
@@ -172,6 +185,7 @@ def test_a_warning_in_a_ranks_cell_names_the_cell_and_its_line(kernel):
 
 # --- 4. one byte format ----------------------------------------------------------------------------------------------
 
+
 def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_memory():
     import torch
 
@@ -180,7 +194,9 @@ def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_me
     from ddpnb.core.record import DataSent
     from ddpnb.core.words import size_text
 
-    assert state_dict_summary({"w": torch.zeros(2**18)}) == "state dict: 1 tensor, 262.1 k parameters (float32), 1.0 MiB"
+    assert (
+        state_dict_summary({"w": torch.zeros(2**18)}) == "state dict: 1 tensor, 262.1 k parameters (float32), 1.0 MiB"
+    )
     note = shared.note(DataSent(written=3 * 2**30, reused=512 * 2**20, blocks=2, seconds=0.5))
     assert note.startswith("wrote 3.0 GiB of notebook data into shared memory") and ", 512.0 MiB reused" in note, note
     assert shared.note(DataSent(written=99 * 2**20, reused=0, blocks=1, seconds=0.1)) == ""  # under 100 MiB: quiet
@@ -188,6 +204,7 @@ def test_every_byte_count_reads_in_binary_units_as_torch_and_nvidia_smi_print_me
 
 
 # --- 5. on-demand stacks are the caller's; a timeout's stay in the record ----------------------------------------------
+
 
 def _sleeps_for_ever(rank):
     import time

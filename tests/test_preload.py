@@ -25,7 +25,7 @@ MODULES = {
     "ddpnb_test_mine_lazy": "import ddpnb_test_slow\nVALUE = 7\n",
     "site-packages/ddpnb_test_lazy_top": "import ddpnb_test_slow\nVALUE = 3\n",
     "ddpnb_test_threaded": "import threading, time\n"
-                           "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
+    "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
     "ddpnb_test_broken": "raise RuntimeError('this module cannot be imported')\n",
     # holds a file open, as a library that initialises CUDA holds /dev/nvidia*, which this machine does not have
     "ddpnb_test_gpu_driver": "import os\nDRIVER = open(os.environ['DDPNB_TEST_FAKE_GPU_FILE'], 'rb')\n",
@@ -64,8 +64,7 @@ def _leave_a_mark(rank):
     preloaded = "ddpnb_test_preloaded" in sys.modules  # before this function imports it
     import ddpnb_test_preloaded as module
 
-    found = {"preloaded": preloaded, "imported before the fork": module.IMPORTED_IN != os.getpid(),
-             "mark": module.MARK}
+    found = {"preloaded": preloaded, "imported before the fork": module.IMPORTED_IN != os.getpid(), "mark": module.MARK}
     module.MARK = "left by an earlier run"
     return found
 
@@ -75,8 +74,7 @@ def test_a_preloaded_module_is_there_when_ranks_start_and_fresh_in_each_run(modu
     assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]
     assert ddpnb.preload() == ["ddpnb_test_preloaded"]
     for _ in range(2):  # each run gets the module as the forkserver imported it, not as the last run left it
-        assert ddpnb.run(_leave_a_mark, nprocs=2) == {"preloaded": True, "imported before the fork": True,
-                                                      "mark": None}
+        assert ddpnb.run(_leave_a_mark, nprocs=2) == {"preloaded": True, "imported before the fork": True, "mark": None}
 
 
 def _version(rank):
@@ -141,19 +139,25 @@ def test_the_hint_names_only_modules_the_functions_pickle_names_not_what_they_im
         return ddpnb_test_mine_lazy.VALUE, symbolic_shapes.__name__, sorted(set(lazy) & set(sys.modules))
 
     assert ddpnb.run(own_module_and_torch_fx, nprocs=1, args=(["mpmath", "sympy"],)) == (
-        7, symbolic_shapes.__name__, ["mpmath", "sympy"])  # unpickling imported them, and the slow library
+        7,
+        symbolic_shapes.__name__,
+        ["mpmath", "sympy"],
+    )  # unpickling imported them, and the slow library
     assert ddpnb.last_run().hint == ""  # it took 0.8 s and more, importing only what the pickle never names
     assert ddpnb.run(lambda: ddpnb_test_lazy_top.VALUE, nprocs=1) == 3
     hint = ddpnb.last_run().hint
     assert "ddpnb.preload('ddpnb_test_lazy_top')" in hint and "ddpnb_test_slow" not in hint, hint
 
 
-@pytest.mark.parametrize("name, reason", [
-    ("ddpnb_test_threaded", "started 1 thread(s) in the forkserver"),
-    ("ddpnb_test_broken", "run `import ddpnb_test_broken` in a cell to see it"),
-    ("ddpnb_test_gpu_driver", "importing them initialised CUDA (the GPU driver is open)"),
-    ("ddpnb_test_twin", "(a sys.path change in the kernel?): ranks would run the other copy"),
-])
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("ddpnb_test_threaded", "started 1 thread(s) in the forkserver"),
+        ("ddpnb_test_broken", "run `import ddpnb_test_broken` in a cell to see it"),
+        ("ddpnb_test_gpu_driver", "importing them initialised CUDA (the GPU driver is open)"),
+        ("ddpnb_test_twin", "(a sys.path change in the kernel?): ranks would run the other copy"),
+    ],
+)
 def test_a_module_that_is_unsafe_to_preload_is_refused_and_runs_go_on(modules, monkeypatch, name, reason):
     ddpnb.preload("ddpnb_test_preloaded")
     monkeypatch.syspath_prepend(str(modules / "kernel-only"))  # the kernel's twin is not the forkserver's

@@ -69,13 +69,15 @@ def _all_reduce_ends_apart(events: list[dict], pid_of: dict[int, int]) -> float:
 
 
 def test_profiled_steps_merge_into_one_aligned_trace_that_names_the_rank_waited_for(tmp_path):
-    assert ddpnb.run(ddp_with_a_slow_forward, nprocs=2, args=(9,), profile="5-7", view="none", timeout=120) \
-        == "trained"
+    assert ddpnb.run(ddp_with_a_slow_forward, nprocs=2, args=(9,), profile="5-7", view="none", timeout=120) == "trained"
     profile = ddpnb.last_run().profile
     assert profile is not None and profile.trace is not None, profile
     assert profile.trace.parent == ddpnb.last_run().run_dir / "profile"
-    assert sorted(p.name for p in profile.trace.parent.iterdir()) == \
-        ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz", "trace.json.gz"]
+    assert sorted(p.name for p in profile.trace.parent.iterdir()) == [
+        "rank0.pt.trace.json.gz",
+        "rank1.pt.trace.json.gz",
+        "trace.json.gz",
+    ]
 
     events = _trace(profile.trace)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
@@ -95,8 +97,12 @@ def test_profiled_steps_merge_into_one_aligned_trace_that_names_the_rank_waited_
     ahead = _trace(profile.rank_traces[1])
     ahead["baseTimeNanoseconds"] += 37_000_000
     shifted.write_bytes(gzip.compress(json.dumps(ahead).encode()))
-    merge({0: profile.rank_traces[0], 1: shifted}, {0: "rank 0", 1: "rank 1"}, tmp_path / "trace.json.gz",
-          {0: "here", 1: "elsewhere"})
+    merge(
+        {0: profile.rank_traces[0], 1: shifted},
+        {0: "rank 0", 1: "rank 1"},
+        tmp_path / "trace.json.gz",
+        {0: "here", 1: "elsewhere"},
+    )
     again = _trace(tmp_path / "trace.json.gz")
     offset = next(r["offset_us"] for r in again["ddpnb"]["ranks"] if r["rank"] == 1)
     assert abs(offset - 37_000) < 1000, offset
@@ -112,8 +118,9 @@ def test_profiled_steps_merge_into_one_aligned_trace_that_names_the_rank_waited_
         assert sum(getattr(rank, part) for part in PARTS) == pytest.approx(rank.step, rel=0.05), rank
         assert rank.top_ops and rank.top_ops[0][1] > 0
     text = profile_text(profile)
-    assert text.startswith(f"[ddpnb] profile of steps 5-7: rank 0 waited {round(shares[0] * 100)}% of the step "
-                           "for rank 1"), text
+    assert text.startswith(
+        f"[ddpnb] profile of steps 5-7: rank 0 waited {round(shares[0] * 100)}% of the step for rank 1"
+    ), text
     assert str(profile.trace) in text
     assert 'data-rank="0" data-part="waiting"' in bars_svg(profile)
     page = profile_html(profile)  # in the static summary: what JupyterLab's sanitiser keeps (no <svg>, <style>)
@@ -228,15 +235,18 @@ def test_profile_cell_says_where_the_step_time_went(kernel):
         "    for step in range(5):\n"
         "        dist.all_reduce(torch.ones(1000))\n"
         "        ddpnb.log(step=step)\n",
-        timeout=120)
+        timeout=120,
+    )
     assert result.error is None, result.error
     assert "[ddpnb] profile of steps 2-3:" in result.stdout, result.text
     assert "merged trace (Perfetto UI, chrome://tracing):" in result.stdout
     assert "compute" in result.stdout and "waiting" in result.stdout
 
 
-@pytest.mark.parametrize("given, steps", [(True, (3, 5)), ("5-7", (5, 7)), ("4", (4, 4)), (6, (6, 6)),
-                                          ((2, 9), (2, 9)), (None, None), (False, None)])
+@pytest.mark.parametrize(
+    "given, steps",
+    [(True, (3, 5)), ("5-7", (5, 7)), ("4", (4, 4)), (6, (6, 6)), ((2, 9), (2, 9)), (None, None), (False, None)],
+)
 def test_profile_takes_a_range_of_steps(given, steps):
     assert profile_steps(given) == steps
 
@@ -254,10 +264,16 @@ def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> d
 def test_waiting_is_the_part_of_a_collective_before_the_last_rank_came():
     """Rank 0 computes 0-300 µs, rank 1 0-700; both all_reduce until 900. Rank 0 waited 400 µs for rank 1."""
     events = {
-        0: [_x(f"{STEP_SPAN}1", 0, 1000, cat="user_annotation"), _x("aten::mm", 0, 300),
-            _x("gloo:all_reduce", 300, 600, tid=2, cat="user_annotation")],
-        1: [_x(f"{STEP_SPAN}1", 0, 1000, cat="user_annotation"), _x("aten::mm", 0, 700),
-            _x("gloo:all_reduce", 700, 200, tid=2, cat="user_annotation")],
+        0: [
+            _x(f"{STEP_SPAN}1", 0, 1000, cat="user_annotation"),
+            _x("aten::mm", 0, 300),
+            _x("gloo:all_reduce", 300, 600, tid=2, cat="user_annotation"),
+        ],
+        1: [
+            _x(f"{STEP_SPAN}1", 0, 1000, cat="user_annotation"),
+            _x("aten::mm", 0, 700),
+            _x("gloo:all_reduce", 700, 200, tid=2, cat="user_annotation"),
+        ],
     }
     rank0, rank1 = breakdown(events, {0: "rank 0", 1: "rank 1"})
     assert rank0.waiting == pytest.approx(400e-6) and rank0.waited_for == {1: pytest.approx(400e-6)}

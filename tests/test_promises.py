@@ -43,6 +43,7 @@ def private_runs_dir(tmp_path, monkeypatch):
 
 # --- ddpnb.spawn: the drop-in's join semantics -------------------------------------------------------------------
 
+
 def fails_on_rank_one(rank, message):
     import torch
     import torch.distributed as dist
@@ -87,8 +88,19 @@ def test_join_of_a_spawned_run_that_failed_raises_worker_error():
 
 # --- every rank's environment ------------------------------------------------------------------------------------
 
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "DDPNB_WORKER", "TORCH_DIST_INIT_BARRIER", "GLOO_SOCKET_IFNAME", "DDPNB_TEST_EXTRA")
+ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DDPNB_WORKER",
+    "TORCH_DIST_INIT_BARRIER",
+    "GLOO_SOCKET_IFNAME",
+    "DDPNB_TEST_EXTRA",
+)
 
 
 def every_ranks_environment():
@@ -108,9 +120,17 @@ def test_every_rank_gets_its_own_torchrun_variables_group_rank_and_loopback_for_
     assert port != "29500" and int(port) > 0
     for rank, env in enumerate(ranks):
         assert {key: env[key] for key in ENV_KEYS} == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DDPNB_WORKER": "1", "TORCH_DIST_INIT_BARRIER": "1",
-            "GLOO_SOCKET_IFNAME": "lo", "DDPNB_TEST_EXTRA": "yes",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "DDPNB_WORKER": "1",
+            "TORCH_DIST_INIT_BARRIER": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "DDPNB_TEST_EXTRA": "yes",
         }, f"rank {rank}"
 
 
@@ -139,6 +159,7 @@ def test_gloo_interface_and_init_barrier_set_by_the_user_win(where, monkeypatch)
 
 # --- CPU threads ---------------------------------------------------------------------------------------------------
 
+
 def every_ranks_threads():
     import torch
     import torch.distributed as dist
@@ -159,7 +180,8 @@ def test_the_split_counts_only_the_cores_taskset_allows(tmp_path):
     if USABLE_CORES < 2:
         pytest.skip("this process may use one core only: pinning to one would change nothing")
     script = tmp_path / "pinned.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         import ddpnb
@@ -169,9 +191,16 @@ def test_the_split_counts_only_the_cores_taskset_allows(tmp_path):
             return torch.get_num_threads()
 
         print("THREADS", ddpnb.run(threads, nprocs=1, view="none"))
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert done.returncode == 0, done.stderr
     assert "THREADS 1" in done.stdout.splitlines()
 
@@ -192,11 +221,14 @@ def test_omp_num_threads_set_by_the_user_wins_over_the_split(where, monkeypatch)
 
 # --- what the function gets and gives back --------------------------------------------------------------------------
 
+
 def returns_a_parameter():
     import torch
 
-    return {"weight": torch.nn.Parameter(torch.arange(3.0)), "frozen": torch.nn.Parameter(torch.ones(2),
-                                                                                          requires_grad=False)}
+    return {
+        "weight": torch.nn.Parameter(torch.arange(3.0)),
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+    }
 
 
 def test_a_returned_parameter_arrives_as_a_parameter_keeping_requires_grad():
@@ -245,11 +277,11 @@ def test_a_line_over_10000_characters_is_cut_in_the_record_and_text_view_and_who
     assert record.ranks[0].log_path.read_text() == LONG_LINE + "\nafter the long line\n"
 
 
-WIDE_CELL = '''%%ddp -n 1
+WIDE_CELL = """%%ddp -n 1
 def wide(rank):
     print("y" * 3000)
     print("the next line")
-'''
+"""
 
 
 def test_a_long_line_is_cut_to_500_characters_in_the_dashboard():
@@ -271,6 +303,7 @@ def test_a_long_line_is_cut_to_500_characters_in_the_dashboard():
 
 
 # --- the runs directory --------------------------------------------------------------------------------------------
+
 
 def test_a_runs_directory_open_to_others_is_made_private(tmp_path, monkeypatch):
     runs = tmp_path / "open"
@@ -296,13 +329,14 @@ def test_a_runs_directory_owned_by_another_user_is_refused_and_nothing_starts(tm
 
 # --- the kernel after a failed run -----------------------------------------------------------------------------------
 
+
 def test_kernel_keeps_its_variables_after_a_failed_run_and_the_next_cell_runs(kernel):
     assert kernel.execute("kept = {'epochs': 3}").error is None
-    failed = kernel.execute('''%%ddp -n 2
+    failed = kernel.execute("""%%ddp -n 2
 defined_by_the_failing_cell = "still here"
 def fails(rank):
     raise RuntimeError(f"rank {rank} fails on purpose")
-''')
+""")
     assert failed.error is not None and failed.error["ename"] == "WorkerError"
     after = kernel.execute("print(kept, defined_by_the_failing_cell)")
     assert after.stdout.strip() == "{'epochs': 3} still here"

@@ -30,9 +30,15 @@ def ddp_loop_with_a_slow_rank(rank: int, steps: int, slow: int, how: str = "comp
 
     torch.manual_seed(0)
     width = 1536 if how == "compute" else 64  # compute: about 17 ms of CPU a forward and backward
-    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(),
-                                                        torch.nn.Linear(width, width), torch.nn.ReLU(),
-                                                        torch.nn.Linear(width, 10)))
+    model = DistributedDataParallel(
+        torch.nn.Sequential(
+            torch.nn.Linear(256, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 10),
+        )
+    )
     optimiser = torch.optim.SGD(model.parameters(), lr=0.01)
     batch, target = torch.randn(64, 256), torch.randint(0, 10, (64,))
     for step in range(steps):
@@ -125,8 +131,9 @@ def test_time_waiting_in_a_collective_is_not_compute(where):
     worker, waiter = record.ranks
     assert worker.step_times and waiter.step_times, "a rank reported no step times"
     # per step, rank 1 waits about as long as rank 0 computes: counted as compute, it would be as much
-    per_step = {r.rank: sum(t.compute for t in r.step_times) / sum(t.steps for t in r.step_times)
-                for r in (worker, waiter)}
+    per_step = {
+        r.rank: sum(t.compute for t in r.step_times) / sum(t.steps for t in r.step_times) for r in (worker, waiter)
+    }
     assert per_step[1] < 0.5 * per_step[0], f"rank 1's wait was counted as compute: {per_step}"
     assert straggler_text(record.ranks[1]) == ""
 
@@ -148,7 +155,8 @@ def test_cpu_and_resident_memory_per_rank_are_recorded_and_shown():
     quiet, holding = (list(r.hardware) for r in record.ranks)
     assert quiet and holding, "no hardware samples arrived"
     assert max(s.rss for s in holding) - max(s.rss for s in quiet) > 180 * 2**20, (
-        f"rank 1's 200 MB not seen: {max(s.rss for s in holding)} vs {max(s.rss for s in quiet)} bytes")
+        f"rank 1's 200 MB not seen: {max(s.rss for s in holding)} vs {max(s.rss for s in quiet)} bytes"
+    )
     assert all(0 < s.cpu < 400 for s in holding[1:]), [s.cpu for s in holding]
     assert all(s.gpu_util is None for s in holding), "a CPU rank reported GPU use"
     table = summary_table(record)
@@ -195,8 +203,9 @@ def test_step_clock_reports_on_steps_every_rank_shares_and_restarts_on_a_new_cou
     """The clock's readings (the monotonic and wall clocks, the thread's busy time, the step's collectives) are
     stand-ins here, so each report's content is known exactly."""
     now, busy = [100.0], [7.0]
-    clock_type = type("Clock", (), {"monotonic": staticmethod(lambda: now[0]),
-                                     "time_ns": staticmethod(lambda: int(now[0] * 1e9))})
+    clock_type = type(
+        "Clock", (), {"monotonic": staticmethod(lambda: now[0]), "time_ns": staticmethod(lambda: int(now[0] * 1e9))}
+    )
     monkeypatch.setattr(radar, "time", clock_type)
     monkeypatch.setattr(radar, "thread_busy", lambda: busy[0])
     asked: list[int] = []
@@ -214,7 +223,12 @@ def test_step_clock_reports_on_steps_every_rank_shares_and_restarts_on_a_new_cou
         tick(step, 0.125, 0.0625)
     # the first report once half the interval went by, then every 4 steps (half a second), on multiples of 4
     assert [(r.step, r.steps, r.wall, r.compute) for r in reports] == [
-        (2, 2, 0.25, 0.125), (4, 2, 0.25, 0.125), (8, 4, 0.5, 0.25), (12, 4, 0.5, 0.25), (16, 4, 0.5, 0.25)]
+        (2, 2, 0.25, 0.125),
+        (4, 2, 0.25, 0.125),
+        (8, 4, 0.5, 0.25),
+        (12, 4, 0.5, 0.25),
+        (16, 4, 0.5, 0.25),
+    ]
     # each report carries the collectives issued since the step before it was logged
     assert [r.arrivals[0][2] - 1 for r in reports] == [int((100 + 0.125 * (r.step - 1)) * 1e9) for r in reports]
     tick(0, radar.STEP_REPORT_INTERVAL, 0.1)
@@ -226,10 +240,12 @@ def test_step_clock_reports_on_steps_every_rank_shares_and_restarts_on_a_new_cou
 
 def test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of_the_step():
     ms = 1_000_000
-    reports = {0: (("0", 7, 100 * ms), ("0", 8, 110 * ms)),
-               1: (("0", 7, 101 * ms), ("0", 8, 111 * ms), ("1", 1, 500 * ms)),  # a subgroup's: left out
-               2: (("0", 7, 99 * ms), ("0", 8, 112 * ms)),
-               3: (("0", 7, 130 * ms), ("0", 8, 125 * ms))}
+    reports = {
+        0: (("0", 7, 100 * ms), ("0", 8, 110 * ms)),
+        1: (("0", 7, 101 * ms), ("0", 8, 111 * ms), ("1", 1, 500 * ms)),  # a subgroup's: left out
+        2: (("0", 7, 99 * ms), ("0", 8, 112 * ms)),
+        3: (("0", 7, 130 * ms), ("0", 8, 125 * ms)),
+    }
     late = lateness(reports)
     assert {rank: round(seconds * 1000, 3) for rank, seconds in late.items()} == {0: 0.0, 1: 1.0, 2: 1.0, 3: 30.0}
     assert lateness({0: (("0", 1, 5),), 1: (("0", 2, 5),)}) == {}  # no collective in common: no verdict
@@ -273,8 +289,9 @@ def test_a_step_is_judged_once_every_rank_reported_it():
     arrivals = Arrivals()
 
     def report(rank: int, step: int, ns: int) -> None:
-        arrivals.add(records, msg.StepTimes(rank=rank, steps=4, wall=0.5, compute=0.1, step=step,
-                                            arrivals=(("0", step, ns),)))
+        arrivals.add(
+            records, msg.StepTimes(rank=rank, steps=4, wall=0.5, compute=0.1, step=step, arrivals=(("0", step, ns),))
+        )
 
     report(0, 4, 0)
     assert not records[0].late  # rank 1's report of step 4 is still on its way

@@ -15,7 +15,7 @@ import pytest
 import ddpnb
 from tests.conftest import Kernel
 
-NOTEBOOK_DATASET = '''
+NOTEBOOK_DATASET = """
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -30,7 +30,7 @@ class Squares(Dataset):
 
 def cube(x):
     return x ** 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +45,25 @@ def kernel():
 def test_a_notebook_dataset_and_function_reach_dataloader_workers_and_a_pool_in_a_ddp_cell(kernel):
     expected = kernel.execute("sum(float(Squares()[i]) for i in range(8)), [cube(x) for x in range(4)]")
     assert expected.error is None, expected.error
-    ran = kernel.execute(textwrap.dedent('''
+    ran = kernel.execute(
+        textwrap.dedent("""
         %%ddp -n 2 -o found
         def train(rank, world_size):
             import multiprocessing
             loader = DataLoader(Squares(), batch_size=2, num_workers=2)  # the start method a script has
             with multiprocessing.Pool(2) as pool:
                 return sum(float(batch.sum()) for batch in loader), pool.map(cube, range(4))
-    '''), timeout=180)
+    """),
+        timeout=180,
+    )
     assert ran.error is None, ran.text
     assert repr(eval(kernel.execute("found").results[0])) == expected.results[0]
 
 
 @pytest.mark.slow
 def test_every_start_method_a_rank_can_pick_finds_the_notebooks_definitions(kernel):
-    ran = kernel.execute(textwrap.dedent('''
+    ran = kernel.execute(
+        textwrap.dedent("""
         %%ddp -n 2 -o found
         def train(rank, world_size):
             import multiprocessing
@@ -73,7 +77,9 @@ def test_every_start_method_a_rank_can_pick_finds_the_notebooks_definitions(kern
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as executor:
                 found["executor"] = list(executor.map(cube, [3]))
             return found
-    '''), timeout=300)
+    """),
+        timeout=300,
+    )
     assert ran.error is None, ran.text
     found = eval(kernel.execute("found").results[0])
     assert found.pop("default") == multiprocessing_default()
@@ -84,15 +90,20 @@ def test_every_start_method_a_rank_can_pick_finds_the_notebooks_definitions(kern
 
 def multiprocessing_default() -> str:
     """What a fresh `python train.py` starts children with here."""
-    return subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def test_a_class_defined_in_a_session_cell_reaches_a_spawned_dataloader_worker(kernel):
     started = kernel.execute("%ddp_start -n 2", timeout=300)
     assert started.error is None, started.text
     try:
-        kernel.execute(textwrap.dedent('''
+        kernel.execute(
+            textwrap.dedent("""
             %%ranks
             import torch
             from torch.utils.data import DataLoader, Dataset
@@ -103,9 +114,13 @@ def test_a_class_defined_in_a_session_cell_reaches_a_spawned_dataloader_worker(k
 
                 def __getitem__(self, i):
                     return torch.ones(1) * (rank + 1)
-        '''))
-        summed = kernel.execute("%%ranks -o sums\nsum(float(b.sum()) for b in DataLoader(Ones(), batch_size=2, "
-                                "num_workers=1, multiprocessing_context='spawn'))", timeout=180)
+        """)
+        )
+        summed = kernel.execute(
+            "%%ranks -o sums\nsum(float(b.sum()) for b in DataLoader(Ones(), batch_size=2, "
+            "num_workers=1, multiprocessing_context='spawn'))",
+            timeout=180,
+        )
         assert summed.error is None, summed.text
         assert eval(kernel.execute("list(sums)").results[0]) == [4.0, 8.0]
     finally:
@@ -117,7 +132,7 @@ def test_a_class_defined_in_a_session_cell_reaches_a_spawned_dataloader_worker(k
 # The shape of pytorch/examples' distributed/rpc/ddp_rpc (two trainers with a DDP group of their own, a parameter
 # server, a master driving them over RPC), on CPU and cut to a few steps: as a script under mp.spawn, and the same
 # function under ddpnb.spawn.
-HYBRID = '''
+HYBRID = """
 import random
 import sys
 
@@ -164,8 +179,8 @@ def worker(rank, world_size, port):
     else:
         rpc.init_rpc("ps", rank=rank, world_size=world_size, rpc_backend_options=options)
     rpc.shutdown()
-'''
-HYBRID_MAIN = '''
+"""
+HYBRID_MAIN = """
 if __name__ == "__main__":
     launcher, port = sys.argv[1], int(sys.argv[2])
     if launcher == "ddpnb":
@@ -174,7 +189,7 @@ if __name__ == "__main__":
     else:
         import torch.multiprocessing as mp
         mp.spawn(worker, args=(4, port), nprocs=4)
-'''
+"""
 
 
 def _free_ports() -> int:
@@ -200,8 +215,15 @@ def test_trainers_that_make_a_group_of_their_own_train_as_under_mp_spawn(tmp_pat
     (the script's own timeout fails the test where it would)."""
     script = tmp_path / "hybrid.py"
     script.write_text(HYBRID + HYBRID_MAIN)
-    done = subprocess.run([sys.executable, str(script), launcher, str(_free_ports())], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, check=False, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run(
+        [sys.executable, str(script), launcher, str(_free_ports())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     assert "TRAINED [(0, 2, 3), (1, 2, 3)]" in output

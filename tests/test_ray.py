@@ -39,7 +39,7 @@ CELL_TIMEOUT = 600
 KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
 pytestmark = pytest.mark.ray
 
-TRAIN_CELL = '''%%ddp --engine ray -n 2 {flags} -o trained
+TRAIN_CELL = """%%ddp --engine ray -n 2 {flags} -o trained
 def train(rank, world_size):
     import sys
     import torch
@@ -64,7 +64,7 @@ def train(rank, world_size):
     dist.all_gather(gathered, flat)
     dist.destroy_process_group()
     return {{"state": model.module.state_dict(), "ranks_agree": all(torch.equal(g, flat) for g in gathered)}}
-'''
+"""
 
 NODE_LINE = re.compile(r"\[rank (\d+)\] \[ddpnb\] on Ray node ([0-9a-f]+) ")
 RUN_ACTORS = ("RunActor", "TrainController", "RayTrainWorker", "PlacementGroupCleaner")  # Ray process titles
@@ -107,14 +107,17 @@ def check_training_run(kernel: Kernel, flags: str = "") -> dict[int, str]:
         assert f"[rank {rank}] fd-level write from rank {rank}" in run.stdout
         assert f"[rank {rank}] stderr line from rank {rank}" in run.stderr
         # Ray would have deduplicated it; ddpnb shows every rank's copy, folded into one line when they came together
-        assert (f"[rank {rank}] the same line on every rank" in run.stdout
-                or "[ranks 0,1] the same line on every rank" in run.stdout)
+        assert (
+            f"[rank {rank}] the same line on every rank" in run.stdout
+            or "[ranks 0,1] the same line on every rank" in run.stdout
+        )
     assert "run succeeded" in run.stdout
     check = kernel.execute(
         "record = ddpnb.last_run()\n"
         "print(record.engine, [len(record.metrics('loss', rank)) for rank in (0, 1)], record.outcome.value)\n"
         "print(sorted(trained['state']), trained['ranks_agree'], type(trained['state']['weight']).__name__,\n"
-        "      trained['state']['weight'].device)")
+        "      trained['state']['weight'].device)"
+    )
     assert check.error is None, check.error
     assert check.stdout.splitlines() == ["ray [5, 5] succeeded", "['bias', 'weight'] True Tensor cpu"]
     return {int(rank): node for rank, node in NODE_LINE.findall(run.stdout)}
@@ -131,8 +134,11 @@ def test_engine_ray_without_ray_says_how_to_install(monkeypatch):
     from ddpnb import _api
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name.split(".")[0] == "ray" else real_find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name.split(".")[0] == "ray" else real_find_spec(name, *args),
+    )
     with pytest.raises(_api.LaunchError, match=re.escape("pip install -e '.[ray]'")):
         _api.LaunchOptions(nprocs=2, engine="ray").check()
 
@@ -165,31 +171,57 @@ def two_node_cluster(log_dir: Path, auth: dict[str, str]) -> Iterator[tuple[str,
     """
     temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
     address = f"127.0.0.1:{free_port()}"
-    common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", f"--object-store-memory={100 * 2**20}",
-              "--disable-usage-stats", "--include-log-monitor=false"]
+    common = [
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=2",
+        f"--object-store-memory={100 * 2**20}",
+        "--disable-usage-stats",
+        "--include-log-monitor=false",
+    ]
     head = [f"--port={address.split(':')[1]}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
     nodes: list[subprocess.Popen] = []
     try:
         for name, flags in (("head", ["--head", *head]), ("node2", [f"--address={address}"])):
-            start_node(nodes, [*common, *flags], log_dir / name,
-                       env={**os.environ, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **auth})
+            start_node(
+                nodes,
+                [*common, *flags],
+                log_dir / name,
+                env={**os.environ, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **auth},
+            )
         yield address, [node.pid for node in nodes]
     finally:
         stop_nodes(nodes)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def start_node(nodes: list[subprocess.Popen], flags: list[str], log_stem: Path, env: dict[str, str],
-               attempts: int = 3, within: float = 300) -> None:
+def start_node(
+    nodes: list[subprocess.Popen],
+    flags: list[str],
+    log_stem: Path,
+    env: dict[str, str],
+    attempts: int = 3,
+    within: float = 300,
+) -> None:
     """`ray start FLAGS`, until it says the node runs. Ray gives a node's processes 30 s to come up, which a
     busy 2-core machine can overrun (the node then exits): such a start is tried again."""
     for attempt in range(attempts):
         log_path = log_stem.with_suffix(f".{attempt}.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "ray.scripts.scripts", "start", *flags,
-                 f"--dashboard-agent-listen-port={free_port()}"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "ray.scripts.scripts",
+                    "start",
+                    *flags,
+                    f"--dashboard-agent-listen-port={free_port()}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
         deadline = time.monotonic() + within
         while proc.poll() is None and time.monotonic() < deadline:
             if b"Ray runtime started." in log_path.read_bytes():
@@ -243,7 +275,9 @@ def test_spread_run_lands_ranks_on_two_nodes_of_a_cluster(tmp_path):
                 "deadline = time.monotonic() + 300\n"
                 "while len([n for n in ray.nodes() if n['Alive']]) < 2 and time.monotonic() < deadline:\n"
                 "    time.sleep(0.5)\n"
-                "print(*sorted(n['NodeID'] for n in ray.nodes() if n['Alive']))", timeout=CELL_TIMEOUT)
+                "print(*sorted(n['NodeID'] for n in ray.nodes() if n['Alive']))",
+                timeout=CELL_TIMEOUT,
+            )
             alive = joined.stdout.split()
             assert len(alive) == 2, joined.stdout + joined.stderr
             kernel.execute("import os\nimport torch\nimport ddpnb")
@@ -278,11 +312,22 @@ def head_node(log_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     address = f"127.0.0.1:{free_port()}"
     nodes: list[subprocess.Popen] = []
     try:
-        start_node(nodes, ["--head", f"--port={address.split(':')[1]}", "--block", "--node-ip-address=127.0.0.1",
-                           "--num-cpus=2", f"--object-store-memory={100 * 2**20}", "--disable-usage-stats",
-                           "--include-log-monitor=false", "--include-dashboard=false"],
-                   log_dir / "head",
-                   env={**os.environ, **NO_AUTH, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+        start_node(
+            nodes,
+            [
+                "--head",
+                f"--port={address.split(':')[1]}",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=2",
+                f"--object-store-memory={100 * 2**20}",
+                "--disable-usage-stats",
+                "--include-log-monitor=false",
+                "--include-dashboard=false",
+            ],
+            log_dir / "head",
+            env={**os.environ, **NO_AUTH, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+        )
         yield address, nodes[0]
     finally:
         stop_nodes(nodes)
@@ -334,13 +379,18 @@ def ray_kernel():
         pytest.skip("ray[train] is not installed (pip install -e '.[ray]')")
     helpers = Path(tempfile.mkdtemp(prefix="ddpnb-test-modules-"))  # on the kernel's path, and so on Ray's workers'
     (helpers / f"{HOST_KILLER}.py").write_text(HOST_KILLER_SOURCE)
-    kernel = Kernel(env={**KERNEL_ENV, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(helpers), os.environ.get("PYTHONPATH")]))})
+    kernel = Kernel(
+        env={**KERNEL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(helpers), os.environ.get("PYTHONPATH")]))}
+    )
     kernel.execute("%load_ext ddpnb")
     kernel.execute("import os, time\nimport torch\nimport torch.distributed as dist\nimport ddpnb, ray")
     yield kernel
-    ray_processes = [int(pid) for pid in kernel.execute(
-        "import psutil\nprint(*[p.pid for p in psutil.Process().children(recursive=True)])").stdout.split()]
+    ray_processes = [
+        int(pid)
+        for pid in kernel.execute(
+            "import psutil\nprint(*[p.pid for p in psutil.Process().children(recursive=True)])"
+        ).stdout.split()
+    ]
     kernel.execute("import ray\nray.shutdown()", timeout=CELL_TIMEOUT)
     kernel.shutdown()
     shutil.rmtree(helpers)
@@ -361,13 +411,16 @@ def test_notebook_trains_ddp_on_a_local_ray_instance(ray_kernel):
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_failing_rank_raises_worker_error_and_leaves_no_ray_worker(ray_kernel):
-    run = ray_kernel.execute('''%%ddp --engine ray -n 2
+    run = ray_kernel.execute(
+        """%%ddp --engine ray -n 2
 def fails(rank, world_size):
     print(f"rank {rank} starts")
     if rank == 1:
         raise ValueError("bad batch on purpose")
     dist.barrier()
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
     shown = "\n".join(run.error["traceback"])
     assert "rank 1 of 2 failed first: ValueError: bad batch on purpose" in shown
@@ -463,13 +516,18 @@ def test_a_killed_ray_rank_is_named_as_the_first_failure_and_nothing_is_left(ray
 def test_what_a_ray_rank_started_in_a_session_of_its_own_is_gone_after_the_run(ray_kernel, tmp_path, how):
     where = tmp_path / "children"
     where.mkdir()
-    out = ray_kernel.execute(STARTS_CHILDREN + f'''
+    out = ray_kernel.execute(
+        STARTS_CHILDREN
+        + f"""
 run = ddpnb.launch(starts_children, engine="ray", nprocs=2, view="none", args=({how!r}, {str(where)!r}))
 run.wait()
 print("outcome:", run.outcome.value)
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.text
-    assert f"outcome: {dict(succeeds='succeeded', raises='failed')[how]}" in out.stdout, out.text
+    outcome = {"succeeds": "succeeded", "raises": "failed"}[how]
+    assert f"outcome: {outcome}" in out.stdout, out.text
     children = [int(pid) for path in where.iterdir() for pid in path.read_text().split()]
     assert len(children) == 4
     assert wait_gone(children, within=10) == [], "what a rank started outlived the run"
@@ -548,7 +606,8 @@ def test_a_host_that_died_between_runs_is_replaced_at_the_next_launch(ray_kernel
         "import psutil, signal\n"
         "hosts = [p for p in psutil.Process().children(recursive=True) if 'ray::Host' in ' '.join(p.cmdline())]\n"
         "for p in hosts: p.send_signal(signal.SIGKILL)\n"
-        "print(len(psutil.wait_procs(hosts, timeout=30)[0]))")
+        "print(len(psutil.wait_procs(hosts, timeout=30)[0]))"
+    )
     assert killed.stdout.strip() == "1", killed.text
     assert len(cell_value(ray_kernel, FRESH_CELL, "seen")) == 2
 
@@ -559,12 +618,15 @@ def test_a_host_that_died_between_runs_is_replaced_at_the_next_launch(ray_kernel
 def test_rank_waiting_for_a_rank_that_returned_fails_on_ray_too(ray_kernel):
     """Ray Train's workers outlive their rank, so each rank takes its group down when its function returns: a
     peer left in a collective it never joins fails (gloo) instead of waiting for the group's timeout."""
-    run = ray_kernel.execute('''%%ddp --engine ray -n 2 --timeout 300
+    run = ray_kernel.execute(
+        """%%ddp --engine ray -n 2 --timeout 300
 def one_collective_too_many(rank, world_size):
     if rank == 1:
         dist.all_reduce(torch.ones(1))  # rank 0 has returned and will never join this one
     return rank
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
     assert "rank 1 of 2 failed first" in "\n".join(run.error["traceback"])
     outcome = ray_kernel.execute("print(ddpnb.last_run().outcome.value)").stdout.strip()
@@ -577,7 +639,8 @@ def one_collective_too_many(rank, world_size):
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_timeout_stops_a_hung_ray_run_and_shows_where_each_rank_was(ray_kernel):
     # the timeout is set once both ranks run, so Ray's start-up time (seconds to minutes) cannot eat it up
-    run = ray_kernel.execute('''
+    run = ray_kernel.execute(
+        """
 def hangs(rank):
     print(f"rank {rank} waits", flush=True)
     time.sleep(600)
@@ -591,7 +654,9 @@ record = handle.wait()
 print(record.outcome.value)
 print(all("in hangs" in r.stack for r in record.ranks))
 print(*[r.pid for r in record.ranks])
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None, run.error
     outcome, stacks, pids = run.stdout.splitlines()[-3:]
     assert (outcome, stacks) == ("timed out", "True"), run.stdout
@@ -603,11 +668,15 @@ print(*[r.pid for r in record.ranks])
 def cpus_released(kernel: Kernel) -> bool:
     """Whether the local instance's 2 CPUs are free again: a stopped run must release its placement group, or
     every later run waits for CPUs forever."""
-    return kernel.execute(
-        "deadline = time.monotonic() + 60\n"
-        "while ray.available_resources().get('CPU', 0) < 2 and time.monotonic() < deadline:\n"
-        "    time.sleep(0.5)\n"
-        "print(ray.available_resources().get('CPU', 0))").stdout.strip() == "2.0"
+    return (
+        kernel.execute(
+            "deadline = time.monotonic() + 60\n"
+            "while ray.available_resources().get('CPU', 0) < 2 and time.monotonic() < deadline:\n"
+            "    time.sleep(0.5)\n"
+            "print(ray.available_resources().get('CPU', 0))"
+        ).stdout.strip()
+        == "2.0"
+    )
 
 
 def execute_and_interrupt(kernel: Kernel, code: str, interrupt_after: list[str]) -> Execution:
@@ -636,11 +705,15 @@ def execute_and_interrupt(kernel: Kernel, code: str, interrupt_after: list[str])
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_interrupt_stops_a_ray_run_like_a_local_one(ray_kernel):
-    run = execute_and_interrupt(ray_kernel, """%%ddp --engine ray -n 2
+    run = execute_and_interrupt(
+        ray_kernel,
+        """%%ddp --engine ray -n 2
 def hangs(rank):
     print(f"rank {rank} waits", flush=True)
     time.sleep(600)
-""", interrupt_after=["[rank 0] rank 0 waits", "[rank 1] rank 1 waits"])
+""",
+        interrupt_after=["[rank 0] rank 0 waits", "[rank 1] rank 1 waits"],
+    )
     assert run.error is not None and run.error["ename"] == "RunInterrupted", run.stdout + run.stderr
     after = ray_kernel.execute("record = ddpnb.last_run()\nprint(record.outcome.value, *[r.pid for r in record.ranks])")
     outcome, *pids = after.stdout.split()
@@ -657,7 +730,8 @@ def test_a_running_ray_run_keeps_its_run_directory_while_newer_local_runs_start(
     """Retention deletes the directories of ended runs only; a Ray run holds its directory's lock like a local one
     (it did not: 49 newer runs deleted a running Ray run's logs)."""
     release = tmp_path / "release"
-    run = ray_kernel.execute(f'''
+    run = ray_kernel.execute(
+        f"""
 def waits(rank):
     print(f"rank {{rank}} waits", flush=True)
     while not os.path.exists({str(release)!r}):
@@ -671,7 +745,9 @@ while not all(r.state.value == "running" for r in handle.record.ranks) and time.
 for _ in range(50):
     ddpnb.run(lambda: 0, nprocs=1, view="none")
 print(handle.done, handle.record.run_dir.is_dir(), sorted(p.name for p in handle.record.run_dir.iterdir()))
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None, run.stdout + run.stderr
     done, exists, files = run.stdout.strip().splitlines()[-1].split(" ", 2)
     assert (done, exists) == ("False", "True"), run.stdout
@@ -688,13 +764,13 @@ def test_gpus_all_is_refused_on_ray_with_what_to_pass_instead(ray_kernel):
     assert "UsageError" in run.stderr and "--engine ray takes a number of GPUs (--gpus N), not 'all'" in run.stderr
 
 
-ENV_AND_VERSIONS_CELL = '''%%ddp --engine ray -n 2 --env DDPNB_TEST_FROM_ENV=travelled
+ENV_AND_VERSIONS_CELL = """%%ddp --engine ray -n 2 --env DDPNB_TEST_FROM_ENV=travelled
 def environment(rank, world_size):
     mine = {key: os.environ.get(key) for key in ("DDPNB_TEST_FROM_ENV", "DDPNB_TEST_KERNEL_ONLY", "DDPNB_WORKER")}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     return gathered
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -707,7 +783,9 @@ def env_and_versions_run(ray_kernel, tmp_path_factory) -> Execution:
     (fake / "ddpnb-0.0.0.dist-info").mkdir()
     (fake / "ddpnb-0.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: ddpnb\nVersion: 0.0.0\n")
     # Ray up first (as the run would connect): a local node started after the variable would inherit it
-    ray_kernel.execute("from ddpnb.engines.ray import cluster\nprint(cluster.connect(None, cpus=2, gpus=0))", timeout=CELL_TIMEOUT)
+    ray_kernel.execute(
+        "from ddpnb.engines.ray import cluster\nprint(cluster.connect(None, cpus=2, gpus=0))", timeout=CELL_TIMEOUT
+    )
     ray_kernel.execute(f"import sys\nsys.path.insert(0, {str(fake)!r})\nos.environ['DDPNB_TEST_KERNEL_ONLY'] = 'x'")
     try:
         return ray_kernel.execute(ENV_AND_VERSIONS_CELL, timeout=CELL_TIMEOUT)
@@ -732,8 +810,10 @@ def test_a_rank_whose_versions_differ_from_the_kernels_prints_a_warning_line(env
     import importlib.metadata
 
     here = importlib.metadata.version("ddpnb")
-    warning = (f"[ddpnb] this node's versions differ from the kernel's: ddpnb {here} here, 0.0.0 in the kernel. "
-               "Functions and results travel pickled between them")
+    warning = (
+        f"[ddpnb] this node's versions differ from the kernel's: ddpnb {here} here, 0.0.0 in the kernel. "
+        "Functions and results travel pickled between them"
+    )
     said = env_and_versions_run.stderr
     # every rank's line, folded into one where they came together
     assert f"[ranks 0,1] {warning}" in said or all(f"[rank {rank}] {warning}" in said for rank in (0, 1)), said
@@ -746,18 +826,23 @@ def test_a_session_on_ray_keeps_state_across_cells_and_survives_an_error(ray_ker
     started = ray_kernel.execute("%ddp_start --engine ray -n 2", timeout=CELL_TIMEOUT)
     assert started.error is None and "session of 2 ranks (ray, gloo" in started.stdout, started.text
     try:
-        defined = ray_kernel.execute("%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)"
-                                     "\nprint('defined on', rank)\nrank", timeout=CELL_TIMEOUT)
+        defined = ray_kernel.execute(
+            "%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)"
+            "\nprint('defined on', rank)\nrank",
+            timeout=CELL_TIMEOUT,
+        )
         assert defined.results == ["[rank 0] 0\n[rank 1] 1"], defined.text
         assert "[rank 0] defined on 0" in defined.stdout and "[rank 1] defined on 1" in defined.stdout
         reduced = ray_kernel.execute("%%ranks\ndist.all_reduce(t)\nt.item()", timeout=CELL_TIMEOUT)
         assert reduced.results == ["[rank 0] 3.0\n[rank 1] 3.0"], reduced.text
-        failed = ray_kernel.execute("%%ranks\nif rank == 1:\n    raise ValueError('bad on purpose')\n'fine'",
-                                    timeout=CELL_TIMEOUT)
+        failed = ray_kernel.execute(
+            "%%ranks\nif rank == 1:\n    raise ValueError('bad on purpose')\n'fine'", timeout=CELL_TIMEOUT
+        )
         assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
         assert re.search(r"Cell In\[\d+\], line 3", "\n".join(failed.error["traceback"]))
-        pulled = ray_kernel.execute("s = ddpnb._session.current_session()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))",
-                                    timeout=CELL_TIMEOUT)
+        pulled = ray_kernel.execute(
+            "s = ddpnb._session.current_session()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'))", timeout=CELL_TIMEOUT
+        )
         assert pulled.stdout.strip() == "[5, 5] [tensor([3.]), tensor([3.])]", pulled.text
     finally:
         stopped = ray_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
@@ -771,7 +856,8 @@ def test_exhausted_restarts_on_ray_make_exactly_the_budgeted_attempts_and_the_re
     """The run's policy owns restarts on Ray too: Ray Train is given its budget at start and restarts the workers
     within one fit (one connection), the ranks' own markers show exactly three attempts, and the record keeps two
     and ends on the third, failed, as a local run's does (`test_restarts`)."""
-    run = ray_kernel.execute(f'''%%ddp --engine ray -n 2 --max-restarts 2
+    run = ray_kernel.execute(
+        f"""%%ddp --engine ray -n 2 --max-restarts 2
 def fails_in_every_attempt(rank):
     import pathlib
     pathlib.Path({str(tmp_path)!r}, f"attempt{{ddpnb.attempt()}}-rank{{rank}}").touch()
@@ -781,18 +867,24 @@ def fails_in_every_attempt(rank):
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         raise RuntimeError(f"fails in attempt {{ddpnb.attempt()}}")
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None and run.error["ename"] == "WorkerError", run.text
-    assert sorted(path.name for path in tmp_path.iterdir()) == [f"attempt{a}-rank{r}" for a in range(3) for r in range(2)]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        f"attempt{a}-rank{r}" for a in range(3) for r in range(2)
+    ]
     record = ray_kernel.execute(
         "record = ddpnb.last_run()\n"
         "print(record.max_restarts, record.attempt, [a.number for a in record.attempts], record.outcome.value)\n"
-        "print([a.first_failure.summary for a in record.attempts], record.first_failure.summary)")
+        "print([a.first_failure.summary for a in record.attempts], record.first_failure.summary)"
+    )
     assert record.error is None, record.error
     numbers, failures = record.stdout.splitlines()
     assert numbers == "2 2 [0, 1] failed", record.stdout
-    assert failures == ("['RuntimeError: fails in attempt 0', 'RuntimeError: fails in attempt 1'] "
-                        "RuntimeError: fails in attempt 2"), record.stdout
+    assert failures == (
+        "['RuntimeError: fails in attempt 0', 'RuntimeError: fails in attempt 1'] RuntimeError: fails in attempt 2"
+    ), record.stdout
     assert "(restart 1 of 2)" in run.stdout and "(restart 2 of 2)" in run.stdout and "restart 3" not in run.stdout
     assert run.stdout.count(" node(s), ") == 1, run.stdout  # Ray Train restarted them: one engine, one connection
     assert run_actors_left([ray_kernel.pid]) == []
@@ -802,7 +894,8 @@ def test_a_big_closure_tensor_reaches_every_ray_rank_through_the_object_store_on
     """Issue 16 on Ray: a 64 MB tensor the function closes over is put into Ray's object store once, not pickled
     into the function each rank receives; every rank reads the right values, and a rank's in-place write stays
     its own."""
-    run = ray_kernel.execute('''
+    run = ray_kernel.execute(
+        """
 big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
 expected = big.double().sum().item()
 
@@ -818,7 +911,9 @@ def reads(rank, world_size):
 handle = ddpnb.launch(reads, engine="ray", nprocs=2, view="none")
 print(handle.result())
 print(handle.record.data.written, handle.record.data.blocks, len(handle.spec.fn_payload) < 1_000_000, big[0].item())
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
     seen, sent = run.stdout.strip().splitlines()[-2:]
     assert seen == "[(True, 0.0), (True, 1.0)]", run.stdout
@@ -834,14 +929,18 @@ def test_a_breakpoint_on_a_ray_rank_prompts_in_the_cell_and_the_run_goes_on(ray_
     the prompt comes to the cell through the kernel's stdin channel and the answers go back through the host."""
     from tests.test_debugger import answers
 
-    run = ray_kernel.execute('''%%ddp --engine ray -n 2 -o total
+    run = ray_kernel.execute(
+        """%%ddp --engine ray -n 2 -o total
 def train(rank, world_size):
     value = torch.ones(1) * (rank + 1)
     if rank == 1:
         breakpoint()
     dist.all_reduce(value)
     return value.item()
-''', timeout=CELL_TIMEOUT, answer=answers("p rank * 100", "c"))
+""",
+        timeout=CELL_TIMEOUT,
+        answer=answers("p rank * 100", "c"),
+    )
     assert run.error is None, run.text + str(run.error)
     assert run.prompts[:2] == ["(rank 1) (Pdb) ", "(rank 1) (Pdb) "], run.prompts
     assert re.search(r"^100$", run.stdout, re.MULTILINE), run.stdout
@@ -853,14 +952,19 @@ def train(rank, world_size):
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
 def test_profile_traces_come_back_from_ray_ranks(ray_kernel):
     """--profile on Ray: the traces travel back as messages through the run's channel (no shared run directory)."""
-    run = ray_kernel.execute("%%ddp --engine ray -n 2 --profile 2-3\n"
-                             "def profiled(rank):\n"
-                             "    for step in range(5):\n"
-                             "        dist.all_reduce(torch.ones(1000))\n"
-                             "        ddpnb.log(step=step)\n", timeout=CELL_TIMEOUT)
+    run = ray_kernel.execute(
+        "%%ddp --engine ray -n 2 --profile 2-3\n"
+        "def profiled(rank):\n"
+        "    for step in range(5):\n"
+        "        dist.all_reduce(torch.ones(1000))\n"
+        "        ddpnb.log(step=step)\n",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None and "[ddpnb] profile of steps 2-3:" in run.stdout, run.text
-    found = ray_kernel.execute("import gzip, json\nprofile = ddpnb.last_run().profile\n"
-                               "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
-                               "print(sorted(e['args']['name'].split(' (')[0] for e in events "
-                               "if e['name'] == 'process_name'), [r.spans for r in profile.ranks])")
+    found = ray_kernel.execute(
+        "import gzip, json\nprofile = ddpnb.last_run().profile\n"
+        "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
+        "print(sorted(e['args']['name'].split(' (')[0] for e in events "
+        "if e['name'] == 'process_name'), [r.spans for r in profile.ranks])"
+    )
     assert found.stdout.strip() == "['rank 0', 'rank 1'] [2, 2]", found.text

@@ -31,8 +31,11 @@ def last_lines(kernel, code: str, count: int = 1) -> list[str]:
 def ray_session(ray_kernel):
     """A session of 2 Ray ranks, as `s` in the kernel: one per test, since it holds the CPUs of the module's Ray
     instance that the other tests' runs need, whichever order they run in."""
-    last_lines(ray_kernel, "import numpy as np, gc\nfrom ddpnb.engines.ray import data as ray_data\n"
-               "s = ddpnb.session(engine='ray', nprocs=2)")
+    last_lines(
+        ray_kernel,
+        "import numpy as np, gc\nfrom ddpnb.engines.ray import data as ray_data\n"
+        "s = ddpnb.session(engine='ray', nprocs=2)",
+    )
     yield ray_kernel
     last_lines(ray_kernel, "s.stop(); print('stopped')")
 
@@ -40,7 +43,7 @@ def ray_session(ray_kernel):
 def test_a_tensor_launched_again_unchanged_is_not_put_again_and_an_in_place_change_is(ray_kernel):
     """Two launches with the same 64 MB tensor (and a 4 MB array): the second puts nothing and reuses both; after
     an in-place change in the notebook the next launch puts them again and the ranks see the new values."""
-    code = '''
+    code = """
 weights = torch.zeros(16 << 20)  # 64 MB
 labels = np.zeros(4 << 20, dtype=np.uint8)
 
@@ -57,7 +60,7 @@ for change in (False, False, True):
     sent.append((value, data.written, data.reused, data.blocks))
 for row in sent:
     print(row)
-'''
+"""
     first, again, changed = last_lines(ray_kernel, "import numpy as np\n" + code, 3)
     both = 64 * MB + 4 * MB
     assert first == f"([0.0, 0, 0.0], {both}, 0, 2)"
@@ -68,8 +71,11 @@ for row in sent:
 
 def _plasma(kernel) -> tuple[float, int]:
     """The object store's use as Ray reports it (a private helper: this is a test), in MiB and objects."""
-    line = last_lines(kernel, "from ray._private.internal_api import memory_summary\n"
-                      "print([l for l in memory_summary(stats_only=True).splitlines() if 'Plasma memory' in l])")[0]
+    line = last_lines(
+        kernel,
+        "from ray._private.internal_api import memory_summary\n"
+        "print([l for l in memory_summary(stats_only=True).splitlines() if 'Plasma memory' in l])",
+    )[0]
     found = re.search(r"usage (\d+) MiB, (\d+) objects", line)
     assert found, line
     return float(found.group(1)), int(found.group(2))
@@ -80,19 +86,25 @@ def test_twenty_pushes_of_fresh_data_keep_the_refs_held_and_the_object_store_bou
     latest KEEP_LAUNCHES only, and Ray's object store frees the rest; once the notebook lets the tensors go, so
     does the kernel. (Pushes into a running session rather than 20 launches: the same store, the same `commit`,
     without 20 Ray Train start-ups.)"""
-    held = last_lines(ray_session, '''
+    held = last_lines(
+        ray_session,
+        """
 kept = []
 for i in range(20):
     kept.append(torch.full((4 << 20,), float(i)))  # 16 MB, new every time
     s.push(fresh=kept[-1])
     assert s.data.written == 16 << 20 and s.data.reused == 0, s.data
 print(s.pull("fresh")[0][0].item(), len(ray_data.store.entries), ray_data.store.held_bytes())
-''')[0]
+""",
+    )[0]
     assert held.split() == ["19.0", str(KEEP_LAUNCHES), str(KEEP_LAUNCHES * 16 * MB)]
     deadline = time.monotonic() + 60  # Ray frees an object once no reference to it is left, asynchronously
     bounded = (KEEP_LAUNCHES + 1, (KEEP_LAUNCHES + 1) * 16 + 1)
-    while (used := _plasma(ray_session)) and (used[1] > bounded[0] or used[0] > bounded[1]) \
-            and time.monotonic() < deadline:
+    while (
+        (used := _plasma(ray_session))
+        and (used[1] > bounded[0] or used[0] > bounded[1])
+        and time.monotonic() < deadline
+    ):
         time.sleep(1)
     # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
     assert used[1] <= KEEP_LAUNCHES + 1 and used[0] <= (KEEP_LAUNCHES + 1) * 16 + 1, used
@@ -104,7 +116,9 @@ def test_a_session_push_and_call_on_ray_put_big_data_once_and_writes_stay_in_the
     """`push(data=...)` and a `call`'s arguments on a Ray session: put into the object store once, not pickled
     into each rank's command; right values on both ranks, a rank's in-place write its own, the notebook's tensor
     unchanged; pushed again unchanged, nothing is put again."""
-    lines = last_lines(ray_session, '''
+    lines = last_lines(
+        ray_session,
+        """
 big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
 table = np.arange(1 << 20, dtype=np.int32).reshape(1024, 1024)  # 4 MB
 s.push(big=big, table=table)
@@ -120,7 +134,9 @@ s.push(big=big)
 print(pushed.written, pushed.blocks, via_call.written, via_call.reused, s.data.written, s.data.reused)
 print(list(seen))
 print(list(called), big[0].item(), big[-1].item(), int(table[0, 1]))
-''', 3)
+""",
+        3,
+    )
     sent, seen, called = lines
     both = 64 * MB + 4 * MB
     assert sent.split() == [str(both), "2", "0", str(both), "0", str(64 * MB)], lines
@@ -135,7 +151,9 @@ def test_a_notebook_cuda_tensor_put_as_its_cpu_copy_is_rebuilt_on_a_cpu_rank_as_
     store, is rebuilt by the rank-side function the kernel's reduction names (`fetched.rebuild_from_cuda`), a Parameter
     still a Parameter with its requires_grad, and kept on the CPU on a CPU rank (a GPU rank moves it onto its own
     device, `rank.data.from_cuda`). No CUDA tensor can be made here, so the rank puts the copy itself."""
-    shown = last_lines(ray_session, '''
+    shown = last_lines(
+        ray_session,
+        """
 def rebuilt_on_this_rank():
     import ray
     from ddpnb.engines.ray import fetched as data
@@ -144,6 +162,6 @@ def rebuilt_on_this_rank():
     tensor = data.rebuild_from_cuda(0, torch.float32, 0, (1 << 20,), (1,), True, True)
     return type(tensor).__name__, tensor.requires_grad, tensor.device.type, torch.equal(tensor.data, copy)
 print(list(s.call(rebuilt_on_this_rank)))
-''')[0]
+""",
+    )[0]
     assert shown == "[('Parameter', True, 'cpu', True), ('Parameter', True, 'cpu', True)]"
-

@@ -76,8 +76,9 @@ class _Told:
     def __init__(self) -> None:
         self.exits: list[tuple[int, int | None, bool, str]] = []
 
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
+    def exited(
+        self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "", traceback: str = ""
+    ) -> None:
         self.exits.append((rank, exitcode, stopped, cause))
 
 
@@ -99,8 +100,11 @@ def test_hosts_keep_early_calls_in_order_and_tell_each_ranks_end_once_the_first_
     hosts.lose(hosts.left("a"), "its node was lost")
     hosts.lose(hosts.left("a"), "said twice")  # nothing left of host a
     hosts.lose(hosts.left(), "", stopped=True)
-    assert told.exits == [(0, -9, False, "killed by SIGKILL (on Slurm node node-a)"), (1, 1, False, "its node was lost"),
-                          (2, -9, True, "")]
+    assert told.exits == [
+        (0, -9, False, "killed by SIGKILL (on Slurm node node-a)"),
+        (1, 1, False, "its node was lost"),
+        (2, -9, True, ""),
+    ]
     assert hosts.all_ended()
 
 

@@ -136,6 +136,7 @@ def starts(record: ddpnb.RunRecord, attempt: int) -> str:
 
 # --- 1, 2: a rank fails in attempt 0; attempt 1 continues from the last complete checkpoint ------------------------
 
+
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
 def test_a_failed_rank_restarts_the_group_from_the_last_checkpoint(how, uninterrupted, capsys):
     result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(25, how), view="text")
@@ -157,10 +158,16 @@ def test_a_failed_rank_restarts_the_group_from_the_last_checkpoint(how, uninterr
     shown = capsys.readouterr().out
     restart_line = next(line for line in shown.splitlines() if line.startswith("[ddpnb] attempt 0 failed"))
     assert cause in restart_line and "restart 1 of 1" in restart_line
-    assert shown.index("attempt 0 starts from step None") < shown.index(restart_line) \
+    assert (
+        shown.index("attempt 0 starts from step None")
+        < shown.index(restart_line)
         < shown.index("attempt 1 starts from step 20")
+    )
     assert sorted(p.name for p in (record.run_dir / "checkpoints").iterdir()) == [
-        "step-000000020", "step-000000030", "step-000000040"]  # the newest 3 complete ones
+        "step-000000020",
+        "step-000000030",
+        "step-000000040",
+    ]  # the newest 3 complete ones
     assert_nothing_left(record, [r.pid for a in record.attempts for r in a.ranks])
     # the dashboard: the attempt in its header, the earlier attempt's failure, its lines and the restart marker
     assert "attempt 1 (restarts: 1 of 1)" in header_html(record)
@@ -181,6 +188,7 @@ def test_an_fsdp2_model_and_its_optimizer_restart_from_the_last_checkpoint(unint
 
 # --- 3: every attempt fails ----------------------------------------------------------------------------------------
 
+
 def test_a_rank_failing_in_every_attempt_names_every_attempts_first_failure():
     with pytest.raises(ddpnb.WorkerError) as info:
         ddpnb.run(train, nprocs=2, max_restarts=1, args=(5, "every"), view="none")
@@ -189,16 +197,20 @@ def test_a_rank_failing_in_every_attempt_names_every_attempts_first_failure():
     report = str(error)
 
     assert record.outcome is ddpnb.Outcome.FAILED and record.attempt == 1 and len(record.attempts) == 1
-    assert report.splitlines()[0] == ("ddpnb: rank 1 of 2 failed first (attempt 1): ValueError: bad batch at step 5 "
-                                      "in attempt 1")
+    assert report.splitlines()[0] == (
+        "ddpnb: rank 1 of 2 failed first (attempt 1): ValueError: bad batch at step 5 in attempt 1"
+    )
     assert "  attempt 0: rank 1 failed first: ValueError: bad batch at step 5 in attempt 0" in report
     assert "the last (--max-restarts 1)" in report
-    assert error.args[0] == ("attempt 1: rank 1 failed first: ValueError: bad batch at step 5 in attempt 1; "
-                             "attempt 0: rank 1 failed first: ValueError: bad batch at step 5 in attempt 0")
+    assert error.args[0] == (
+        "attempt 1: rank 1 failed first: ValueError: bad batch at step 5 in attempt 1; "
+        "attempt 0: rank 1 failed first: ValueError: bad batch at step 5 in attempt 0"
+    )
     assert_nothing_left(record, [r.pid for a in record.attempts for r in a.ranks] + [r.pid for r in record.ranks])
 
 
 # --- 4: a save cut short is never loaded -----------------------------------------------------------------------------
+
 
 def test_only_a_step_directory_holding_its_metadata_is_a_complete_checkpoint(tmp_path):
     """The layers of "complete" (`core.checkpoints.latest`): the name is exactly `step-N` (a `.partial` one, being
@@ -237,6 +249,7 @@ def test_a_rank_killed_inside_a_save_leaves_only_a_partial_directory_for_that_st
     assert left == ["step-000000010", "step-000000020.attempt0.partial"], left
     assert "__1_0.distcp" in os.listdir(record.run_dir / "checkpoints" / left[1])  # the kill came after its write
 
+
 def test_a_rank_killed_inside_save_checkpoint_restarts_from_the_previous_complete_one(uninterrupted):
     result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(20, "save"), view="none")
     record = ddpnb.last_run()
@@ -249,6 +262,7 @@ def test_a_rank_killed_inside_save_checkpoint_restarts_from_the_previous_complet
 
 
 # --- 5: stop(), then resume ------------------------------------------------------------------------------------------
+
 
 def test_a_stopped_run_never_restarts_and_resume_last_continues_from_its_checkpoint(uninterrupted, tmp_path):
     handle = ddpnb.launch(train, nprocs=2, max_restarts=3, args=(25, "hang", False, str(tmp_path)), view="none")
@@ -282,6 +296,7 @@ def test_checkpoints_go_under_checkpoint_dir_one_directory_per_run(tmp_path):
 
 # --- asynchronous saves (DCP's async_save) ---------------------------------------------------------------------------
 
+
 def test_asynchronous_saves_restart_from_the_last_checkpoint_with_the_same_weights(uninterrupted):
     result = ddpnb.run(train, nprocs=2, max_restarts=1, args=(25, "sigkill", False, "", True), view="none")
     record = ddpnb.last_run()
@@ -289,8 +304,7 @@ def test_asynchronous_saves_restart_from_the_last_checkpoint_with_the_same_weigh
     assert result["attempt"] == 1 and result["start"] == 20
     assert_same_weights(result, uninterrupted)  # the save copied the state before training changed it
     # the end of the function waited for the last save (step 40) and marked it complete
-    assert sorted(os.listdir(record.run_dir / "checkpoints")) == ["step-000000020", "step-000000030",
-                                                                   "step-000000040"]
+    assert sorted(os.listdir(record.run_dir / "checkpoints")) == ["step-000000020", "step-000000030", "step-000000040"]
 
 
 def test_a_rank_killed_while_an_asynchronous_save_is_written_never_leaves_it_complete(uninterrupted):
@@ -303,6 +317,7 @@ def test_a_rank_killed_while_an_asynchronous_save_is_written_never_leaves_it_com
 
 
 # --- the directory a run resumes from is held against retention -------------------------------------------------------
+
 
 def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run_lives(tmp_path):
     from ddpnb.core import rundir
@@ -337,6 +352,7 @@ def test_the_run_directory_a_run_resumes_from_is_kept_by_retention_while_the_run
 
 # --- one owner of restarts: the budget, the attempt count and the ranks' own markers agree ---------------------------
 
+
 def _fails_in_every_attempt(rank: int, marks: str) -> None:
     """Each rank leaves a marker named after the attempt it runs in (`ddpnb.attempt()`); rank 1 then fails, once
     rank 0's marker is there (a handshake: rank 0 is never stopped before it wrote it)."""
@@ -360,11 +376,14 @@ def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_sa
     assert marks == [f"attempt{a}-rank{r}" for a in range(3) for r in range(2)]
     assert (record.max_restarts, record.attempt, [a.number for a in record.attempts]) == (2, 2, [0, 1])
     assert [a.first_failure.summary for a in record.attempts] == [
-        "RuntimeError: fails in attempt 0", "RuntimeError: fails in attempt 1"]
+        "RuntimeError: fails in attempt 0",
+        "RuntimeError: fails in attempt 1",
+    ]
     assert record.first_failure.summary == "RuntimeError: fails in attempt 2"
     assert record.outcome is ddpnb.Outcome.FAILED and "fails in attempt 2" in str(failure.value)
     assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
-        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
+        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)
+    ]
     said = capsys.readouterr().out
     assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said
     assert f"full per-rank logs: {record.run_dir}/rank{{0..1}}.attempt{{0..2}}.log" in str(failure.value)
@@ -390,6 +409,7 @@ def test_a_restarted_runs_text_names_every_attempts_logs(capsys):
 
 # --- the views through a restart (issue 28, acceptance 4) ---------------------------------------------------------
 
+
 def logs_then_restarts(rank: int, flag: str) -> None:
     """Attempt 0: ten steps, then rank 1 fails. Attempt 1 waits for `flag` before it logs steps 10 to 19: until
     then the plot holds only the earlier attempt's points."""
@@ -413,15 +433,17 @@ def test_the_dashboard_keeps_every_attempts_curves_marks_the_restart_and_its_sum
     run = ddpnb.launch(logs_then_restarts, nprocs=2, max_restarts=1, args=(str(flag),), view="none")
     try:
         dashboard = Dashboard(run, foreground=False)
-        wait_for(lambda: run.record.attempt == 1 and "ddpnb-restart-mark" in dashboard.log.value,
-                 "the restart, marked in the dashboard's log")
+        wait_for(
+            lambda: run.record.attempt == 1 and "ddpnb-restart-mark" in dashboard.log.value,
+            "the restart, marked in the dashboard's log",
+        )
         # right after the restart: attempt 1 has logged nothing, and attempt 0's curves stay, faded
         wait_for(lambda: 'data-attempt="0"' in dashboard.plots.value, "the earlier attempt's curves")
         plot = dashboard.plots.value
         assert "No metrics yet" not in plot
         assert 'data-rank="0" data-attempt="0"' in plot and 'data-rank="1" data-attempt="0"' in plot, plot
         log = dashboard.log.value
-        mark = log[log.index("ddpnb-restart-mark"):]
+        mark = log[log.index("ddpnb-restart-mark") :]
         assert "attempt 0 failed: rank 1 failed first: ValueError: rank 1 fails in attempt 0" in mark
         assert "restart 1 of 1" in mark and "rank{N}.attempt1.log" in mark
         assert log.index("attempt 0 step 9") < log.index("ddpnb-restart-mark")
@@ -439,8 +461,11 @@ def test_the_dashboard_keeps_every_attempts_curves_marks_the_restart_and_its_sum
     assert 'class="ddpnb-restart" data-attempt="1"' in plot
     summary = summary_html(record, [line for line, _ in dashboard._all])
     total = sum(r.lines for ranks in [record.attempts[0].ranks, record.ranks] for r in ranks)
-    assert total == 40 and re.search(r"[^\d,]40 lines(, shown in \d+ \(the same line from several ranks once\))? · "
-                                     r"also in", summary), summary  # every attempt's, each shown
+    assert total == 40 and re.search(
+        r"[^\d,]40 lines(, shown in \d+ \(the same line from several ranks once\))? · "
+        r"also in",
+        summary,
+    ), summary  # every attempt's, each shown
     assert f"{html.escape(str(record.run_dir))}/rank{{0..1}}.attempt{{0..1}}.log" in summary
     assert "ddpnb-restart-mark" in summary
 
@@ -455,8 +480,11 @@ def _saves_where_rank_1_sees_another_directory(rank: int, directory: str) -> Non
     if rank == 1:
         libc = ctypes.CDLL(None, use_errno=True)
         ms_rec, ms_private, clone_newns = 0x4000, 0x40000, 0x20000
-        if libc.unshare(clone_newns) or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) \
-                or libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, None):
+        if (
+            libc.unshare(clone_newns)
+            or libc.mount(b"none", b"/", None, ms_rec | ms_private, None)
+            or libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, None)
+        ):
             raise OSError(ctypes.get_errno(), "no private mount for rank 1")
     ddpnb.save_checkpoint({"weights": torch.ones(4)}, step=1)
 
@@ -466,8 +494,14 @@ def test_a_checkpoint_directory_a_rank_does_not_share_is_refused_at_the_first_sa
     directory = tmp_path / "checkpoints"
     directory.mkdir()
     with pytest.raises(ddpnb.WorkerError) as failure:
-        ddpnb.run(_saves_where_rank_1_sees_another_directory, nprocs=2, args=(str(directory),),
-                  checkpoint_dir=str(directory), view="none", timeout=120)
+        ddpnb.run(
+            _saves_where_rank_1_sees_another_directory,
+            nprocs=2,
+            args=(str(directory),),
+            checkpoint_dir=str(directory),
+            view="none",
+            timeout=120,
+        )
     message = str(failure.value)
     assert "the checkpoint directory" in message and "is not shared by every rank: rank 1 (on " in message, message
     assert "Pass --checkpoint-dir (checkpoint_dir=) a directory on a filesystem every node shares" in message

@@ -38,21 +38,25 @@ def pids_of(kernel: Kernel) -> list[int]:
 
 
 def test_state_survives_across_cells_and_values_come_back_per_rank(session_kernel):
-    defined = session_kernel.execute(textwrap.dedent("""\
+    defined = session_kernel.execute(
+        textwrap.dedent("""\
         %%ranks
         import torch, torch.distributed as dist
         model = torch.nn.Linear(2, 1)
         t = torch.ones(1) * (rank + 1)
         world_size
-    """))
+    """)
+    )
     assert defined.error is None, defined.text
     assert defined.results == ["[rank 0] 2\n[rank 1] 2"]
-    reduced = session_kernel.execute(textwrap.dedent("""\
+    reduced = session_kernel.execute(
+        textwrap.dedent("""\
         %%ranks -o sums
         dist.all_reduce(t)
         print("reduced on", rank, "to", t.item())
         (t.item(), model.weight.shape[1])
-    """))
+    """)
+    )
     assert reduced.error is None, reduced.text
     assert "[rank 0] reduced on 0 to 3.0" in reduced.stdout and "[rank 1] reduced on 1 to 3.0" in reduced.stdout
     bound = session_kernel.execute("print(sums, sums.ranks)")
@@ -69,13 +73,15 @@ def test_some_ranks_only_and_the_line_form(session_kernel):
 
 def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(session_kernel):
     session_kernel.execute("%%ranks\nkept = rank + 100")
-    failed = session_kernel.execute(textwrap.dedent("""\
+    failed = session_kernel.execute(
+        textwrap.dedent("""\
         %%ranks
         kept = kept + 1
         if rank == 1:
             raise ValueError("bad shard on purpose")
         'fine'
-    """))
+    """)
+    )
     assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
     shown = "\n".join(failed.error["traceback"])
     assert "failed on rank 1 of 2: ValueError: bad shard on purpose" in shown
@@ -87,13 +93,16 @@ def test_an_error_on_one_rank_shows_its_traceback_and_keeps_every_namespace(sess
 
 def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives_fresh_ranks(session_kernel):
     before = pids_of(session_kernel)
-    stuck = session_kernel.execute(textwrap.dedent("""\
+    stuck = session_kernel.execute(
+        textwrap.dedent("""\
         %%ranks
         import torch, torch.distributed as dist
         if rank == 1:
             raise RuntimeError("rank 1 gives up")
         dist.all_reduce(torch.ones(1))
-    """), timeout=ENDS_WITHIN)  # the cell ends: execute raises TimeoutError if it has not by then
+    """),
+        timeout=ENDS_WITHIN,
+    )  # the cell ends: execute raises TimeoutError if it has not by then
     assert stuck.error is not None and stuck.error["ename"] == "SessionBroken", stuck.text
     shown = "\n".join(stuck.error["traceback"])
     assert re.search(r"rank 0 is stuck in all_reduce, at Cell In\[\d+\], line 5", shown), shown
@@ -103,7 +112,8 @@ def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives
     assert wait_gone(before, within=15) == []
     refused = session_kernel.execute("%ranks 1 + 1")
     assert refused.error is not None and "this session is stopped (rank 0 stuck)" in "\n".join(
-        refused.error["traceback"])
+        refused.error["traceback"]
+    )
 
     restarted = session_kernel.execute("%ddp_restart", timeout=120)
     assert restarted.error is None, restarted.text
@@ -111,8 +121,9 @@ def test_a_rank_failing_before_a_collective_breaks_the_session_and_restart_gives
     assert len(after) == 2 and not set(after) & set(before)
     fresh = session_kernel.execute("%ranks 'kept' in globals(), 'model' in globals()")
     assert fresh.results == ["[rank 0] (False, False)\n[rank 1] (False, False)"], fresh.text
-    works = session_kernel.execute("%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
-                                   "dist.all_reduce(t)\nt.item()")
+    works = session_kernel.execute(
+        "%%ranks\nimport torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
     assert works.results == ["[rank 0] 2.0\n[rank 1] 2.0"], works.text
 
 
@@ -133,8 +144,9 @@ def test_interrupting_a_cell_raises_keyboard_interrupt_in_the_ranks_and_keeps_th
 
 
 def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_session(session_kernel):
-    timed = session_kernel.execute("%%ranks --timeout 1\nimport time\nslept = 'started'\ntime.sleep(600)",
-                                   timeout=ENDS_WITHIN)
+    timed = session_kernel.execute(
+        "%%ranks --timeout 1\nimport time\nslept = 'started'\ntime.sleep(600)", timeout=ENDS_WITHIN
+    )
     assert timed.error is not None and timed.error["ename"] == "SessionError", timed.text
     assert "interrupted on ranks 0, 1 of 2" in "\n".join(timed.error["traceback"])
     assert session_kernel.execute("%ranks slept").results == ["[rank 0] 'started'\n[rank 1] 'started'"]
@@ -149,7 +161,9 @@ def test_a_syntax_error_in_a_ranks_cell_is_shown_as_python_shows_it_and_reaches_
     assert re.search(r"Cell In\[\d+\], line 3", shown), shown  # the cell's line 3, counting %%ranks
     assert "if rank == 0" in shown and "expected ':'" in shown, shown
     assert "ast.py" not in shown and "--- rank" not in shown and "ddpnb" not in shown, shown
-    assert session_kernel.execute("%ranks 'before_the_error' in globals()").results == ["[rank 0] False\n[rank 1] False"]
+    assert session_kernel.execute("%ranks 'before_the_error' in globals()").results == [
+        "[rank 0] False\n[rank 1] False"
+    ]
 
 
 def test_a_second_start_is_refused_while_a_session_runs(session_kernel):
@@ -189,16 +203,26 @@ def test_push_pull_and_call_from_python():
         # bad input: refused here, before anything is sent, saying what to pass; the session goes on
         refused = [
             (lambda: session.execute(5), TypeError, "code must be a string of Python, not int"),
-            (lambda: session.execute("rank", ranks="0,1"), ValueError, r"ranks takes rank numbers, e.g. ranks=\[0, 2\] .* not .0,1.\.$"),
+            (
+                lambda: session.execute("rank", ranks="0,1"),
+                ValueError,
+                r"ranks takes rank numbers, e.g. ranks=\[0, 2\] .* not .0,1.\.$",
+            ),
             (lambda: session.execute("rank", ranks=[True]), ValueError, "ranks takes rank numbers"),
             (lambda: session.execute("rank", timeout="3"), ValueError, "timeout must be a positive number of seconds"),
             (lambda: session.execute("rank", timeout=-1), ValueError, "timeout must be a positive number of seconds"),
             (lambda: session.execute("x = (", ranks=[0]), SyntaxError, r"'\(' was never closed"),
             (lambda: session.push(**{"1x": 3}), ValueError, "push binds Python names, and '1x' is not one"),
-            (lambda: session.push(lock=threading.Lock()), ddpnb.NotPicklableError,
-             r"cannot send the pushed values to the worker processes: push -> \['lock'\] -> _thread.lock cannot"),
-            (lambda: session.call(_double, threading.Lock()), ddpnb.NotPicklableError,
-             r"cannot send the call to the worker processes: args -> \[0\] -> _thread.lock cannot be pickled"),
+            (
+                lambda: session.push(lock=threading.Lock()),
+                ddpnb.NotPicklableError,
+                r"cannot send the pushed values to the worker processes: push -> \['lock'\] -> _thread.lock cannot",
+            ),
+            (
+                lambda: session.call(_double, threading.Lock()),
+                ddpnb.NotPicklableError,
+                r"cannot send the call to the worker processes: args -> \[0\] -> _thread.lock cannot be pickled",
+            ),
             (lambda: session.call(5), TypeError, "call runs a function on the ranks, and int is not one"),
         ]
         for call, kind, said in refused:
@@ -215,8 +239,10 @@ def test_a_rank_that_dies_ends_the_session_and_names_how():
     session = ddpnb.session(nprocs=2)
     try:
         with pytest.raises(ddpnb.SessionBroken) as broken:
-            session.execute("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-                            "import time\ntime.sleep(60)")
+            session.execute(
+                "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "import time\ntime.sleep(60)"
+            )
         assert "rank 1 of 2 failed first: killed by SIGKILL" in str(broken.value)
         assert left_in_groups([pid for pid in session.pids if pid], within=15) == []
     finally:
@@ -251,9 +277,12 @@ def test_a_kernel_with_a_session_and_a_background_run_shuts_down_ending_them_fir
     try:
         kernel.execute("%load_ext ddpnb")
         assert kernel.execute("%ddp_start -n 2", timeout=180).error is None
-        kernel.execute("import time\ndef sleeps(rank):\n    time.sleep(300)\n"
-                       "bg = ddpnb.launch(sleeps, nprocs=2, view='none')\n"
-                       "while len([r for r in bg.record.ranks if r.pid]) < 2:\n    time.sleep(0.05)", timeout=180)
+        kernel.execute(
+            "import time\ndef sleeps(rank):\n    time.sleep(300)\n"
+            "bg = ddpnb.launch(sleeps, nprocs=2, view='none')\n"
+            "while len([r for r in bg.record.ranks if r.pid]) < 2:\n    time.sleep(0.05)",
+            timeout=180,
+        )
         children = psutil.Process(kernel.pid).children(recursive=True)
         names = " ".join(" ".join(child.cmdline()) for child in children)
         assert "multiprocessing.forkserver" in names and "multiprocessing.resource_tracker" in names, names
@@ -272,8 +301,10 @@ def test_a_script_that_ends_with_its_session_still_running_exits_and_takes_the_r
     import sys
 
     script = tmp_path / "leaves_a_session.py"
-    script.write_text("import ddpnb\nsession = ddpnb.session(nprocs=2)\n"
-                      "print('PIDS', *[rank.pid for rank in session.run.record.ranks], flush=True)\n")
+    script.write_text(
+        "import ddpnb\nsession = ddpnb.session(nprocs=2)\n"
+        "print('PIDS', *[rank.pid for rank in session.run.record.ranks], flush=True)\n"
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     pids = [int(pid) for pid in done.stdout.split("PIDS", 1)[1].split()]

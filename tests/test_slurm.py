@@ -87,7 +87,8 @@ def steps_left(cluster, within: float = 10.0) -> list[str]:
 
 
 def test_a_function_runs_on_both_nodes_with_tagged_output_and_rank_0s_value(slurm_kernel, cluster):
-    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2 -o where
+    run = slurm_kernel.execute(
+        """%%ddp --engine slurm -n 4 --nodes 2 -o where
 def where(rank):
     import ctypes, sys
     print(f"rank {rank} on {os.environ['SLURMD_NODENAME']}")
@@ -95,7 +96,9 @@ def where(rank):
     ctypes.CDLL(None).puts(f"C-level line of rank {rank}".encode())  # C's stdio, not Python's
     ctypes.CDLL(None).fflush(None)
     return rank, os.environ["SLURMD_NODENAME"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None, "\n".join(run.error["traceback"]) + run.stdout + run.stderr
     nodes = slurm_kernel.execute("print(*[r.node for r in ddpnb.last_run().ranks]); print(where)").stdout.split("\n")
     placed = nodes[0].split()
@@ -109,7 +112,7 @@ def where(rank):
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-TRAIN = '''%%ddp --engine {engine} -n 4 -o trained_{engine}
+TRAIN = """%%ddp --engine {engine} -n 4 -o trained_{engine}
 def train(rank, world_size):
     import torch
     import torch.distributed as dist
@@ -126,7 +129,7 @@ def train(rank, world_size):
         opt.zero_grad(); loss.backward(); opt.step()
         ddpnb.log(step=step, loss=loss.item())
     return model.module.state_dict()
-'''
+"""
 
 
 def test_ddp_training_on_slurm_ends_with_the_local_engines_weights(slurm_kernel):
@@ -137,7 +140,8 @@ def test_ddp_training_on_slurm_ends_with_the_local_engines_weights(slurm_kernel)
         "import torch\n"
         "print(all(torch.equal(trained_slurm[k], trained_local[k]) for k in trained_local), "
         "sorted(trained_slurm), trained_slurm['weight'].device)\n"
-        "print(ddpnb.last_run().engine, [len(ddpnb.last_run().metrics('loss', r)) for r in range(4)])")
+        "print(ddpnb.last_run().engine, [len(ddpnb.last_run().metrics('loss', r)) for r in range(4)])"
+    )
     assert check.error is None, check.error
     assert check.stdout.splitlines()[0] == "True ['bias', 'weight'] cpu"
 
@@ -151,13 +155,16 @@ def test_the_slurm_tutorial_trains_on_both_nodes_and_its_weights_come_back(clust
     shown = ["".join(out.get("text", "") for out in cell.get("outputs", [])) for cell in nb.cells]
     assert any("[rank 3] rank 3/4 on node n2" in text for text in shown), shown
     assert any("final loss" in text and "the same weights on every rank" in text for text in shown), shown
-    assert shown[-2].splitlines() == ["{'weight': device(type='cpu'), 'bias': device(type='cpu')}",
-                                      "nodes: ['n1', 'n2']"], shown[-2]
+    assert shown[-2].splitlines() == [
+        "{'weight': device(type='cpu'), 'bias': device(type='cpu')}",
+        "nodes: ['n1', 'n2']",
+    ], shown[-2]
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
 def test_a_rank_killed_on_node_2_is_named_and_every_rank_and_the_step_are_gone(slurm_kernel, cluster):
-    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2
+    run = slurm_kernel.execute(
+        """%%ddp --engine slurm -n 4 --nodes 2
 def dies(rank):
     import signal, torch.distributed as dist
     dist.barrier()
@@ -165,7 +172,9 @@ def dies(rank):
         print("rank 3 goes", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(120)  # the others would wait; ddpnb stops them
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
     shown = "\n".join(run.error["traceback"])
     node = slurm_kernel.execute("print(ddpnb.last_run().ranks[3].node)").stdout.strip()
@@ -182,7 +191,8 @@ def test_a_connection_without_the_runs_secret_is_refused_and_the_run_goes_on(slu
     the two that spoke were logged (an event, not a run length: a loaded machine stretches every step). The silent
     one is still being checked when the run ends: its check ends with the run, logged before the result is back."""
     release = tmp_path / "release"
-    out = slurm_kernel.execute(f'''
+    out = slurm_kernel.execute(
+        f"""
 import psutil, socket
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
@@ -222,7 +232,9 @@ print(log.count("refused a connection from"), log.count("the run ended before it
 print(len(listening() - before))
 for stranger in silent:
     stranger.close()
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.error
     lines = out.stdout.splitlines()
     assert lines[0] == "1 ['refused'] done succeeded", out.stdout + out.stderr
@@ -267,20 +279,35 @@ def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp
         wrappers.mkdir()
         for name in ("scontrol", "srun"):
             wrapper = wrappers / name
-            wrapper.write_text(FINDS_SLURM_STALLED.format(marker=tmp_path / f"{name}-stalled", controller=controller,
-                                                          command=shutil.which(name, path=stalled.env["PATH"])))
+            wrapper.write_text(
+                FINDS_SLURM_STALLED.format(
+                    marker=tmp_path / f"{name}-stalled",
+                    controller=controller,
+                    command=shutil.which(name, path=stalled.env["PATH"]),
+                )
+            )
             wrapper.chmod(0o755)
         monkeypatch.setenv("SLURM_CONF", stalled.env["SLURM_CONF"])
         monkeypatch.setenv("PATH", f"{wrappers}:{stalled.env['PATH']}")
         assert f"JobId={job} " in allocation.scontrol("show", "job", job)
         said = capsys.readouterr().err
-        assert f"[ddpnb] `scontrol show job {job}` failed (slurm_load_jobs error: Socket timed out on send/recv " \
-               "operation): trying again in 1 s (1 of 3)" in said, said
-        code = ("import ddpnb, os\n"
-                "def where(rank):\n    return os.environ['SLURMD_NODENAME']\n"
-                "print('value', ddpnb.run(where, engine='slurm', nprocs=2, nodes=2, view='text'))\n")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                              env={**os.environ, "SLURM_JOB_ID": job})
+        assert (
+            f"[ddpnb] `scontrol show job {job}` failed (slurm_load_jobs error: Socket timed out on send/recv "
+            "operation): trying again in 1 s (1 of 3)" in said
+        ), said
+        code = (
+            "import ddpnb, os\n"
+            "def where(rank):\n    return os.environ['SLURMD_NODENAME']\n"
+            "print('value', ddpnb.run(where, engine='slurm', nprocs=2, nodes=2, view='text'))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, "SLURM_JOB_ID": job},
+        )
         said = done.stdout + done.stderr
         assert (tmp_path / "srun-stalled").exists()  # the first srun did find the controller stalled
         # srun's own words come with rank 0's output, and so does ddpnb's line about them
@@ -298,11 +325,19 @@ def test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so(tmp
 
 def test_without_srun_the_engine_says_what_to_do(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
-    code = ("import ddpnb\n"
-            "try:\n    ddpnb.run(print, engine='slurm', nprocs=2, view='none')\n"
-            "except ddpnb.LaunchError as exc:\n    print(exc)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**env, "PATH": str(tmp_path)}, check=False)
+    code = (
+        "import ddpnb\n"
+        "try:\n    ddpnb.run(print, engine='slurm', nprocs=2, view='none')\n"
+        "except ddpnb.LaunchError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PATH": str(tmp_path)},
+        check=False,
+    )
     assert "needs Slurm's `srun` on this kernel's PATH" in done.stdout, done.stdout + done.stderr
 
 
@@ -321,8 +356,11 @@ def ddpnb_jobs(cluster, within: float = 0.0) -> list[str]:
     """Jobs ddpnb asked for (named ddpnb-<run>) still in the queue after `within` seconds: 'ID STATE REASON'."""
     deadline = time.monotonic() + within
     while True:
-        jobs = [line for line in cluster.run("squeue", "-h", "-o", "%i %j %T %r").splitlines()
-                if " ddpnb-" in line and line.split()[0] != cluster.job]  # not the module's own allocation
+        jobs = [
+            line
+            for line in cluster.run("squeue", "-h", "-o", "%i %j %T %r").splitlines()
+            if " ddpnb-" in line and line.split()[0] != cluster.job
+        ]  # not the module's own allocation
         if not jobs or time.monotonic() > deadline:
             return [f"{job.split()[0]} {' '.join(job.split()[2:])}" for job in jobs]
         time.sleep(0.1)
@@ -331,23 +369,27 @@ def ddpnb_jobs(cluster, within: float = 0.0) -> list[str]:
 def held_job(cluster, timeout: float = 60.0) -> str:
     """The ID of the ddpnb job that waits, held (`--job-args --hold`), in the queue."""
     deadline = time.monotonic() + timeout  # only keeps a broken run from hanging the test
-    while not (held := [job.split()[0] for job in ddpnb_jobs(cluster) if "PENDING" in job]) \
-            and time.monotonic() < deadline:
+    while (
+        not (held := [job.split()[0] for job in ddpnb_jobs(cluster) if "PENDING" in job])
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert held, "no held ddpnb job in the queue"
     return held[0]
 
 
-def test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back(slurm_kernel,
-                                                                                                   cluster):
+def test_outside_an_allocation_a_run_asks_for_its_own_job_says_its_queue_state_and_gives_it_back(slurm_kernel, cluster):
     with on_a_login_node(slurm_kernel):
-        cell = Cell(slurm_kernel, """%%ddp --engine slurm -n 2 --nodes 2 --partition debug --time 5 --job-args '--hold' -o placed
+        cell = Cell(
+            slurm_kernel,
+            """%%ddp --engine slurm -n 2 --nodes 2 --partition debug --time 5 --job-args '--hold' -o placed
 def where(rank, world_size):
     import torch.distributed as dist
     placed = [None] * world_size
     dist.all_gather_object(placed, (os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]))
     return placed
-""")
+""",
+        )
         job = held_job(cluster)  # held in the queue until released: a job that waits for its turn
         seen = cell.read_until(lambda out: f"slurm job {job} pending (JobHeldUser)" in out.stdout, timeout=60)
         assert "interrupt or stop the run to cancel it" in seen.stdout
@@ -361,18 +403,22 @@ def where(rank, world_size):
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-def test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job(slurm_kernel,
-                                                                                                     cluster):
+def test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job(
+    slurm_kernel, cluster
+):
     """`launch` returns while the job waits: the run reads *queued*, with the job's state, and its timeout waits
     for the ranks; released, it runs. A second run is stopped while it waits: its job is cancelled."""
     with on_a_login_node(slurm_kernel):
-        launched = slurm_kernel.execute('''
+        launched = slurm_kernel.execute(
+            """
 from ddpnb.views.html import header_html, overall_state
 def where(rank):
     return os.environ["SLURM_JOB_ID"]
 run = ddpnb.launch(where, engine="slurm", nprocs=2, nodes=2, job_args="--hold", timeout=10, view="none")
 print(run.done)
-''', timeout=CELL_TIMEOUT)
+""",
+            timeout=CELL_TIMEOUT,
+        )
         assert launched.error is None and launched.stdout == "False\n", launched.text
         job = held_job(cluster)
         for _ in range(100):  # the engine says the state it polls
@@ -384,18 +430,24 @@ print(run.done)
         time.sleep(11)  # past the run's 10 s timeout: a job in the queue is no time of the ranks'
         assert slurm_kernel.execute("print(run.done)").stdout == "False\n"
         cluster.run("scontrol", "release", job)
-        ran = slurm_kernel.execute("print(run.result(), run.record.outcome.value, run.record.queued.words())",
-                                   timeout=CELL_TIMEOUT)
+        ran = slurm_kernel.execute(
+            "print(run.result(), run.record.outcome.value, run.record.queued.words())", timeout=CELL_TIMEOUT
+        )
         assert ran.error is None, ran.text
         assert re.fullmatch(rf"{job} succeeded slurm job {job} queued [\d.]+ s\n", ran.stdout), ran.stdout
-        stopped = slurm_kernel.execute('''
+        stopped = slurm_kernel.execute(
+            """
 run = ddpnb.launch(where, engine="slurm", nprocs=2, job_args="--hold", view="none")
-''', timeout=CELL_TIMEOUT)
+""",
+            timeout=CELL_TIMEOUT,
+        )
         assert stopped.error is None, stopped.text
         job = held_job(cluster)
-        stopped = slurm_kernel.execute("run.stop(); print(run.record.outcome.value, "
-                                       "[r.state.value for r in run.record.ranks], overall_state(run.record))",
-                                       timeout=CELL_TIMEOUT)
+        stopped = slurm_kernel.execute(
+            "run.stop(); print(run.record.outcome.value, "
+            "[r.state.value for r in run.record.ranks], overall_state(run.record))",
+            timeout=CELL_TIMEOUT,
+        )
     assert stopped.stdout == "stopped ['stopped', 'stopped'] stopped\n", stopped.text
     assert ddpnb_jobs(cluster, within=20) == []  # cancelled; the first given back once nothing took it
     assert ranks_left() == [] and steps_left(cluster) == []
@@ -404,8 +456,9 @@ run = ddpnb.launch(where, engine="slurm", nprocs=2, job_args="--hold", view="non
 WHERE_AND_WHO = "%%ranks\nimport os\nprint(os.environ['SLURM_JOB_ID'], os.getpid())"
 
 
-def test_outside_an_allocation_a_session_waits_for_its_job_saying_so_and_its_first_command_follows(slurm_kernel,
-                                                                                                   cluster):
+def test_outside_an_allocation_a_session_waits_for_its_job_saying_so_and_its_first_command_follows(
+    slurm_kernel, cluster
+):
     """`%ddp_start` while the job is held in the queue: the cell says the job's state, the session's first command
     (sent at once) waits for the step, and the session works once the job runs."""
     with on_a_login_node(slurm_kernel):
@@ -431,8 +484,9 @@ def test_outside_an_allocation_a_sessions_restart_keeps_its_job_and_its_end_give
     queue); `%ddp_stop` gives it back once no launch took it."""
     with on_a_login_node(slurm_kernel):
         try:
-            started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2 --partition debug --time 5",
-                                           timeout=CELL_TIMEOUT)
+            started = slurm_kernel.execute(
+                "%ddp_start --engine slurm -n 2 --nodes 2 --partition debug --time 5", timeout=CELL_TIMEOUT
+            )
             assert started.error is None, started.text
             job = slurm_kernel.execute(WHERE_AND_WHO, timeout=60)
             restarted = slurm_kernel.execute("%ddp_restart", timeout=CELL_TIMEOUT)
@@ -458,23 +512,29 @@ def test_an_interrupt_while_the_job_waits_in_the_queue_cancels_it_and_starts_not
         slurm_kernel.manager.interrupt_kernel()
         result = cell.finish(timeout=60)
     assert result.error is not None and result.error["ename"] == "RunInterrupted", result.text
-    assert f"interrupted while slurm job {job} waited in the queue (pending (JobHeldUser)); it was cancelled, and " \
-           "no rank started" in "\n".join(result.error["traceback"]), result.error["traceback"]
+    assert (
+        f"interrupted while slurm job {job} waited in the queue (pending (JobHeldUser)); it was cancelled, and "
+        "no rank started" in "\n".join(result.error["traceback"])
+    ), result.error["traceback"]
     assert ddpnb_jobs(cluster, within=10) == []  # cancelled, not left waiting for a turn nobody wants
     assert ranks_left(within=0) == []
 
 
 def test_a_job_slurm_refuses_is_a_clear_error_quoting_it_and_inside_an_allocation_job_options_are_refused(
-        slurm_kernel, cluster):
+    slurm_kernel, cluster
+):
     with on_a_login_node(slurm_kernel):
-        run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --partition nope\ndef f():\n    return 1\n",
-                                   timeout=CELL_TIMEOUT)
+        run = slurm_kernel.execute(
+            "%%ddp --engine slurm -n 2 --partition nope\ndef f():\n    return 1\n", timeout=CELL_TIMEOUT
+        )
     assert "UsageError: Slurm refused the job for this run (salloc" in run.stderr, run.text
     assert "--partition=nope" in run.stderr and "invalid partition specified: nope" in run.stderr, run.stderr
     assert ddpnb_jobs(cluster) == [] and ranks_left(within=0) == []
     run = slurm_kernel.execute("%%ddp --engine slurm -n 2 --partition debug\ndef f():\n    return 1\n")
-    assert f"--partition: options of a job ddpnb asks for outside an allocation, and this kernel runs inside Slurm " \
-           f"job {cluster.job}" in run.stderr, run.stderr
+    assert (
+        f"--partition: options of a job ddpnb asks for outside an allocation, and this kernel runs inside Slurm "
+        f"job {cluster.job}" in run.stderr
+    ), run.stderr
 
 
 @pytest.mark.parametrize("when", ["running", "in the queue"])
@@ -482,32 +542,43 @@ def test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it(cluster, when):
     """The job's `salloc` runs `cat` on ddpnb's pipe, under a keeper that reads it too: a kernel killed outright
     closes it, and the job ends, or is cancelled while it waits (held) in the queue."""
     held = when == "in the queue"
-    code = ("import os, signal\n"
-            "from ddpnb.engines.slurm.options import SlurmOptions\n"
-            "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
-            f"options = SlurmOptions(job_args={'--hold' if held else ''!r})\n"
-            "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=options)\n"
-            "job = OwnJob(request)\n"
-            "job.ask()\n"
-            f"while not {held} and not job.granted_within(1):\n"
-            "    pass\n"
-            "print('JOB', job.job, job.granted, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import os, signal\n"
+        "from ddpnb.engines.slurm.options import SlurmOptions\n"
+        "from ddpnb.engines.slurm.submit import JobRequest, OwnJob\n"
+        f"options = SlurmOptions(job_args={'--hold' if held else ''!r})\n"
+        "request = JobRequest(name='ddpnb-orphan', tasks=1, gpus=False, options=options)\n"
+        "job = OwnJob(request)\n"
+        "job.ask()\n"
+        f"while not {held} and not job.granted_within(1):\n"
+        "    pass\n"
+        "print('JOB', job.job, job.granted, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_JOB")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**env, **cluster.env}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, **cluster.env},
+        check=False,
+    )
     assert done.returncode == -9 and re.search(rf"JOB \d+ {not held}\n", done.stdout), done.stdout + done.stderr
     assert ddpnb_jobs(cluster, within=10) == []
 
 
 def test_a_rank_that_raises_on_node_2_shows_its_own_traceback_and_the_cell_ends(slurm_kernel, cluster):
-    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2
+    run = slurm_kernel.execute(
+        """%%ddp --engine slurm -n 4 --nodes 2
 def fails(rank):
     import torch.distributed as dist
     if rank == 2:
         raise ValueError(f"bad batch on {os.environ['SLURMD_NODENAME']}")
     dist.barrier()
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None and run.error["ename"] == "WorkerError", run.stdout + run.stderr
     shown = "\n".join(run.error["traceback"])
     assert "rank 2 of 4 failed first: ValueError: bad batch on n2" in shown
@@ -522,22 +593,27 @@ def test_a_session_on_slurm_keeps_state_across_cells_and_a_failing_cell_keeps_it
         pids = slurm_kernel.execute("print(*ddpnb._session.current_session().pids)").stdout.split()
         defined = slurm_kernel.execute(
             "%%ranks\nimport os, torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
-            "print('defined on', rank, os.environ['SLURMD_NODENAME'])\nrank", timeout=CELL_TIMEOUT)
+            "print('defined on', rank, os.environ['SLURMD_NODENAME'])\nrank",
+            timeout=CELL_TIMEOUT,
+        )
         assert defined.error is None and defined.results == ["[rank 0] 0\n[rank 1] 1"], defined.text
         # each rank's line, printed before its answer and shown before the cell's value, on its own node
         assert "[rank 0] defined on 0 n1" in defined.stdout and "[rank 1] defined on 1 n2" in defined.stdout
         reduced = slurm_kernel.execute("%%ranks\ndist.all_reduce(t)\nt.item()", timeout=CELL_TIMEOUT)
         assert reduced.results == ["[rank 0] 3.0\n[rank 1] 3.0"], reduced.text
-        failed = slurm_kernel.execute("%%ranks\nt += 1\nif rank == 1:\n    raise ValueError('bad on purpose')\n"
-                                      "'fine'", timeout=CELL_TIMEOUT)
+        failed = slurm_kernel.execute(
+            "%%ranks\nt += 1\nif rank == 1:\n    raise ValueError('bad on purpose')\n'fine'", timeout=CELL_TIMEOUT
+        )
         assert failed.error is not None and failed.error["ename"] == "SessionError", failed.text
         shown = "\n".join(failed.error["traceback"])
         assert "failed on rank 1 of 2: ValueError: bad on purpose" in shown, shown
         assert re.search(r"Cell In\[\d+\], line 4", shown) and PACKAGE_DIR not in shown
         kept = slurm_kernel.execute("%ranks t.item()", timeout=CELL_TIMEOUT)
         assert kept.results == ["[rank 0] 4.0\n[rank 1] 4.0"], kept.text  # as the failed cell left them
-        pushed = slurm_kernel.execute("s = ddpnb._session.current_session()\ns.push(v=5)\n"
-                                      "print(s.pull('v'), s.pull('t'), *s.pids)", timeout=CELL_TIMEOUT)
+        pushed = slurm_kernel.execute(
+            "s = ddpnb._session.current_session()\ns.push(v=5)\nprint(s.pull('v'), s.pull('t'), *s.pids)",
+            timeout=CELL_TIMEOUT,
+        )
         assert pushed.stdout.split() == ["[5,", "5]", "[tensor([4.]),", "tensor([4.])]", *pids], pushed.text
     finally:
         stopped = slurm_kernel.execute("%ddp_stop", timeout=CELL_TIMEOUT)
@@ -545,15 +621,18 @@ def test_a_session_on_slurm_keeps_state_across_cells_and_a_failing_cell_keeps_it
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-def test_interrupting_a_session_cell_on_slurm_raises_keyboard_interrupt_in_the_ranks_and_keeps_them(slurm_kernel,
-                                                                                                     cluster):
+def test_interrupting_a_session_cell_on_slurm_raises_keyboard_interrupt_in_the_ranks_and_keeps_them(
+    slurm_kernel, cluster
+):
     started = slurm_kernel.execute("%ddp_start --engine slurm -n 2 --nodes 2", timeout=CELL_TIMEOUT)
     assert started.error is None, started.text
     try:
         slurm_kernel.execute("%%ranks\nstate = [rank]", timeout=CELL_TIMEOUT)
         cell = Cell(slurm_kernel, "%%ranks\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)")
-        cell.read_until(lambda seen: "[ranks 0,1] sleeping" in seen.stdout or seen.stdout.count("sleeping") == 2,
-                        timeout=CELL_TIMEOUT)
+        cell.read_until(
+            lambda seen: "[ranks 0,1] sleeping" in seen.stdout or seen.stdout.count("sleeping") == 2,
+            timeout=CELL_TIMEOUT,
+        )
         slurm_kernel.manager.interrupt_kernel()
         result = cell.finish(timeout=60)
         assert result.error is not None and result.error["ename"] == "SessionError", result.text
@@ -567,7 +646,7 @@ def test_interrupting_a_session_cell_on_slurm_raises_keyboard_interrupt_in_the_r
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-RESTARTED = '''%%ddp --engine slurm -n 2 --nodes 2 --max-restarts 1 -o restarted
+RESTARTED = """%%ddp --engine slurm -n 2 --nodes 2 --max-restarts 1 -o restarted
 def flaky(rank):
     import signal, torch.distributed as dist
     dist.barrier()
@@ -576,7 +655,7 @@ def flaky(rank):
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # attempt 0: rank 0 waits here for a rank that is gone; ddpnb stops it
     return ddpnb.attempt()
-'''
+"""
 
 
 def test_max_restarts_on_slurm_runs_a_new_step_for_attempt_1_with_its_own_logs(slurm_kernel, cluster):
@@ -590,7 +669,8 @@ def test_max_restarts_on_slurm_runs_a_new_step_for_attempt_1_with_its_own_logs(s
         "for a in range(2):\n"
         "    print(*sorted({line.split(' in step ')[1].strip() for rank in range(2)\n"
         "                   for line in (r.run_dir / f'rank{rank}.attempt{a}.log').read_text().splitlines()\n"
-        "                   if ' in step ' in line}))")
+        "                   if ' in step ' in line}))"
+    )
     assert check.error is None, check.error
     lines = check.stdout.splitlines()
     assert lines[0] == "1 1 [0] killed by SIGKILL (on Slurm node n2)", check.stdout
@@ -604,14 +684,17 @@ def test_max_restarts_on_slurm_runs_a_new_step_for_attempt_1_with_its_own_logs(s
 def test_a_timeout_on_slurm_shows_each_ranks_stack_and_ends_every_rank(slurm_kernel, cluster):
     # the timeout counts from the step's start, and a Slurm rank imports torch itself (no forkserver): seconds
     # on a busy machine, so it leaves room for that before the hang it is meant to catch
-    run = slurm_kernel.execute('''%%ddp --engine slurm -n 2 --nodes 2 --timeout 30
+    run = slurm_kernel.execute(
+        """%%ddp --engine slurm -n 2 --nodes 2 --timeout 30
 def hangs_on_rank_1(rank):
     import torch, torch.distributed as dist
     print(f"rank {rank} at step 1", flush=True)
     if rank == 1:
         time.sleep(600)  # never joins the collective
     dist.all_reduce(torch.ones(1))
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is not None, run.stdout + run.stderr
     shown = "\n".join(run.error["traceback"])
     assert "run timed out: stopped after the 30 s timeout (--timeout)" in shown, shown
@@ -625,9 +708,10 @@ def hangs_on_rank_1(rank):
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-def test_a_kernel_interrupt_during_a_slurm_run_ends_every_rank_and_its_children_and_the_step(slurm_kernel,
-                                                                                              cluster):
-    cell = Cell(slurm_kernel, '''%%ddp --engine slurm -n 2 --nodes 2
+def test_a_kernel_interrupt_during_a_slurm_run_ends_every_rank_and_its_children_and_the_step(slurm_kernel, cluster):
+    cell = Cell(
+        slurm_kernel,
+        """%%ddp --engine slurm -n 2 --nodes 2
 import subprocess
 def spins(rank):
     child = subprocess.Popen(["sleep", "600"])
@@ -635,7 +719,8 @@ def spins(rank):
     for step in range(100_000):
         print(f"step {step}", flush=True)
         time.sleep(0.05)
-''')
+""",
+    )
     seen = cell.read_until(lambda out: out.text.count("CHILD") == 2 and "step 3" in out.text, timeout=CELL_TIMEOUT)
     children = [int(pid) for pid in re.findall(r"CHILD (\d+)", seen.text)]
     slurm_kernel.manager.interrupt_kernel()
@@ -652,7 +737,8 @@ def test_notebook_data_reaches_each_node_once_and_every_rank_maps_its_nodes_copy
     """A closure over 64 MB, and a session push of 32 MB: each node's host receives the bytes once into a memory
     file, and the node's ranks map that one file (the same inode on a node, another on the other node); every rank
     reads the notebook's values, and a rank's write stays its own."""
-    out = slurm_kernel.execute('''
+    out = slurm_kernel.execute(
+        """
 import torch
 big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MB
 def reads(rank, world_size):
@@ -666,9 +752,11 @@ def reads(rank, world_size):
 seen = ddpnb.run(reads, engine="slurm", nprocs=4, nodes=2, view="none")
 print(seen)
 print(float(big.sum()), float(big[0]))
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.text
-    seen = eval(out.stdout.splitlines()[0])  # noqa: S307 - our own cell's repr of plain values
+    seen = eval(out.stdout.splitlines()[0])  # our own cell's repr of plain values
     expected = float(sum(range(16 << 20)))
     assert [node for node, *_ in seen] == ["n1", "n1", "n2", "n2"], seen
     assert all(abs(total - expected) / expected < 1e-6 and second == 1.0 for _, _, total, second in seen), seen
@@ -681,16 +769,19 @@ print(float(big.sum()), float(big[0]))
     assert started.error is None, started.text
     try:
         files = "sorted({line.split()[4] for line in open('/proc/self/maps') if 'ddpnb-slurm-data' in line})"
-        pushed = slurm_kernel.execute("s = ddpnb._session.current_session()\n"
-                                      "ones = torch.ones(8 << 20)\n"
-                                      "s.push(pushed=ones)\n"
-                                      "print(s.execute('float(pushed.sum())'))\n"
-                                      f"print(s.execute({files!r}))\n"
-                                      "s.push(pushed=ones)\n"  # unchanged: its hosts hold it, nothing is sent
-                                      f"print(s.execute({files!r}))\n"
-                                      "ones[0] = 5\n"  # changed: sent again
-                                      "s.push(pushed=ones)\n"
-                                      "print(s.execute('float(pushed[0])'))", timeout=CELL_TIMEOUT)
+        pushed = slurm_kernel.execute(
+            "s = ddpnb._session.current_session()\n"
+            "ones = torch.ones(8 << 20)\n"
+            "s.push(pushed=ones)\n"
+            "print(s.execute('float(pushed.sum())'))\n"
+            f"print(s.execute({files!r}))\n"
+            "s.push(pushed=ones)\n"  # unchanged: its hosts hold it, nothing is sent
+            f"print(s.execute({files!r}))\n"
+            "ones[0] = 5\n"  # changed: sent again
+            "s.push(pushed=ones)\n"
+            "print(s.execute('float(pushed[0])'))",
+            timeout=CELL_TIMEOUT,
+        )
         assert pushed.error is None, pushed.text
         total, first, again, changed = pushed.stdout.splitlines()
         assert total == f"[{float(8 << 20)}, {float(8 << 20)}]", pushed.text
@@ -705,8 +796,10 @@ def host_on(node: str) -> int:
     """The PID of the slurm engine's host on `node` (both nodes are this machine: told apart by SLURMD_NODENAME)."""
     for process in psutil.process_iter(["cmdline"]):
         try:
-            if HOST_MODULE in " ".join(process.info["cmdline"] or []) \
-                    and process.environ().get("SLURMD_NODENAME") == node:
+            if (
+                HOST_MODULE in " ".join(process.info["cmdline"] or [])
+                and process.environ().get("SLURMD_NODENAME") == node
+            ):
                 return process.pid
         except psutil.Error:
             continue
@@ -716,13 +809,16 @@ def host_on(node: str) -> int:
 def test_a_node_lost_mid_run_is_named_as_the_root_cause_and_nothing_is_left(slurm_kernel, cluster):
     """Node n2's host killed outright, as when the node dies: its ranks go with it (their lifeline), the first
     failure names the node, the ranks on n1 are stopped, and nothing of the run is left on either node."""
-    cell = Cell(slurm_kernel, '''%%ddp --engine slurm -n 4 --nodes 2
+    cell = Cell(
+        slurm_kernel,
+        """%%ddp --engine slurm -n 4 --nodes 2
 def waits(rank):
     import torch.distributed as dist
     dist.barrier()
     print(f"rank {rank} up", flush=True)
     time.sleep(300)
-''')
+""",
+    )
     cell.read_until(lambda out: out.text.count(" up") == 4, timeout=CELL_TIMEOUT)
     os.kill(host_on("n2"), 9)
     result = cell.finish(timeout=CELL_TIMEOUT)
@@ -734,7 +830,7 @@ def waits(rank):
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-STALLS = '''%%ddp --engine slurm -n 3 --nodes 2 --stall 3
+STALLS = """%%ddp --engine slurm -n 3 --nodes 2 --stall 3
 def computes_then_stalls(rank, world_size):
     import torch, torch.distributed as dist
     for step in range(20):
@@ -746,7 +842,7 @@ def computes_then_stalls(rank, world_size):
     if rank == 1:
         time.sleep(7)
     dist.all_reduce(torch.ones(1))
-'''
+"""
 
 
 def test_the_stall_doctor_the_straggler_radar_and_hardware_columns_work_on_slurm(slurm_kernel, cluster):
@@ -760,14 +856,16 @@ def test_the_stall_doctor_the_straggler_radar_and_hardware_columns_work_on_slurm
     stalled = [line for line in run.stdout.splitlines() if line.startswith("[ddpnb] stalled:")]
     # (on this 2-core box the ranks' start may be a quiet spell of its own: "ranks 0, 1, 2 are not in your code")
     assert stalled and stalled[-1].endswith(
-        f"rank 1 is in time.sleep ({cell}, line 11); ranks 0, 2 wait in all_reduce ({cell}, line 12)"), run.stdout
+        f"rank 1 is in time.sleep ({cell}, line 11); ranks 0, 2 wait in all_reduce ({cell}, line 12)"
+    ), run.stdout
     assert all(re.search(r"(is|are) (still starting|not in your code)$", line) for line in stalled[:-1]), run.stdout
     assert "[ddpnb] progress resumed" in run.stdout
     check = slurm_kernel.execute(
         "from ddpnb.core.report import straggler_text\n"
         "r = ddpnb.last_run()\n"
         "print([bool(straggler_text(rank)) for rank in r.ranks], [bool(rank.hardware) for rank in r.ranks],\n"
-        "      [rank.node for rank in r.ranks])")
+        "      [rank.node for rank in r.ranks])"
+    )
     assert check.error is None, check.error
     assert check.stdout.strip() == "[False, False, True] [True, True, True] ['n1', 'n1', 'n2']", check.stdout
     assert ranks_left() == [] and steps_left(cluster) == []
@@ -779,7 +877,8 @@ def test_a_breakpoint_on_a_rank_on_node_2_prompts_in_the_cell_and_the_run_goes_o
     succeeds."""
     from tests.test_debugger import answers
 
-    run = slurm_kernel.execute('''%%ddp --engine slurm -n 4 --nodes 2 -o total
+    run = slurm_kernel.execute(
+        """%%ddp --engine slurm -n 4 --nodes 2 -o total
 def train(rank, world_size):
     import torch, torch.distributed as dist
     value = torch.ones(1) * (rank + 1)
@@ -787,7 +886,10 @@ def train(rank, world_size):
         breakpoint()
     dist.all_reduce(value)
     return value.item()
-''', timeout=CELL_TIMEOUT, answer=answers("p rank, __import__('os').environ['SLURMD_NODENAME']", "c"))
+""",
+        timeout=CELL_TIMEOUT,
+        answer=answers("p rank, __import__('os').environ['SLURMD_NODENAME']", "c"),
+    )
     assert run.error is None, run.text + str(run.error)
     assert run.prompts[:2] == ["(rank 3) (Pdb) ", "(rank 3) (Pdb) "], run.prompts
     assert "(3, 'n2')" in run.stdout, run.stdout
@@ -799,7 +901,8 @@ def test_a_run_stopped_at_any_moment_of_its_start_ends_with_nothing_left(slurm_k
     """Stopped while srun starts the hosts, while they connect, while they take their setup, or once the ranks
     run: every time the run ends within its stop's own wait, and no host, rank or step is left. (A host that had
     said hello but got no setup once waited for it forever, and the run with it.)"""
-    out = slurm_kernel.execute('''
+    out = slurm_kernel.execute(
+        """
 def sleeps(rank):
     time.sleep(300)
 
@@ -810,7 +913,9 @@ for delay in (0.0, 0.3, 0.8, 1.5, 3.0, 6.0):
     run.stop()
     ended.append((run.done, run.outcome.value))
 print(ended)
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.text
     assert out.stdout.strip() == str([(True, "stopped")] * 6), out.text
     assert ranks_left() == [] and steps_left(cluster) == []
@@ -822,7 +927,8 @@ def test_a_run_stopped_while_node_0s_host_is_late_ends_with_nothing_left(slurm_k
     prolog = tmp_path / "late-node-0.sh"
     prolog.write_text('#!/bin/sh\n[ "$SLURM_NODEID" = "0" ] && sleep 4\nexit 0\n')
     prolog.chmod(0o755)
-    out = slurm_kernel.execute(f'''
+    out = slurm_kernel.execute(
+        f"""
 def sleeps(rank):
     time.sleep(300)
 
@@ -836,7 +942,9 @@ while len(hosts_up()) < 1 and time.monotonic() < deadline:
 time.sleep(1.0)  # node 1's host has connected; node 0's still sleeps in its prolog
 run.stop()
 print(run.done, run.outcome.value)
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.text
     assert out.stdout.strip() == "True stopped", out.text
     assert ranks_left() == [] and steps_left(cluster) == []
@@ -845,30 +953,38 @@ print(run.done, run.outcome.value)
 def test_profile_merges_every_nodes_ranks_into_one_trace(slurm_kernel, cluster):
     """--profile on Slurm (issue 30): each rank's trace travels back on its node's connection (no shared run
     directory needed); the merged trace holds the four ranks of both nodes, each with the steps asked for."""
-    run = slurm_kernel.execute("%%ddp --engine slurm -n 4 --nodes 2 --profile 2-3\n"
-                               "def profiled(rank):\n"
-                               "    import torch, torch.distributed as dist\n"
-                               "    for step in range(5):\n"
-                               "        dist.all_reduce(torch.ones(1000))\n"
-                               "        ddpnb.log(step=step)\n", timeout=CELL_TIMEOUT)
+    run = slurm_kernel.execute(
+        "%%ddp --engine slurm -n 4 --nodes 2 --profile 2-3\n"
+        "def profiled(rank):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    for step in range(5):\n"
+        "        dist.all_reduce(torch.ones(1000))\n"
+        "        ddpnb.log(step=step)\n",
+        timeout=CELL_TIMEOUT,
+    )
     assert run.error is None and "[ddpnb] profile of steps 2-3:" in run.stdout, run.text
-    found = slurm_kernel.execute("import gzip, json\nprofile = ddpnb.last_run().profile\n"
-                                 "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
-                                 "print(sorted(e['args']['name'].split(' (')[0] for e in events "
-                                 "if e['name'] == 'process_name'), [r.spans for r in profile.ranks],\n"
-                                 "      [rank.node for rank in ddpnb.last_run().ranks])")
-    assert found.stdout.strip() == ("['rank 0', 'rank 1', 'rank 2', 'rank 3'] [2, 2, 2, 2] "
-                                    "['n1', 'n1', 'n2', 'n2']"), found.text
+    found = slurm_kernel.execute(
+        "import gzip, json\nprofile = ddpnb.last_run().profile\n"
+        "events = json.load(gzip.open(profile.trace))['traceEvents']\n"
+        "print(sorted(e['args']['name'].split(' (')[0] for e in events "
+        "if e['name'] == 'process_name'), [r.spans for r in profile.ranks],\n"
+        "      [rank.node for rank in ddpnb.last_run().ranks])"
+    )
+    assert found.stdout.strip() == ("['rank 0', 'rank 1', 'rank 2', 'rank 3'] [2, 2, 2, 2] ['n1', 'n1', 'n2', 'n2']"), (
+        found.text
+    )
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
-
 @pytest.mark.parametrize("how", ["succeeds", "raises", "stopped"])
-def test_what_a_rank_started_in_a_session_of_its_own_is_gone_after_the_run_on_both_nodes(slurm_kernel, cluster,
-                                                                                         tmp_path, how):
+def test_what_a_rank_started_in_a_session_of_its_own_is_gone_after_the_run_on_both_nodes(
+    slurm_kernel, cluster, tmp_path, how
+):
     where = tmp_path / "children"
     where.mkdir()
-    out = slurm_kernel.execute(STARTS_CHILDREN + f'''
+    out = slurm_kernel.execute(
+        STARTS_CHILDREN
+        + f"""
 run = ddpnb.launch(starts_children, engine="slurm", nprocs=4, nodes=2, view="none", args=({how!r}, {str(where)!r}))
 if {how!r} == "stopped":
     deadline = time.monotonic() + 120
@@ -877,7 +993,9 @@ if {how!r} == "stopped":
     run.stop()
 run.wait()
 print(run.outcome.value, [rank.node for rank in ddpnb.last_run().ranks])
-''', timeout=CELL_TIMEOUT)
+""",
+        timeout=CELL_TIMEOUT,
+    )
     assert out.error is None, out.text
     assert out.stdout.split()[0] == {"succeeds": "succeeded", "raises": "failed", "stopped": "stopped"}[how], out.text
     assert "'n1'" in out.stdout and "'n2'" in out.stdout  # ranks on both nodes

@@ -47,6 +47,7 @@ def sleeps_on_rank_1_until(flag: str):
             time.sleep(0.1)  # rank 1's sleep
         dist.all_reduce(torch.ones(1))  # the others wait here
         return rank
+
     return train
 
 
@@ -72,8 +73,10 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
         sleep_line = _line_of("rank 1's sleep", train)
         reduce_line = _line_of("the others wait here", train)
         summary = diagnosis_summary(stall.diagnosis)
-        assert summary == (f'rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
-                           f'ranks 0, 2 wait in all_reduce (File "{HERE}", line {reduce_line})'), summary
+        assert summary == (
+            f'rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
+            f'ranks 0, 2 wait in all_reduce (File "{HERE}", line {reduce_line})'
+        ), summary
         assert stall.threshold == 3 and run.outcome is Outcome.RUNNING  # marked, not stopped
         assert run.status.endswith(f", stalled: {summary}")
         quiet = {where.rank: where.quiet for where in stall.diagnosis.ranks}
@@ -93,7 +96,7 @@ def test_rank_sleeping_before_all_reduce_is_named_and_the_others_wait_in_it_then
     assert not record.stalled and record.stall.resumed is not None  # left the stalled state by itself
 
 
-STALL_CELL = '''%%ddp -n 3 --stall 3
+STALL_CELL = """%%ddp -n 3 --stall 3
 def train(rank):
     import time
     import torch
@@ -102,7 +105,7 @@ def train(rank):
         time.sleep(15)
     dist.all_reduce(torch.ones(1))
     print(f"rank {rank} done")
-'''
+"""
 
 
 @pytest.mark.slow
@@ -115,15 +118,16 @@ def test_stalled_cell_says_so_in_the_text_view_with_cell_lines_then_resumes(kern
     cell = f"Cell In[{executed.count}]"
     stalled = [line for line in out.splitlines() if line.startswith("[ddpnb] stalled:")]
     assert len(stalled) == 1, out
-    assert stalled[0].endswith(f"rank 1 is in time.sleep ({cell}, line 7); ranks 0, 2 wait in all_reduce "
-                               f"({cell}, line 8)"), out
+    assert stalled[0].endswith(
+        f"rank 1 is in time.sleep ({cell}, line 7); ranks 0, 2 wait in all_reduce ({cell}, line 8)"
+    ), out
     for rank in range(3):
         assert re.search(rf"\[ddpnb\]   rank {rank}: .*, \d+\.\d s since its last activity", out), out
     assert "ipykernel_" not in out
     # under it, each rank's stack as the stall doctor took it: the cell's lines and their source, nothing of ddpnb's
     # nor torch's logging wrappers; ranks 0 and 2 wait in the same place, shown once
-    stacks = out[out.index("each rank's stack:"):out.index("[ddpnb] progress resumed")]
-    rank_1 = stacks[stacks.index("[ddpnb] --- rank 1 ---"):]
+    stacks = out[out.index("each rank's stack:") : out.index("[ddpnb] progress resumed")]
+    rank_1 = stacks[stacks.index("[ddpnb] --- rank 1 ---") :]
     assert f"[ddpnb]     {cell}, line 7, in train\n[ddpnb]       time.sleep(15)\n" in rank_1, stacks
     assert "[ddpnb] --- ranks 0, 2 ---" in stacks and "dist.all_reduce(torch.ones(1))" in stacks, stacks
     assert "c10d_logger" not in stacks and "ddpnb/" not in stacks and "Thread 0x" not in stacks, stacks
@@ -150,8 +154,10 @@ def test_timeout_report_starts_with_where_each_rank_is():
     lines = str(caught.value).splitlines()
     assert lines[0] == "ddpnb: run timed out: stopped after the 4 s timeout (--timeout)"
     sleep_line, reduce_line = _line_of("never joins", hangs_on_rank_1), _line_of("all_reduce(torch", hangs_on_rank_1)
-    assert lines[1] == (f'where each rank was: rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
-                        f'rank 0 waits in all_reduce (File "{HERE}", line {reduce_line})'), lines[:4]
+    assert lines[1] == (
+        f'where each rank was: rank 1 is in time.sleep (File "{HERE}", line {sleep_line}); '
+        f'rank 0 waits in all_reduce (File "{HERE}", line {reduce_line})'
+    ), lines[:4]
     assert lines[2].startswith("  rank 0: waits in all_reduce") and lines[3].startswith("  rank 1: is in time.sleep")
     assert lines.index("where each rank was when the run was stopped:") > 3  # the stacks follow
     assert caught.value.record.stall is None  # --stall 0: never marked stalled
@@ -186,8 +192,9 @@ def test_dashboard_shows_the_stall_and_its_stacks_button_shows_every_ranks_stack
         dashboard = Dashboard(run, foreground=False)
         assert _wait_for(lambda: 'data-stall="ongoing"' in dashboard.stall.value, 120), run.status
         assert 'data-state="stalled"' in dashboard.header.value
-        assert "rank 1 is in time.sleep" in dashboard.stall.value and "rank 0 waits in all_reduce" in \
-            dashboard.stall.value
+        assert (
+            "rank 1 is in time.sleep" in dashboard.stall.value and "rank 0 waits in all_reduce" in dashboard.stall.value
+        )
         assert dashboard.stacks.layout.display == "none"
         dashboard.stacks_button.click()
         assert _wait_for(lambda: dashboard.stacks.layout.display is None, 30)
@@ -220,7 +227,7 @@ def test_a_foreground_dashboard_shows_the_stall_doctors_stacks_under_a_banner_th
         assert _wait_for(lambda: "ddpnb-stall-stack" in dashboard.stall_stacks.value, 120), run.status
         stacks = dashboard.stall_stacks.value
         assert 'data-ranks="1"' in stacks and 'data-ranks="0,2"' in stacks, stacks  # the same stack once
-        rank_1 = stacks[stacks.index('data-ranks="1"'):]
+        rank_1 = stacks[stacks.index('data-ranks="1"') :]
         assert "time.sleep(0.1)  # rank 1&#x27;s sleep" in rank_1 and "in train" in rank_1, stacks
         assert "dist.all_reduce(torch.ones(1))" in stacks
         assert "c10d_logger" not in stacks and str(Path(ddpnb.__file__).parent) not in stacks, stacks
@@ -242,6 +249,7 @@ def test_a_foreground_dashboard_shows_the_stall_doctors_stacks_under_a_banner_th
 
 
 # --- the threshold and where a rank is, from stacks --------------------------------------------------------------
+
 
 @pytest.mark.fast
 def test_adaptive_threshold_is_the_floor_until_a_long_quiet_spell_raises_it():
@@ -307,30 +315,55 @@ def test_a_wait_in_cpp_called_from_the_users_line_counts_as_a_wait(tmp_path):
 
 # --- the flight recorder (NCCL): its dumps, read and summarised ---------------------------------------------------
 
+
 def _entry(record_id: int, seq: int, name: str, state: str, pg=("0", "default_pg")) -> dict:
     """One entry as torch's FlightRecorder writes it (torch/csrc/distributed/c10d/FlightRecorder.cpp)."""
     return {
-        "record_id": record_id, "pg_id": 0, "process_group": pg, "collective_seq_id": seq, "p2p_seq_id": 0,
-        "op_id": seq, "profiling_name": f"nccl:{name}", "time_created_ns": 1_700_000_000_000_000_000 + record_id,
-        "duration_ms": 0.5 if state == "completed" else None, "input_sizes": [[1024]], "input_dtypes": ["Float"],
-        "output_sizes": [[1024]], "output_dtypes": ["Float"], "state": state, "time_discovered_started_ns": None,
-        "time_discovered_completed_ns": None, "retired": state == "completed", "timeout_ms": 600000,
-        "is_p2p": False, "frames": [{"name": "train", "filename": "train.py", "line": 12}],
+        "record_id": record_id,
+        "pg_id": 0,
+        "process_group": pg,
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": f"nccl:{name}",
+        "time_created_ns": 1_700_000_000_000_000_000 + record_id,
+        "duration_ms": 0.5 if state == "completed" else None,
+        "input_sizes": [[1024]],
+        "input_dtypes": ["Float"],
+        "output_sizes": [[1024]],
+        "output_dtypes": ["Float"],
+        "state": state,
+        "time_discovered_started_ns": None,
+        "time_discovered_completed_ns": None,
+        "retired": state == "completed",
+        "timeout_ms": 600000,
+        "is_p2p": False,
+        "frames": [{"name": "train", "filename": "train.py", "line": 12}],
     }
 
 
 def _dump(entries: list[dict]) -> dict:
-    return {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}},
-            "pg_status": {"0": {"last_enqueued_collective": entries[-1]["collective_seq_id"],
-                                "last_started_collective": -1, "last_completed_collective": -1}},
-            "entries": entries}
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}},
+        "pg_status": {
+            "0": {
+                "last_enqueued_collective": entries[-1]["collective_seq_id"],
+                "last_started_collective": -1,
+                "last_completed_collective": -1,
+            }
+        },
+        "entries": entries,
+    }
 
 
 def test_flight_recorder_dumps_say_each_ranks_last_collective_and_who_is_behind(tmp_path):
     completed = [_entry(i, i + 1, "all_reduce", "completed") for i in range(11)]
-    dumps = {0: _dump([*completed, _entry(11, 12, "all_reduce", "started")]),
-             1: _dump(completed),  # never issued #12: the one holding the others
-             2: _dump([*completed, _entry(11, 12, "all_reduce", "started")])}
+    dumps = {
+        0: _dump([*completed, _entry(11, 12, "all_reduce", "started")]),
+        1: _dump(completed),  # never issued #12: the one holding the others
+        2: _dump([*completed, _entry(11, 12, "all_reduce", "started")]),
+    }
     for rank, dump in dumps.items():
         (tmp_path / f"{flight.STEM}{rank}").write_bytes(pickle.dumps(dump))
 
@@ -340,11 +373,17 @@ def test_flight_recorder_dumps_say_each_ranks_last_collective_and_who_is_behind(
     read = flight.collect(tmp_path, [0, 1, 2], since=0.0, wait=0)
     assert read == dumps
     assert flight.summarise(read, [0, 1, 2]) == [
-        ("NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); rank 1 #11 all_reduce "
-        "(completed); rank 2 #12 all_reduce (started); behind: rank 1 (#11 of #12)")]
+        (
+            "NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); rank 1 #11 all_reduce "
+            "(completed); rank 2 #12 all_reduce (started); behind: rank 1 (#11 of #12)"
+        )
+    ]
     assert flight.summarise({0: dumps[0]}, [0, 1]) == [
-        ("NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); no rank is behind; "
-        "no entry from rank 1")]
+        (
+            "NCCL flight recorder, group 0 (default_pg): rank 0 #12 all_reduce (started); no rank is behind; "
+            "no entry from rank 1"
+        )
+    ]
     assert flight.collect(tmp_path, [0], since=time.time() + 60, wait=0) == {}  # an old dump is not this stall's
 
 
@@ -365,12 +404,12 @@ def test_flight_recorder_is_asked_through_each_ranks_pipe(tmp_path):
     flight.request(tmp_path, [0])  # nobody reads the pipe now: refused at once, not blocking
 
 
-SESSION_CELL = '''%%ranks
+SESSION_CELL = """%%ranks
 import time, torch, torch.distributed as dist
 if rank == 1:
     time.sleep(8)
 dist.all_reduce(torch.ones(1))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -384,8 +423,9 @@ def test_session_command_that_stalls_says_where_each_rank_is_and_idle_time_is_no
         executed = kernel.execute(SESSION_CELL, timeout=120)
         assert executed.error is None, executed.error
         cell = f"Cell In[{executed.count}]"
-        assert (f"rank 1 is in time.sleep ({cell}, line 4); rank 0 waits in all_reduce ({cell}, line 5)"
-                in executed.stdout), executed.text
+        assert (
+            f"rank 1 is in time.sleep ({cell}, line 4); rank 0 waits in all_reduce ({cell}, line 5)" in executed.stdout
+        ), executed.text
     finally:
         kernel.execute("%ddp_stop")
 

@@ -25,8 +25,11 @@ def latest(root: str | Path) -> tuple[int, Path] | None:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    found = [(int(match.group(1)), Path(root, name)) for name in names if (match := COMPLETE.fullmatch(name))
-             and Path(root, name, ".metadata").is_file()]
+    found = [
+        (int(match.group(1)), Path(root, name))
+        for name in names
+        if (match := COMPLETE.fullmatch(name)) and Path(root, name, ".metadata").is_file()
+    ]
     return max(found) if found else None
 
 
@@ -63,17 +66,23 @@ def resume_source(resume: str | os.PathLike[str]) -> tuple[Path, int]:
             found = latest(of(run_dir))
             if found is not None:
                 return of(run_dir), found[0]
-        raise LaunchError(f"--resume last: no earlier run under {root} has a complete checkpoint (ranks write them "
-                          "with ddpnb.save_checkpoint(state, step=...)). Run without --resume to start from the "
-                          "beginning, or pass the run directory (or checkpoint directory) to continue from.")
+        raise LaunchError(
+            f"--resume last: no earlier run under {root} has a complete checkpoint (ranks write them "
+            "with ddpnb.save_checkpoint(state, step=...)). Run without --resume to start from the "
+            "beginning, or pass the run directory (or checkpoint directory) to continue from."
+        )
     path = Path(resume).expanduser()
     if not path.is_dir():
-        raise LaunchError(f"--resume {resume}: no such directory. Pass 'last', a run directory (its path is in the "
-                          "run's output and in ddpnb.last_run().run_dir), or a checkpoint directory.")
+        raise LaunchError(
+            f"--resume {resume}: no such directory. Pass 'last', a run directory (its path is in the "
+            "run's output and in ddpnb.last_run().run_dir), or a checkpoint directory."
+        )
     found = latest(of(path))
     if found is None:
-        raise LaunchError(f"--resume {resume}: {of(path)} holds no complete checkpoint (a save that was cut short "
-                          "never counts). Run without --resume to start from the beginning.")
+        raise LaunchError(
+            f"--resume {resume}: {of(path)} holds no complete checkpoint (a save that was cut short "
+            "never counts). Run without --resume to start from the beginning."
+        )
     return of(path), found[0]
 
 
@@ -85,5 +94,7 @@ def hold(checkpoint_dir: Path) -> int | None:
     try:
         return rundir.lock(checkpoint_dir.parent, shared=True)
     except FileNotFoundError:
-        raise LaunchError(f"--resume: {checkpoint_dir.parent} was deleted meanwhile (run directory retention); "
-                          "pass another run directory, or run without --resume.") from None
+        raise LaunchError(
+            f"--resume: {checkpoint_dir.parent} was deleted meanwhile (run directory retention); "
+            "pass another run directory, or run without --resume."
+        ) from None

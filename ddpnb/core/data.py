@@ -72,8 +72,10 @@ def note(sent: DataSent) -> str:
     if sent.written < NOTE_BYTES:
         return ""
     reused = f", {size_text(sent.reused)} reused from earlier launches" if sent.reused else ""
-    return (f"wrote {size_text(sent.written)} of notebook data into {sent.into} for the ranks in "
-            f"{sent.seconds:.2f} s{reused} (later launches reuse it while it is unchanged)")
+    return (
+        f"wrote {size_text(sent.written)} of notebook data into {sent.into} for the ranks in "
+        f"{sent.seconds:.2f} s{reused} (later launches reuse it while it is unchanged)"
+    )
 
 
 def cpu_copy(tensor: Any) -> Any:
@@ -93,7 +95,14 @@ def flat(array: Any, numpy: Any) -> Any:
 
 def plain_tensor(tensor: Any, torch: Any) -> bool:
     """A dense CPU tensor that pickling would send as storage + offset + size + stride and nothing else."""
-    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout is torch.strided
-            and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
-            and tensor.grad_fn is None and not tensor.__dict__ and not _compat.has_backward_hooks(tensor)
-            and not any(getattr(tensor, "names", None) or ()))
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout is torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.grad_fn is None
+        and not tensor.__dict__
+        and not _compat.has_backward_hooks(tensor)
+        and not any(getattr(tensor, "names", None) or ())
+    )

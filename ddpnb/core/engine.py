@@ -69,8 +69,9 @@ class RunEvents(Protocol):
     def output(self, rank: int, stream: Stream, data: bytes) -> None:
         """Raw bytes the rank wrote to its stdout or stderr (b"": the stream ended)."""
 
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
+    def exited(
+        self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "", traceback: str = ""
+    ) -> None:
         """The rank has ended. `stopped`: by the engine's stop, not by itself; `cause`: why it failed, where the
         engine knows better than its exit code (Ray Train's own account)."""
 

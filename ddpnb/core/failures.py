@@ -39,9 +39,19 @@ class FrameLocals:
 # What a collective says when a peer died or stopped answering: such a failure is a consequence, not the cause.
 _KNOCK_ON_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
 _KNOCK_ON_TEXT = (
-    "connection closed by peer", "connection reset by peer", "broken pipe", "remote worker", "remote process",
-    "communicator was aborted", "ncclremoteerror", "watchdog caught collective operation timeout", "timed out",
-    "socket timeout", "failed to recv", "recvvalue failed", "connection refused",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote worker",
+    "remote process",
+    "communicator was aborted",
+    "ncclremoteerror",
+    "watchdog caught collective operation timeout",
+    "timed out",
+    "socket timeout",
+    "failed to recv",
+    "recvvalue failed",
+    "connection refused",
 )
 
 
@@ -68,9 +78,12 @@ class KnownCause:
 
 
 KNOWN_CAUSES = (
-    KnownCause("PermissionError: [Errno 1] Operation not permitted", "setsid(",
-               "each rank already leads its own session and process group (ddpnb stops a run by its ranks' process "
-               "groups), and a process group's leader cannot start a new session: drop the os.setsid() call."),
+    KnownCause(
+        "PermissionError: [Errno 1] Operation not permitted",
+        "setsid(",
+        "each rank already leads its own session and process group (ddpnb stops a run by its ranks' process "
+        "groups), and a process group's leader cannot start a new session: drop the os.setsid() call.",
+    ),
 )
 
 
@@ -79,8 +92,14 @@ def known_cause(summary: str, traceback: str) -> str:
     line (the source lines after the traceback's last `File` line); '' for any other error."""
     frames = traceback.rstrip().split('\n  File "')
     raising = frames[-1].splitlines()[1:] if len(frames) > 1 else []
-    return next((cause.meaning for cause in KNOWN_CAUSES
-                 if cause.summary == summary and any(cause.call in line for line in raising)), "")
+    return next(
+        (
+            cause.meaning
+            for cause in KNOWN_CAUSES
+            if cause.summary == summary and any(cause.call in line for line in raising)
+        ),
+        "",
+    )
 
 
 def root_cause(failures: list[Failure], ended_by_ddpnb: bool) -> Failure | None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import re
 import pickle
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +30,12 @@ DUMP_WAIT = 3.0  # seconds the ranks get to write their dumps (torch's monitor r
 def environment(run_dir: str | os.PathLike[str]) -> dict[str, str]:
     """What an NCCL run's ranks need in their environment for the kernel to dump their flight recorders."""
     stem = str(Path(run_dir) / STEM)
-    return {**radar_environment(), _name("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): stem,
-            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    return {
+        **radar_environment(),
+        _name("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): stem,
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
 
 
 def radar_environment() -> dict[str, str]:
@@ -68,8 +72,9 @@ def request(run_dir: str | os.PathLike[str], ranks: list[int]) -> float:
     return asked
 
 
-def collect(run_dir: str | os.PathLike[str], ranks: list[int], since: float,
-            wait: float = DUMP_WAIT) -> dict[int, dict[str, Any]]:
+def collect(
+    run_dir: str | os.PathLike[str], ranks: list[int], since: float, wait: float = DUMP_WAIT
+) -> dict[int, dict[str, Any]]:
     """The dumps the ranks wrote after `since`, read as they complete, for up to `wait` seconds."""
     dumps: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + wait
@@ -116,8 +121,13 @@ def last_collectives(rank: int, dump: dict[str, Any]) -> list[LastCollective]:
             continue
         name, desc = (list(entry.get("process_group", ("?", ""))) + [""])[:2]
         group = f"{name} ({desc})" if desc and desc != "undefined" else str(name)
-        found = LastCollective(rank, group, int(seq), str(entry.get("profiling_name", "?")).removeprefix("nccl:"),
-                               str(entry.get("state", "?")))
+        found = LastCollective(
+            rank,
+            group,
+            int(seq),
+            str(entry.get("profiling_name", "?")).removeprefix("nccl:"),
+            str(entry.get("state", "?")),
+        )
         if group not in latest or found.seq >= latest[group].seq:
             latest[group] = found
     return list(latest.values())
@@ -137,8 +147,11 @@ def summarise(dumps: dict[int, dict[str, Any]], ranks: list[int]) -> list[str]:
         shown = "; ".join(f"rank {r} #{last.seq} {last.name} ({last.state})" for r, last in sorted(lasts.items()))
         behind = sorted(r for r, last in lasts.items() if last.seq < ahead)
         missing = [r for r in ranks if r not in lasts]
-        tail = (f"; behind: {', '.join(f'rank {r} (#{lasts[r].seq} of #{ahead})' for r in behind)}" if behind
-                else "; no rank is behind")
+        tail = (
+            f"; behind: {', '.join(f'rank {r} (#{lasts[r].seq} of #{ahead})' for r in behind)}"
+            if behind
+            else "; no rank is behind"
+        )
         if missing:
             tail += f"; no entry from rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         lines.append(f"NCCL flight recorder, group {group}: {shown}{tail}")

@@ -181,12 +181,44 @@ class Profiled:
     note: str = ""  # what is missing or partial, in words
 
 
-Message = (Started | Metric | Progress | GpuMemory | StepTimes | Hardware | Returned | Failed | Imported | Stacks
-           | Output | Placed | Reply | Prompt | Profiled)
+Message = (
+    Started
+    | Metric
+    | Progress
+    | GpuMemory
+    | StepTimes
+    | Hardware
+    | Returned
+    | Failed
+    | Imported
+    | Stacks
+    | Output
+    | Placed
+    | Reply
+    | Prompt
+    | Profiled
+)
 
-KINDS: dict[str, Any] = {kind.__name__: kind for kind in (Started, Metric, Progress, GpuMemory, StepTimes, Hardware,
-                                                          Returned, Failed, Imported, Stacks, Output, Placed, Reply,
-                                                          Prompt, Profiled)}
+KINDS: dict[str, Any] = {
+    kind.__name__: kind
+    for kind in (
+        Started,
+        Metric,
+        Progress,
+        GpuMemory,
+        StepTimes,
+        Hardware,
+        Returned,
+        Failed,
+        Imported,
+        Stacks,
+        Output,
+        Placed,
+        Reply,
+        Prompt,
+        Profiled,
+    )
+}
 
 
 class CommandKind(enum.Enum):
@@ -256,7 +288,7 @@ class Frames:
                     head = 12
                 if len(pending) - start - head < size:
                     break
-                frames.append(bytes(view[start + head:start + head + size]))  # one copy
+                frames.append(bytes(view[start + head : start + head + size]))  # one copy
                 start += head + size
         del pending[:start]
         return frames

@@ -55,7 +55,7 @@ class LineDecoder:
             pieces[1:] = [_visible(piece) for piece in pieces[1:]]
         redraw = self.partial.rfind("\r", 0, len(self.partial) - 1)
         if redraw >= 0:  # only the latest redraw is visible
-            self.partial, self.partial_cut = self.partial[redraw + 1:], 0
+            self.partial, self.partial_cut = self.partial[redraw + 1 :], 0
         if len(self.partial) > MAX_LINE_CHARS:
             self.partial_cut += len(self.partial) - MAX_LINE_CHARS
             self.partial = self.partial[:MAX_LINE_CHARS]
@@ -69,7 +69,7 @@ def _visible(line: str, cut: int = 0) -> str:
     """What a terminal would show of `line`: the text after its last carriage return, cut to MAX_LINE_CHARS."""
     redraw = line.rfind("\r", 0, len(line) - 1)
     if redraw >= 0:
-        line, cut = line[redraw + 1:], 0
+        line, cut = line[redraw + 1 :], 0
     line = line.rstrip("\r")
     if len(line) > MAX_LINE_CHARS:
         line, cut = line[:MAX_LINE_CHARS], cut + len(line) - MAX_LINE_CHARS
@@ -87,7 +87,7 @@ class LineBuffer:
 
     def add(self, rank: int, stream: Stream, lines: list[str]) -> None:
         with self._lock:
-            kept = lines[-(self._lines.maxlen or len(lines)):]  # older ones would fall out at once
+            kept = lines[-(self._lines.maxlen or len(lines)) :]  # older ones would fall out at once
             first = self.count + len(lines) - len(kept) + 1
             self._lines.extend(OutputLine(seq, rank, stream, text) for seq, text in enumerate(kept, first))
             self.count += len(lines)
@@ -105,8 +105,9 @@ class LineBuffer:
         return new, count - seen - len(new), count
 
 
-def split_at_restarts(new: list[OutputLine], attempts: Sequence[AttemptRecord], seen: int
-                      ) -> Iterator[tuple[list[OutputLine], AttemptRecord | None]]:
+def split_at_restarts(
+    new: list[OutputLine], attempts: Sequence[AttemptRecord], seen: int
+) -> Iterator[tuple[list[OutputLine], AttemptRecord | None]]:
     """New lines cut where each of `attempts` (ended, not marked in the view yet) had its last line, once the view
     read up to line `seen`: (the lines before the restart, the attempt that ended there), then (the rest, None).
     How views put a restart's line where it happened."""
@@ -114,6 +115,6 @@ def split_at_restarts(new: list[OutputLine], attempts: Sequence[AttemptRecord], 
         if attempt.last_line > seen:
             break
         before = [line for line in new if line.seq <= attempt.last_line]
-        new = new[len(before):]
+        new = new[len(before) :]
         yield before, attempt
     yield new, None

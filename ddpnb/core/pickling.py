@@ -53,8 +53,12 @@ class _Pickler(cloudpickle.CloudPickler):
                 if isinstance(obj, torch.nn.Parameter):
                     return torch.nn.Parameter, (copy, obj.requires_grad)
                 return _identity, (copy.requires_grad_(obj.requires_grad),)
-        elif self.shared is not None and (numpy := sys.modules.get("numpy")) is not None \
-                and isinstance(obj, numpy.ndarray) and (reduced := self.shared.reduce_array(obj)) is not None:
+        elif (
+            self.shared is not None
+            and (numpy := sys.modules.get("numpy")) is not None
+            and isinstance(obj, numpy.ndarray)
+            and (reduced := self.shared.reduce_array(obj)) is not None
+        ):
             return reduced
         return super().reducer_override(obj)
 
@@ -124,27 +128,40 @@ def dump_command(command: Any, shared: Shipment | None = None) -> bytes:
     travel is the caller's NotPicklableError, naming it, before anything is sent."""
     try:
         return dumps(command, shared=shared)
-    except Exception as exc:  # noqa: BLE001 - as above
+    except Exception as exc:  # as above
         if command.values:
             subject, where = "the pushed values", unpicklable_path(dict(command.values), "push")
         elif command.call is not None:
             fn, args, kwargs = command.call
             subject = "the call"
-            where = next((unpicklable_path(part, label) for part, label in
-                          ((fn, _name(fn)), (args, "args"), (kwargs, "kwargs")) if not _picklable(part)),
-                         unpicklable_path(command.call, "call"))
+            where = next(
+                (
+                    unpicklable_path(part, label)
+                    for part, label in ((fn, _name(fn)), (args, "args"), (kwargs, "kwargs"))
+                    if not _picklable(part)
+                ),
+                unpicklable_path(command.call, "call"),
+            )
         else:
             raise
-        raise _not_picklable(subject, where, exc, "Create that object on the ranks instead (in a %%ranks cell, or "
-                                                  "inside the function), or send what it is built from (a path, a "
-                                                  "config).") from None
+        raise _not_picklable(
+            subject,
+            where,
+            exc,
+            "Create that object on the ranks instead (in a %%ranks cell, or "
+            "inside the function), or send what it is built from (a path, a "
+            "config).",
+        ) from None
 
 
 def _not_picklable(subject: str, where: str, exc: Exception, advice: str = "") -> NotPicklableError:
     return NotPicklableError(
         f"cannot send {subject} to the worker processes: {where} cannot be pickled ({type(exc).__name__}: {exc}).\n"
-        + (advice or "Create that object inside the function (each rank then makes its own), or pass what it is "
-                     "built from instead (a path, a config).")
+        + (
+            advice
+            or "Create that object inside the function (each rank then makes its own), or pass what it is "
+            "built from instead (a path, a config)."
+        )
     )
 
 
@@ -170,13 +187,19 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
     """What pickling `obj` by value also pickles, with a readable label for each."""
     if inspect.isfunction(obj):
         code = obj.__code__
-        items = [(f"closure {name!r}", cell.cell_contents)
-                 for name, cell in zip(code.co_freevars, obj.__closure__ or ()) if _cell_filled(cell)]
-        items += [(f"global {name!r}", obj.__globals__[name]) for name in _global_names(code)
-                  if name in obj.__globals__]
-        defaults, positional = obj.__defaults__ or (), code.co_varnames[:code.co_argcount]
-        items += [(f"default of {name!r}", value)
-                  for name, value in zip(positional[len(positional) - len(defaults):], defaults)]
+        items = [
+            (f"closure {name!r}", cell.cell_contents)
+            for name, cell in zip(code.co_freevars, obj.__closure__ or ())
+            if _cell_filled(cell)
+        ]
+        items += [
+            (f"global {name!r}", obj.__globals__[name]) for name in _global_names(code) if name in obj.__globals__
+        ]
+        defaults, positional = obj.__defaults__ or (), code.co_varnames[: code.co_argcount]
+        items += [
+            (f"default of {name!r}", value)
+            for name, value in zip(positional[len(positional) - len(defaults) :], defaults)
+        ]
         items += [(f"default of {name!r}", value) for name, value in (obj.__kwdefaults__ or {}).items()]
         return items
     if isinstance(obj, dict):

@@ -43,7 +43,10 @@ class RestartPolicy:
         return 0 if stop_asked else max(0, self.max_restarts - number)
 
     def decide(self, snapshot: AttemptSnapshot) -> Decision:
-        if snapshot.outcome in self.RESTARTABLE and not snapshot.reader_failed \
-                and self.restarts_left(snapshot.number, snapshot.stop_asked):
+        if (
+            snapshot.outcome in self.RESTARTABLE
+            and not snapshot.reader_failed
+            and self.restarts_left(snapshot.number, snapshot.stop_asked)
+        ):
             return Decision.RESTART
         return Decision.END

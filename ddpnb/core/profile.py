@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import itertools
 import json
 import re
 import time
@@ -67,9 +68,11 @@ def profile_steps(value: object) -> tuple[int, int] | None:
         first = int(found.group(1))
         last = int(found.group(2)) if found.group(2) is not None else first
     if first is None or last is None or isinstance(value, bool) or first < 1 or last < first:
-        raise LaunchError(f"profile takes the steps to profile, counted by ddpnb.log(step=...), as FIRST-LAST with "
-                          f"1 <= FIRST <= LAST (e.g. --profile 5-7), or no value for steps {DEFAULT_STEPS[0]}-"
-                          f"{DEFAULT_STEPS[1]}; not {value!r}.")
+        raise LaunchError(
+            f"profile takes the steps to profile, counted by ddpnb.log(step=...), as FIRST-LAST with "
+            f"1 <= FIRST <= LAST (e.g. --profile 5-7), or no value for steps {DEFAULT_STEPS[0]}-"
+            f"{DEFAULT_STEPS[1]}; not {value!r}."
+        )
     return first, last
 
 
@@ -133,8 +136,11 @@ class Profile:
         if not totals:
             return None
         slow = max(totals, key=totals.__getitem__)
-        waiters = [(r.rank, r.waited_for.get(slow, 0.0) / r.step) for r in self.ranks
-                   if r.rank != slow and r.step > 0 and r.waited_for.get(slow, 0.0) / r.step >= WAITED_AT_LEAST]
+        waiters = [
+            (r.rank, r.waited_for.get(slow, 0.0) / r.step)
+            for r in self.ranks
+            if r.rank != slow and r.step > 0 and r.waited_for.get(slow, 0.0) / r.step >= WAITED_AT_LEAST
+        ]
         if not waiters:
             return None
         return [rank for rank, _ in waiters], slow, [share for _, share in waiters]
@@ -175,13 +181,16 @@ class Traces:
         first = next(iter(self.sent.values()))
         steps = steps_words(tuple(first.steps) if first.steps else None)
         notes = [f"rank {rank}: {message.note}" for rank, message in sorted(self.sent.items()) if message.note]
-        notes += [f"rank {rank}'s trace could not be written ({why}): it is not in the merged trace"
-                  for rank, why in sorted(self.unwritten.items())]
+        notes += [
+            f"rank {rank}'s trace could not be written ({why}): it is not in the merged trace"
+            for rank, why in sorted(self.unwritten.items())
+        ]
         missing = [r for r in range(self.world_size) if r not in self.files and r not in self.unwritten]
         if missing and len(missing) < self.world_size:
             notes.append(f"no trace from {_ranks_words(missing)}: only the others are in the merged trace")
-        profile = Profile(trace=None, rank_traces=dict(sorted(self.files.items())), steps=steps, notes=notes,
-                          attempt=self.attempt)
+        profile = Profile(
+            trace=None, rank_traces=dict(sorted(self.files.items())), steps=steps, notes=notes, attempt=self.attempt
+        )
         if self.files:
             names = {rank: f"rank {rank} ({m.host}, {m.device})" for rank, m in self.sent.items()}
             merged = self.directory / MERGED_FILE
@@ -208,13 +217,16 @@ def _marks(events: list[dict[str, Any]], name: str, base: float) -> list[float]:
 
 def _clock(marks: dict[int, dict[str, list[float]]], rank: int) -> tuple[float, float] | None:
     """(offset of `rank`'s clock to rank 0's, round trip) from the shortest of its exchanges, in µs."""
-    trips = [(pong - ping, (ping + pong) / 2 - serve)
-             for ping, pong, serve in zip(marks[rank]["ping"], marks[rank]["pong"], marks.get(0, {}).get("serve", []))]
+    trips = [
+        (pong - ping, (ping + pong) / 2 - serve)
+        for ping, pong, serve in zip(marks[rank]["ping"], marks[rank]["pong"], marks.get(0, {}).get("serve", []))
+    ]
     return min(trips) if trips else None
 
 
-def _offsets(starts: dict[int, dict[str, list[float]]], ends: dict[int, dict[str, list[float]]],
-             hosts: dict[int, str]) -> tuple[dict[int, float], dict[int, float | None], list[int]]:
+def _offsets(
+    starts: dict[int, dict[str, list[float]]], ends: dict[int, dict[str, list[float]]], hosts: dict[int, str]
+) -> tuple[dict[int, float], dict[int, float | None], list[int]]:
     """Each rank's clock offset to rank 0's and its drift by the end (µs), one per host, the host's best measured
     rank's; and the ranks that could not be aligned (on another host than rank 0, without exchanges)."""
     home = hosts.get(0, hosts.get(min(hosts), "")) if hosts else ""
@@ -239,24 +251,33 @@ def _offsets(starts: dict[int, dict[str, list[float]]], ends: dict[int, dict[str
     return offset, drift, sorted(unaligned)
 
 
-def merge(files: dict[int, Path], names: dict[int, str], out: Path,
-          hosts: dict[int, str] | None = None) -> tuple[list[RankTime], list[str]]:
+def merge(
+    files: dict[int, Path], names: dict[int, str], out: Path, hosts: dict[int, str] | None = None
+) -> tuple[list[RankTime], list[str]]:
     """Each rank's trace read, aligned on the marks and written as one process per rank into `out`; returns the
     breakdown per rank and notes on what could not be aligned. `hosts`: each rank's machine (one clock each)."""
     hosts = hosts or {}
     traces = {rank: _load(path) for rank, path in sorted(files.items())}
     notes: list[str] = []
     base = {rank: trace.get("baseTimeNanoseconds", 0) / 1000 for rank, trace in traces.items()}  # µs
-    starts, ends = ({rank: {kind: _marks(trace["traceEvents"], f"{name}/{kind}", base[rank])
-                            for kind in ("ping", "serve", "pong")} for rank, trace in traces.items()}
-                    for name in (START_MARK, END_MARK))
+    starts, ends = (
+        {
+            rank: {
+                kind: _marks(trace["traceEvents"], f"{name}/{kind}", base[rank]) for kind in ("ping", "serve", "pong")
+            }
+            for rank, trace in traces.items()
+        }
+        for name in (START_MARK, END_MARK)
+    )
     ends = {rank: kinds for rank, kinds in ends.items() if any(kinds.values())}
     origin = base[0 if 0 in traces else min(traces)]
     # µs to subtract from each rank's absolute times
     offset, drift, unaligned = _offsets(starts, ends, {rank: hosts.get(rank, "") for rank in traces})
     if unaligned:
-        notes.append(f"{_ranks_words(unaligned)} could not be aligned with rank 0's clock (no exchange with rank 0 at "
-                     "the first profiled step); its clock is taken as it is")
+        notes.append(
+            f"{_ranks_words(unaligned)} could not be aligned with rank 0's clock (no exchange with rank 0 at "
+            "the first profiled step); its clock is taken as it is"
+        )
     worst = max((abs(d) for d in drift.values() if d is not None), default=0.0)
     if worst > 1000:
         notes.append(f"the ranks' clocks drifted apart by up to {worst / 1000:.1f} ms over the profile")
@@ -267,13 +288,13 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
     for rank, trace in traces.items():
         shift = base[rank] - origin - offset[rank]
         events = trace["traceEvents"]
-        main = next((e["pid"] for e in events if e.get("name", "").startswith((STEP_SPAN, REGION_SPAN))), None) \
-            or next((e["pid"] for e in events if e.get("cat") == "cpu_op"), None)
+        main = next((e["pid"] for e in events if e.get("name", "").startswith((STEP_SPAN, REGION_SPAN))), None) or next(
+            (e["pid"] for e in events if e.get("cat") == "cpu_op"), None
+        )
         pid = rank + 1  # pid 0 is the idle process to some viewers
         mine: list[dict[str, Any]] = []
         for event in events:
-            if event.get("ph") == "M" and event.get("name") in ("process_name", "process_sort_index",
-                                                                 "process_labels"):
+            if event.get("ph") == "M" and event.get("name") in ("process_name", "process_sort_index", "process_labels"):
                 continue
             event = dict(event)
             if "ts" in event:
@@ -285,15 +306,28 @@ def merge(files: dict[int, Path], names: dict[int, str], out: Path,
             if event.get("ph") in ("s", "f", "t") and isinstance(event.get("id"), int):
                 event["id"] = event["id"] * world + rank  # flow ids are per process: unique across ranks now
             mine.append(event)
-        events_out += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": names[rank]}},
-                       {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}}]
+        events_out += [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": names[rank]}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": rank}},
+        ]
         events_out += mine
         aligned[rank] = mine
     times = [_with_clock(t, offset[t.rank], drift[t.rank]) for t in breakdown(aligned, names)]
-    clocks = [{"rank": t.rank, "name": t.name, "offset_us": round(offset[t.rank], 3),
-               "drift_us": None if t.drift is None else round(t.drift * 1e6, 3)} for t in times]
-    document = {"traceEvents": events_out, "displayTimeUnit": "ms", "baseTimeNanoseconds": int(origin * 1000),
-                "ddpnb": {"ranks": clocks, "notes": notes}}
+    clocks = [
+        {
+            "rank": t.rank,
+            "name": t.name,
+            "offset_us": round(offset[t.rank], 3),
+            "drift_us": None if t.drift is None else round(t.drift * 1e6, 3),
+        }
+        for t in times
+    ]
+    document = {
+        "traceEvents": events_out,
+        "displayTimeUnit": "ms",
+        "baseTimeNanoseconds": int(origin * 1000),
+        "ddpnb": {"ranks": clocks, "notes": notes},
+    }
     with open(out, "wb", opener=private) as file, gzip.GzipFile(fileobj=file, mode="wb", compresslevel=3) as packed:
         packed.write(json.dumps(document, separators=(",", ":")).encode())
     return times, notes
@@ -317,10 +351,16 @@ class _Collective:
 def _collectives(events: list[dict[str, Any]]) -> dict[str, list[_Collective]]:
     """A rank's collectives by name, in order: its GPU's NCCL kernels where it has any, else the `gloo:`/`nccl:`
     spans torch records where each collective runs."""
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"
-               and _GPU_COLLECTIVE.match(e.get("name", ""))]
-    chosen = kernels or [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-                         and e.get("name", "").startswith(("gloo:", "nccl:"))]
+    kernels = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "kernel" and _GPU_COLLECTIVE.match(e.get("name", ""))
+    ]
+    chosen = kernels or [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(("gloo:", "nccl:"))
+    ]
     named: dict[str, list[_Collective]] = defaultdict(list)
     for event in sorted(chosen, key=lambda e: e["ts"]):
         named[event["name"]].append(_Collective(-1, event["ts"], event["ts"] + event.get("dur", 0)))
@@ -356,8 +396,10 @@ def breakdown(events: dict[int, list[dict[str, Any]]], names: dict[int, str]) ->
             for collective in group:
                 collective.wait_end = min(collective.end, max(collective.start, last.start))
                 collective.last = last.rank
-    return [_rank_time(rank, evs, [c for named in collectives[rank].values() for c in named], names[rank])
-            for rank, evs in events.items()]
+    return [
+        _rank_time(rank, evs, [c for named in collectives[rank].values() for c in named], names[rank])
+        for rank, evs in events.items()
+    ]
 
 
 def _rank_time(rank: int, events: list[dict[str, Any]], collectives: list[_Collective], name: str) -> RankTime:
@@ -365,10 +407,20 @@ def _rank_time(rank: int, events: list[dict[str, Any]], collectives: list[_Colle
     spans = [e for e in complete if e.get("name", "").startswith(STEP_SPAN) or e.get("name") == REGION_SPAN]
     thread = spans[0]["tid"] if spans else None
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == thread]
-    data = _union([(e["ts"], e["ts"] + e["dur"]) for e in complete
-                   if e["tid"] == thread and "DataLoader" in e.get("name", "") and "__next__" in e.get("name", "")])
-    computing = [e for e in complete if (e.get("cat") == "cpu_op" or (e.get("cat") == "kernel"))
-                 and not _COLLECTIVE.match(e.get("name", "")) and not _GPU_COLLECTIVE.match(e.get("name", ""))]
+    data = _union(
+        [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in complete
+            if e["tid"] == thread and "DataLoader" in e.get("name", "") and "__next__" in e.get("name", "")
+        ]
+    )
+    computing = [
+        e
+        for e in complete
+        if (e.get("cat") == "cpu_op" or (e.get("cat") == "kernel"))
+        and not _COLLECTIVE.match(e.get("name", ""))
+        and not _GPU_COLLECTIVE.match(e.get("name", ""))
+    ]
     compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in computing])
     waits = [(c.start, c.wait_end, c.last) for c in collectives if c.wait_end > c.start and c.last != rank]
     waiting = _union([(start, end) for start, end, _ in waits])
@@ -382,7 +434,7 @@ def _rank_time(rank: int, events: list[dict[str, Any]], collectives: list[_Colle
         for _, union in layers:
             cuts.update(t for interval in union for t in interval if span_start < t < span_end)
         edges = sorted(cuts)
-        for left, right in zip(edges, edges[1:]):
+        for left, right in itertools.pairwise(edges):
             middle = (left + right) / 2
             part = next((part for part, union in layers if _inside(union, starts[part], middle)), "other")
             parts[part] += right - left
@@ -393,13 +445,20 @@ def _rank_time(rank: int, events: list[dict[str, Any]], collectives: list[_Colle
     count = max(1, len(spans))
     per_step = {part: seconds / count / 1e6 for part, seconds in parts.items()}
     step = sum((end - start) for start, end in spans) / count / 1e6
-    return RankTime(rank=rank, name=name, spans=len(spans), step=step, **per_step,
-                    waited_for={who: seconds / count / 1e6 for who, seconds in waited_for.items()},
-                    top_ops=_top_ops(computing, spans, count))
+    return RankTime(
+        rank=rank,
+        name=name,
+        spans=len(spans),
+        step=step,
+        **per_step,
+        waited_for={who: seconds / count / 1e6 for who, seconds in waited_for.items()},
+        top_ops=_top_ops(computing, spans, count),
+    )
 
 
-def _top_ops(events: list[dict[str, Any]], spans: list[tuple[float, float]],
-             count: int) -> tuple[tuple[str, float], ...]:
+def _top_ops(
+    events: list[dict[str, Any]], spans: list[tuple[float, float]], count: int
+) -> tuple[tuple[str, float], ...]:
     """Operators (and GPU kernels) by self time inside the profiled steps, most first."""
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for event in events:

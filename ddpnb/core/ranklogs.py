@@ -110,9 +110,11 @@ class RankLogs:
 
     def _cut(self, rank: int, exc: OSError) -> None:
         log = self._logs[rank]
-        line = (f"[ddpnb] rank {rank}'s log stops at {size_text(log.written)}: writing {self._ranks[rank].log_path} "
-                f"failed ({type(exc).__name__}: {exc}); its output goes on here, and the run with it. Free space in "
-                "the run directory's file system (or point DDPNB_RUNS_DIR elsewhere) for the next run's logs.")
+        line = (
+            f"[ddpnb] rank {rank}'s log stops at {size_text(log.written)}: writing {self._ranks[rank].log_path} "
+            f"failed ({type(exc).__name__}: {exc}); its output goes on here, and the run with it. Free space in "
+            "the run directory's file system (or point DDPNB_RUNS_DIR elsewhere) for the next run's logs."
+        )
         self._lines.add(rank, Stream.STDERR, [line])
 
     def explain_crash(self, rank: int) -> bool:

@@ -12,7 +12,6 @@ from ddpnb.core.failures import Failure, known_cause
 from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
-
 TABLE_WIDTH = 120  # characters in a row of the summary table: what a notebook's output shows on one line
 LAST_LINE_MIN = 20  # characters of a rank's last line the table keeps, however wide its other columns
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
@@ -32,7 +31,7 @@ def summary_table(record: RunRecord) -> str:
     last = max(LAST_LINE_MIN, TABLE_WIDTH - len(head))
     rows = [f"{head}last line"]
     for r, state, exit_text, extra in zip(record.ranks, states, exits, radar[1:]):
-        shown = r.last_line if len(r.last_line) <= last else r.last_line[:last - 1] + "…"
+        shown = r.last_line if len(r.last_line) <= last else r.last_line[: last - 1] + "…"
         rows.append(
             f"{r.rank:>4}  {state:<{width}} {exit_text:<{exit_width}} "
             f"{format_duration(r.duration):>10}  {extra}{shown}".rstrip()
@@ -57,8 +56,10 @@ def radar_columns(ranks: list[RankRecord]) -> list[str]:
     shown = [(name, column) for name, column in zip(names, cells) if any(column)]
     widths = [max(len(name), *(len(cell) for cell in column)) for name, column in shown]
     header = "".join(f"{name:<{width}}  " for (name, _), width in zip(shown, widths))
-    return [header, *("".join(f"{column[i]:<{width}}  " for (_, column), width in zip(shown, widths))
-                      for i in range(len(ranks)))]
+    return [
+        header,
+        *("".join(f"{column[i]:<{width}}  " for (_, column), width in zip(shown, widths)) for i in range(len(ranks))),
+    ]
 
 
 def _compute_text(rank: RankRecord) -> str:
@@ -74,7 +75,11 @@ def straggler_text(rank: RankRecord) -> str:
     held = rank.holds_others
     if held is None:
         return ""
-    return f"others wait {held * 1000:.0f} ms a step for it" if held < 1 else f"others wait {format_duration(held)} a step for it"
+    return (
+        f"others wait {held * 1000:.0f} ms a step for it"
+        if held < 1
+        else f"others wait {format_duration(held)} a step for it"
+    )
 
 
 STEADY = 0.01  # resident memory that moved less than this share over the samples shown reads 'steady'
@@ -90,13 +95,18 @@ def hardware_text(rank: RankRecord, points: int = 10) -> tuple[str, str, str]:
     last = samples[-1]
     cpu = f"{last.cpu:.0f}% {sparkline([s.cpu for s in samples], max(100.0, *(s.cpu for s in samples)))}"
     low, high = min(s.rss for s in samples), max(s.rss for s in samples)
-    rss = (f"{size_text(last.rss)} steady" if high - low <= STEADY * high else
-           f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples], high, low)} "
-           f"{size_text(low)}–{size_text(high)}")
+    rss = (
+        f"{size_text(last.rss)} steady"
+        if high - low <= STEADY * high
+        else f"{size_text(last.rss)} {sparkline([float(s.rss) for s in samples], high, low)} "
+        f"{size_text(low)}–{size_text(high)}"
+    )
     gpu = ""
     if last.gpu_util is not None:
-        gpu = (f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
-               f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W")
+        gpu = (
+            f"{last.gpu_util:.0f}% {sparkline([s.gpu_util or 0.0 for s in samples], 100.0)} "
+            f"{size_text(last.gpu_memory or 0)} {last.gpu_power or 0:.0f} W"
+        )
     return cpu, rss, gpu
 
 
@@ -142,16 +152,20 @@ def diagnosis_lines(diagnosis: Diagnosis, now: float | None = None) -> list[str]
     """One line per rank with its time since its last activity, as of `now` (`time.time()`; by default when the
     diagnosis was taken): a stall that goes on counts on, since no rank has had any activity meanwhile."""
     later = 0.0 if now is None else max(0.0, now - diagnosis.taken)
-    return [f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet + later)} since its last activity"
-            for w in diagnosis.ranks]
+    return [
+        f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet + later)} since its last activity"
+        for w in diagnosis.ranks
+    ]
 
 
 def stall_headline(stall: Stall, now: float | None = None) -> str:
     """'stalled: no rank has made progress for 1 min 05 s (threshold 60 s): rank 1 is in time.sleep (...); ...',
     the time as of `now` (`time.time()`; by default when the ranks were last looked at)."""
     quiet = (stall.diagnosis.taken if now is None else now) - stall.since
-    return (f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {stall.threshold:g} s): "
-            f"{diagnosis_summary(stall.diagnosis)}")
+    return (
+        f"stalled: no rank has made progress for {format_duration(quiet)} (threshold {stall.threshold:g} s): "
+        f"{diagnosis_summary(stall.diagnosis)}"
+    )
 
 
 def grouped_stacks(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
@@ -174,16 +188,19 @@ def restart_line(attempt: AttemptRecord, max_restarts: int) -> str:
     Restarting every rank as fresh processes (restart 1 of 2); logs: rank{N}.attempt0.log (attempt 0), then
     rank{N}.attempt1.log'."""
     ended, next_ = attempt.number, attempt.number + 1
-    return (f"attempt {ended} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
-            f"(restart {next_} of {max_restarts}); logs: rank{{N}}.attempt{ended}.log (attempt {ended}), then "
-            f"rank{{N}}.attempt{next_}.log")
+    return (
+        f"attempt {ended} failed: {attempt_line(attempt)}. Restarting every rank as fresh processes "
+        f"(restart {next_} of {max_restarts}); logs: rank{{N}}.attempt{ended}.log (attempt {ended}), then "
+        f"rank{{N}}.attempt{next_}.log"
+    )
 
 
 def log_files(record: RunRecord) -> str:
     """Every rank's log of every attempt, as one path pattern (a shell's brace expansion lists them):
     `<run dir>/rank{0..3}.log`, `<run dir>/rank{0..3}.attempt{0..2}.log` after two restarts."""
-    attempts = "" if not record.max_restarts else ".attempt0" if not record.attempt else \
-        f".attempt{{0..{record.attempt}}}"
+    attempts = (
+        "" if not record.max_restarts else ".attempt0" if not record.attempt else f".attempt{{0..{record.attempt}}}"
+    )
     return f"{record.run_dir}/rank{{0..{record.world_size - 1}}}{attempts}.log"
 
 
@@ -198,8 +215,10 @@ def stopped_line(record: RunRecord) -> str:
     note = record.note or "stopped"
     said = note if note.startswith("stopped") else f"stopped ({note})"
     at = time.strftime("%H:%M:%S", time.localtime(record.ended or time.time()))
-    return (f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (the "
-            "ranks were stopped before every one had returned)")
+    return (
+        f"run {said} at {at}, {format_duration(record.duration)} after it started; it has no value (the "
+        "ranks were stopped before every one had returned)"
+    )
 
 
 class WorkerError(RuntimeError):
@@ -216,12 +235,14 @@ class WorkerError(RuntimeError):
         headline = (
             f"rank {first.rank} failed first: {first.summary}"
             if first
-            else stopped_line(record) if record.outcome is Outcome.STOPPED
+            else stopped_line(record)
+            if record.outcome is Outcome.STOPPED
             else f"run {record.outcome.value}: {record.note}"
         )
         if record.attempts:  # every attempt's first failure, the last one's first
             headline = f"attempt {record.attempt}: {headline}; " + "; ".join(
-                f"attempt {a.number}: {attempt_line(a)}" for a in reversed(record.attempts))
+                f"attempt {a.number}: {attempt_line(a)}" for a in reversed(record.attempts)
+            )
         super().__init__(headline)
 
     def report(self) -> str:
@@ -238,14 +259,14 @@ class WorkerError(RuntimeError):
             if meaning:
                 parts.append(f"ddpnb: {meaning}")
             if any(frame.values for frame in first.frames):
-                parts.append(f"\n--- rank {first.rank} locals where it raised ---\n"
-                             + "\n".join(locals_lines(first)))
+                parts.append(f"\n--- rank {first.rank} locals where it raised ---\n" + "\n".join(locals_lines(first)))
             others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
             own = [f for f in others if not f.knock_on]  # an error of the rank's own, not a collective's abort
             if own:
                 parts.append("\nalso failed:")
-                parts.extend(f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary
-                                                     else f.summary) for f in own)
+                parts.extend(
+                    f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary) for f in own
+                )
             if len(own) < len(others):
                 parts.append("\nthen, as a consequence:")
                 parts.extend(f"  rank {f.rank}: {f.summary}" for f in others if f.knock_on)
@@ -261,20 +282,25 @@ class WorkerError(RuntimeError):
             parts.append("\nthen, as a consequence:")
             parts.extend(f"  rank {f.rank}: {f.summary}" for f in sorted(record.failures, key=lambda f: f.time))
         if record.attempts:
-            parts.append(f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
-                         "the earlier ones, each ended by stopping every rank and starting them all again:")
+            parts.append(
+                f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
+                "the earlier ones, each ended by stopping every rank and starting them all again:"
+            )
             parts.extend(f"  attempt {a.number}: {attempt_line(a)}" for a in record.attempts)
         if record.internal_errors:
-            parts.append("\nddpnb's own errors while it read the ranks (a bug in ddpnb: please report it with the run "
-                         "directory):")
+            parts.append(
+                "\nddpnb's own errors while it read the ranks (a bug in ddpnb: please report it with the run "
+                "directory):"
+            )
             parts.extend(record.internal_errors)
         stacks = [r for r in record.ranks if r.stack]
         if stacks:
             parts.append("\nwhere each rank was when the run was stopped:")
             for r in stacks:
                 state = (r.stalled_state or r.state).value
-                parts.append(f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n"
-                             f"{cell_names(r.stack.rstrip())}")
+                parts.append(
+                    f"--- rank {r.rank} ({state}, last line: {r.last_line!r}) ---\n{cell_names(r.stack.rstrip())}"
+                )
         if self.summary_above:
             parts.append("\nevery rank's state and its full log: in the summary above")
         else:
@@ -305,23 +331,32 @@ class RunInterrupted(KeyboardInterrupt):
         if starting:
             said = "ddpnb: interrupted while the ranks were starting; none is running"
         elif queued is not None and self.queued:
-            said = (f"ddpnb: interrupted while {queued.what} waited in the queue ({queued.state}); it was cancelled, "
-                    "and no rank started")
+            said = (
+                f"ddpnb: interrupted while {queued.what} waited in the queue ({queued.state}); it was cancelled, "
+                "and no rank started"
+            )
         else:
             said = f"ddpnb: run interrupted after {format_duration(record.duration)}; every rank was stopped"
         super().__init__(said)
 
     def report(self) -> str:
         if self.starting:
-            return (f"KeyboardInterrupt: {self.args[0]}.\nRun the cell again when ready (a kernel's first run waits "
-                    "while ddpnb's worker process imports torch); the kernel and its variables are unchanged.")
+            return (
+                f"KeyboardInterrupt: {self.args[0]}.\nRun the cell again when ready (a kernel's first run waits "
+                "while ddpnb's worker process imports torch); the kernel and its variables are unchanged."
+            )
         if self.queued:
             return f"KeyboardInterrupt: {self.args[0]}.\nThe kernel and its variables are unchanged."
-        return "\n".join([
-            f"KeyboardInterrupt: {self.args[0]}.", "", summary_table(self.record), "",
-            f"full per-rank logs: {log_files(self.record)}",
-            "Run the cell again when ready; the kernel and its variables are unchanged.",
-        ])
+        return "\n".join(
+            [
+                f"KeyboardInterrupt: {self.args[0]}.",
+                "",
+                summary_table(self.record),
+                "",
+                f"full per-rank logs: {log_files(self.record)}",
+                "Run the cell again when ready; the kernel and its variables are unchanged.",
+            ]
+        )
 
     def _render_traceback_(self) -> list[str]:
         return self.report().splitlines()

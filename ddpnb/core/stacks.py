@@ -41,8 +41,13 @@ def user_traceback(exc: BaseException) -> str:
         return ""
     if not getattr(exc, "__ddpnb_callers__", False):
         return "".join(traceback.format_exception(type(exc), exc, tb))
-    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(traceback.extract_tb(
-        to_the_callers(tb))), *traceback.format_exception_only(type(exc), exc)])
+    return "".join(
+        [
+            "Traceback (most recent call last):\n",
+            *traceback.format_list(traceback.extract_tb(to_the_callers(tb))),
+            *traceback.format_exception_only(type(exc), exc),
+        ]
+    )
 
 
 def to_the_callers(tb: TracebackType | None) -> TracebackType | None:
@@ -68,8 +73,7 @@ def user_stack_dump(dump: str, skip_thread: str = "in _watch_kernel", only_users
         frames = [line for line in lines[1:] if not _dumped_plumbing(line)]
         # `only_users`: not ddpnb's other threads either (the hardware sampler), where only threading's start is
         # left once their own frames went (`readable` counts them instead)
-        ours = only_users and len(frames) < len(lines) - 1 and all(f'"{threading.__file__}"' in line
-                                                                   for line in frames)
+        ours = only_users and len(frames) < len(lines) - 1 and all(f'"{threading.__file__}"' in line for line in frames)
         if lines and skip_thread not in block and frames and not ours:
             threads.append("\n".join([lines[0], *frames]))
     return "\n\n".join(threads)
@@ -89,8 +93,11 @@ def user_locals(exc: BaseException) -> tuple[tuple[str, int, str, tuple[tuple[st
     while tb is not None:
         code = tb.tb_frame.f_code
         if not _library(code.co_filename):
-            values = [(name, _bounded_repr(value)) for name, value in tb.tb_frame.f_locals.items()
-                      if not name.startswith("__") and not _definition(value)]
+            values = [
+                (name, _bounded_repr(value))
+                for name, value in tb.tb_frame.f_locals.items()
+                if not name.startswith("__") and not _definition(value)
+            ]
             frames.append((code.co_filename, tb.tb_lineno, code.co_name, tuple(values[:LOCALS_SHOWN])))
         tb = tb.tb_next
     return tuple(frames[-LOCALS_FRAMES:])
@@ -108,8 +115,10 @@ def _bounded_repr(value: object) -> str:
     try:
         if torch is not None and isinstance(value, torch.Tensor):
             head = value.detach().flatten()[:4].tolist() if value.device.type == "cpu" else "..."
-            text = (f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}, "
-                    f"values={head}{'...' if value.numel() > 4 else ''})")
+            text = (
+                f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}, "
+                f"values={head}{'...' if value.numel() > 4 else ''})"
+            )
         else:
             import reprlib
 
@@ -118,7 +127,7 @@ def _bounded_repr(value: object) -> str:
             text = limits.repr(value)
     except Exception as error:  # noqa: BLE001 - the user's __repr__ failed: say so, keep the rest
         text = f"<repr failed: {type(error).__name__}>"
-    return text if len(text) <= REPR_CHARS else text[:REPR_CHARS - 3] + "..."
+    return text if len(text) <= REPR_CHARS else text[: REPR_CHARS - 3] + "..."
 
 
 def readable(dump: str) -> str:
@@ -162,7 +171,7 @@ def _package(filename: str) -> str:
 
 def _dumped_plumbing(line: str) -> bool:
     start = line.find('File "')
-    return start >= 0 and is_plumbing(line[start + 6:line.find('"', start + 6)])
+    return start >= 0 and is_plumbing(line[start + 6 : line.find('"', start + 6)])
 
 
 def thread_stack(thread_id: int) -> str:
@@ -172,17 +181,38 @@ def thread_stack(thread_id: int) -> str:
         return ""
     frames = traceback.extract_stack(frame)
     user = [i for i, entry in enumerate(frames) if not _library(entry.filename)]
-    kept = frames[user[0]:] if user else frames
+    kept = frames[user[0] :] if user else frames
     return "Stack of the training thread (most recent call last):\n" + "".join(traceback.format_list(kept))
 
 
 # what a rank blocked on a peer waits in: torch.distributed's collectives and point-to-point calls
-COLLECTIVES = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "wait",
-})
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "wait",
+    }
+)
 # what a rank waits in on the run's store (torch's own store barriers and waits; `store.get` blocks until set)
 STORE_WAITS = frozenset({"_store_based_barrier", "store_based_barrier", "synchronize", "get_all", "wait_for_workers"})
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
@@ -191,8 +221,12 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 def _library(filename: str) -> bool:
     """A frame of ddpnb, the standard library or an installed package: not where the user's code is."""
     parts = filename.split(os.sep)
-    return (is_plumbing(filename) or filename.startswith((_STDLIB, "<frozen ")) or "site-packages" in parts
-            or "dist-packages" in parts)
+    return (
+        is_plumbing(filename)
+        or filename.startswith((_STDLIB, "<frozen "))
+        or "site-packages" in parts
+        or "dist-packages" in parts
+    )
 
 
 _STDLIB = os.path.dirname(threading.__file__) + os.sep
@@ -269,8 +303,9 @@ class CrashDump:
 
     def crash_frame(self) -> tuple[str, int, str] | None:
         """(file, line, function) of the user's innermost frame in the thread that crashed."""
-        current = next((block for block in "\n".join(self.lines).split("\n\n")
-                        if block.startswith("Current thread")), "")
+        current = next(
+            (block for block in "\n".join(self.lines).split("\n\n") if block.startswith("Current thread")), ""
+        )
         for filename, line, function in _FRAME.findall(current):  # most recent call first
             if not _library(filename):
                 return filename, int(line), function

@@ -99,10 +99,17 @@ def call_on(source: str) -> str:
     return ""
 
 
-def diagnose(ranks: list[RankRecord], stacks: dict[int, str], active: list[float], returned: set[int],
-             flight: list[str] | None = None) -> Diagnosis:
+def diagnose(
+    ranks: list[RankRecord],
+    stacks: dict[int, str],
+    active: list[float],
+    returned: set[int],
+    flight: list[str] | None = None,
+) -> Diagnosis:
     """Every rank's place and quiet time, from the stacks just collected."""
     now = time.monotonic()
-    located = [locate(record, stacks.get(record.rank, ""), now - active[record.rank], record.rank in returned)
-               for record in ranks]
+    located = [
+        locate(record, stacks.get(record.rank, ""), now - active[record.rank], record.rank in returned)
+        for record in ranks
+    ]
     return Diagnosis(taken=time.time(), ranks=located, stacks=dict(stacks), flight=flight or [])

@@ -10,9 +10,9 @@ import enum
 import time
 from collections.abc import Callable
 
+from ddpnb.core.messages import StepTimes
 from ddpnb.core.record import RankRecord, RankState, Stall
 from ddpnb.core.stall import StallWatch
-from ddpnb.core.messages import StepTimes
 from ddpnb.core.stragglers import Arrivals, flag_stragglers
 
 RADAR_INTERVAL = 0.5  # seconds between two straggler verdicts while compute reports arrive
@@ -35,8 +35,9 @@ class Watchdog:
     `timeout`: seconds an attempt may run (None: no limit); `stall`: --stall's seconds (None: adaptive, 0: off);
     `paused()`: whether waiting is the ranks' job just now (a session between commands), so quiet is no stall."""
 
-    def __init__(self, world_size: int, timeout: float | None, stall: float | None,
-                 paused: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self, world_size: int, timeout: float | None, stall: float | None, paused: Callable[[], bool] = lambda: False
+    ) -> None:
         self.timeout = timeout
         self.stall = StallWatch(world_size, stall)
         self.active = self.stall.active  # each rank's latest progress, on the reader's clock
@@ -82,8 +83,15 @@ class Watchdog:
         """When (`time.time()`) any rank last made progress, as of the last check."""
         return time.time() - (time.monotonic() - self.stall.latest)
 
-    def check(self, now: float, ranks: list[RankRecord], stall: Stall | None, returned: set[int],
-              armed: bool = True, held: bool = False) -> Alarm | None:
+    def check(
+        self,
+        now: float,
+        ranks: list[RankRecord],
+        stall: Stall | None,
+        returned: set[int],
+        armed: bool = True,
+        held: bool = False,
+    ) -> Alarm | None:
         """What the clocks say at `now` (monotonic). `armed`: False once the attempt is stopping (nothing is due
         then). `held`: a rank is at a debugger prompt: neither the timeout's clock runs meanwhile nor is anyone's
         waiting a stall."""

@@ -66,5 +66,7 @@ def sparkline(values: list[float], top: float | None = None, bottom: float = 0.0
     top = top if top is not None else max(values, default=0.0)
     if not values or top <= bottom:
         return ""
-    return "".join(_BLOCKS[min(len(_BLOCKS) - 1, max(0, round((v - bottom) / (top - bottom) * (len(_BLOCKS) - 1))))]
-                   for v in values)
+    return "".join(
+        _BLOCKS[min(len(_BLOCKS) - 1, max(0, round((v - bottom) / (top - bottom) * (len(_BLOCKS) - 1))))]
+        for v in values
+    )

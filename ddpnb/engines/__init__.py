@@ -67,11 +67,15 @@ def options(name: str, given: dict[str, Any]) -> Any:
             continue
         owner = next((other for other in names() if other != name and key in _safe_option_names(other)), None)
         if owner is None:
-            raise LaunchError(f"there is no option {key!r}: see help(ddpnb.LaunchOptions), and the engine's own "
-                              f"options in help(ddpnb.engines.find({name!r}).Options).")
+            raise LaunchError(
+                f"there is no option {key!r}: see help(ddpnb.LaunchOptions), and the engine's own "
+                f"options in help(ddpnb.engines.find({name!r}).Options)."
+            )
         theirs = " and ".join(other for other in given if other in _safe_option_names(owner))  # what was given
-        raise LaunchError(f"{theirs} {'are' if ' and ' in theirs else 'is'} for the {owner} engine: add "
-                          f"engine={owner!r} (--engine {owner}).")
+        raise LaunchError(
+            f"{theirs} {'are' if ' and ' in theirs else 'is'} for the {owner} engine: add "
+            f"engine={owner!r} (--engine {owner})."
+        )
     return find(name).Options(**{key: value for key, value in given.items() if value is not None})
 
 

@@ -30,6 +30,7 @@ def pieces(offset: int, length: int, files: int) -> Iterator[tuple[int, int, int
         yield stripe % files, (stripe // files) * STRIPE + within, position - offset, stop - offset
         position = stop
 
+
 def attach(fds: dict[int, tuple[int, ...]]) -> None:
     """Map every segment this rank was given, copy-on-write, and close its fds (the mapping keeps the files)."""
     for segment_id, files in fds.items():
@@ -50,11 +51,19 @@ def _map_stripes(files: tuple[int, ...]) -> mmap.mmap:
     del start  # no buffer of it may stay exported, or it could never be unmapped
     libc = _libc()
     for index, at, first, stop in pieces(0, size, len(files)):
-        where = libc.mmap(base + first, stop - first, mmap.PROT_READ | mmap.PROT_WRITE,
-                          mmap.MAP_PRIVATE | _MAP_FIXED, files[index], at)
+        where = libc.mmap(
+            base + first,
+            stop - first,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_PRIVATE | _MAP_FIXED,
+            files[index],
+            at,
+        )
         if where != base + first:
-            raise OSError(ctypes.get_errno(), f"ddpnb: could not map notebook data into this rank: "
-                                              f"{os.strerror(ctypes.get_errno())}")
+            raise OSError(
+                ctypes.get_errno(),
+                f"ddpnb: could not map notebook data into this rank: {os.strerror(ctypes.get_errno())}",
+            )
     return reserved
 
 
@@ -92,19 +101,31 @@ def _segment(segment_id: int) -> mmap.mmap:
     try:
         return _maps[segment_id]
     except KeyError:
-        raise RuntimeError("ddpnb: notebook data was sent through shared memory this rank was not given; "
-                           "this is a bug in ddpnb, please report it") from None
+        raise RuntimeError(
+            "ddpnb: notebook data was sent through shared memory this rank was not given; "
+            "this is a bug in ddpnb, please report it"
+        ) from None
 
 
-def rebuild_tensor(segment_id: int, offset: int, nbytes: int, dtype: Any, storage_offset: int,
-                    size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
+def rebuild_tensor(
+    segment_id: int,
+    offset: int,
+    nbytes: int,
+    dtype: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> Any:
     import torch
 
     key = (segment_id, offset)
     storage = _storages.get(key)
     if storage is None:
-        storage = torch.frombuffer(_segment(segment_id), dtype=torch.uint8, count=nbytes,
-                                   offset=offset).untyped_storage()
+        storage = torch.frombuffer(
+            _segment(segment_id), dtype=torch.uint8, count=nbytes, offset=offset
+        ).untyped_storage()
         _storages[key] = storage
     tensor = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
     if parameter:

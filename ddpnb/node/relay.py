@@ -49,8 +49,9 @@ class Relay:
     def output(self, rank: int, stream: Stream, data: bytes) -> None:
         self._put(("output", rank, stream, data))
 
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
+    def exited(
+        self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "", traceback: str = ""
+    ) -> None:
         self._put(("exited", rank, exitcode, stopped))
 
     def restarted(self) -> None:
@@ -94,8 +95,13 @@ class Relay:
             self._reading_bytes += len(event[3]) if event[0] == "output" else EVENT_BYTES
 
 
-def replay(batch: list[Event], events: RunEvents, node: str, exited: Callable[[int, int | None, bool], None],
-           placed: Callable[[int, int | None], None] | None = None) -> None:
+def replay(
+    batch: list[Event],
+    events: RunEvents,
+    node: str,
+    exited: Callable[[int, int | None, bool], None],
+    placed: Callable[[int, int | None], None] | None = None,
+) -> None:
     """A relayed batch played into the kernel's `events`, in order, as the local engine would have reported it:
     ranks placed on `node` (then `placed`, for the engine's own word on it); each exit through `exited(rank,
     exitcode, stopped)`, which the engine words (a crash on its node, which ranks it counts as gone)."""

@@ -79,10 +79,12 @@ class Segment:
         except OSError as exc:
             closing()  # what was written goes at once
             self.fds = ()
-            raise LaunchError(f"ddpnb: the notebook data the function uses ({size_text(self.size)}) could not be "
-                              f"written into shared memory for the ranks: {exc.strerror or exc}. Nothing was started "
-                              "and nothing in the notebook changed: free memory (del tensors you no longer need) or "
-                              "give the ranks less data (e.g. load it inside the function).") from exc
+            raise LaunchError(
+                f"ddpnb: the notebook data the function uses ({size_text(self.size)}) could not be "
+                f"written into shared memory for the ranks: {exc.strerror or exc}. Nothing was started "
+                "and nothing in the notebook changed: free memory (del tensors you no longer need) or "
+                "give the ranks less data (e.g. load it inside the function)."
+            ) from exc
         finally:
             self._queued = []
 
@@ -97,7 +99,7 @@ class Segment:
         """Whether the bytes at `offset` are `data`, compared a chunk at a time (bytearray compares with memcmp)."""
         for index, at, start, stop in pieces(offset, len(data), len(self.fds)):
             for first in range(start, stop, CHUNK):
-                part = data[first:min(first + CHUNK, stop)]
+                part = data[first : min(first + CHUNK, stop)]
                 buffer = bytearray(len(part))
                 if os.preadv(self.fds[index], [buffer], at + first - start) != len(part) or buffer != part:
                     return False
@@ -148,14 +150,20 @@ class Store(BySource[Block]):
             for block in used.values():
                 block.launch = self.launches
             blocks = {**self.entries, **used}
-            live = {key: block for key, block in blocks.items()
-                    if block.source() is not None and block.launch > self.launches - KEEP_LAUNCHES}
+            live = {
+                key: block
+                for key, block in blocks.items()
+                if block.source() is not None and block.launch > self.launches - KEEP_LAUNCHES
+            }
             held: dict[Segment, int] = {}
             for block in live.values():
                 held[block.segment] = held.get(block.segment, 0) + block.nbytes
             newest = sorted(held, key=lambda segment: segment.id)[-MAX_SEGMENTS:]
-            self.entries = {key: block for key, block in live.items()
-                           if block.segment in newest and 2 * held[block.segment] >= block.segment.size}
+            self.entries = {
+                key: block
+                for key, block in live.items()
+                if block.segment in newest and 2 * held[block.segment] >= block.segment.size
+            }
 
     def held_bytes(self) -> int:
         """The memory the store keeps for reuse: every segment it still holds a block in."""
@@ -196,21 +204,35 @@ class MemoryShipment:
         if nbytes < MIN_BYTES:
             return None
         block = self._block(storage, _compat.tensor_version(tensor), nbytes, lambda: _storage_bytes(storage, nbytes))
-        return rebuild_tensor, (block.segment.id, block.offset, nbytes, tensor.dtype, tensor.storage_offset(),
-                                 tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad,
-                                 type(tensor) is torch.nn.Parameter)
+        return rebuild_tensor, (
+            block.segment.id,
+            block.offset,
+            nbytes,
+            tensor.dtype,
+            tensor.storage_offset(),
+            tuple(tensor.size()),
+            tuple(tensor.stride()),
+            tensor.requires_grad,
+            type(tensor) is torch.nn.Parameter,
+        )
 
     def reduce_array(self, array: Any) -> tuple[Any, ...] | None:
         numpy = sys.modules["numpy"]
         if type(array) is not numpy.ndarray or array.dtype.hasobject or array.nbytes < MIN_BYTES:
             return None
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-        block = self._block(array, None, array.nbytes, lambda: memoryview(flat(array, numpy).view(numpy.uint8)),
-                            in_place=array.flags.forc)
+        block = self._block(
+            array,
+            None,
+            array.nbytes,
+            lambda: memoryview(flat(array, numpy).view(numpy.uint8)),
+            in_place=array.flags.forc,
+        )
         return rebuild_array, (block.segment.id, block.offset, array.nbytes, array.dtype, array.shape, order)
 
-    def _block(self, source: Any, version: int | None, nbytes: int, data: Callable[[], memoryview],
-               in_place: bool = True) -> Block:
+    def _block(
+        self, source: Any, version: int | None, nbytes: int, data: Callable[[], memoryview], in_place: bool = True
+    ) -> Block:
         """The block `source` (its bytes: `data()`, a view of them in place or, not `in_place`, a copy) lies in for
         this launch: one an earlier launch wrote, if unchanged, or one placed in this launch's segment now."""
         key = id(source)
@@ -219,8 +241,9 @@ class MemoryShipment:
             return block
         began = time.perf_counter()
         block = self.store.find(key, source)
-        if block is not None and (block.version == version if version is not None
-                                  else block.segment.same(block.offset, data())):
+        if block is not None and (
+            block.version == version if version is not None else block.segment.same(block.offset, data())
+        ):
             self.reused += block.nbytes
         else:
             if self.segment is None:

@@ -25,10 +25,10 @@ def location(filename: str, line: int) -> str:
     return f"{name}, line {line}" if name else f'File "{filename}", line {line}'
 
 
-def _format(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-            line: str | None = None) -> str:
+def _format(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
     """Python's own format, the cell's name in place of its file: 'Cell In[7], line 4: UserWarning: ...'."""
     text = _plain_format(message, category, filename, lineno, line)
     name = _names.get(filename)
     return text.replace(f"{filename}:{lineno}:", f"{name}, line {lineno}:", 1) if name else text
-

@@ -76,8 +76,9 @@ def save_checkpoint(state: Mapping[str, Any], step: int, asynchronous: bool = Fa
         future = getattr(future, "upload_completion", future)  # a response holding futures, in some versions
         completed = threading.Event()
         if dist.get_rank() == 0:
-            future.add_done_callback(lambda done: _mark_complete(done, partial, final, spec.keep_checkpoints,
-                                                                 completed))
+            future.add_done_callback(
+                lambda done: _mark_complete(done, partial, final, spec.keep_checkpoints, completed)
+            )
         else:
             completed.set()
         _pending = _SaveInFlight(future, step, final, completed)
@@ -106,12 +107,15 @@ def _check_shared(root: Path, token: Path) -> None:
     blind = [(rank, host) for rank, (found, host) in enumerate(seen) if not found]
     if blind:
         hosts = sorted({host for _, host in blind})
-        raise the_callers(RuntimeError(
-            f"ddpnb.save_checkpoint: the checkpoint directory {root} is not shared by every rank: rank"
-            f"{'s' if len(blind) > 1 else ''} {', '.join(str(rank) for rank, _ in blind)} (on "
-            f"{', '.join(hosts)}) cannot see what rank 0 wrote there, so a checkpoint would be split between the "
-            "nodes and could not be loaded. Pass --checkpoint-dir (checkpoint_dir=) a directory on a filesystem "
-            "every node shares (your home or scratch directory); nothing was saved."))
+        raise the_callers(
+            RuntimeError(
+                f"ddpnb.save_checkpoint: the checkpoint directory {root} is not shared by every rank: rank"
+                f"{'s' if len(blind) > 1 else ''} {', '.join(str(rank) for rank, _ in blind)} (on "
+                f"{', '.join(hosts)}) cannot see what rank 0 wrote there, so a checkpoint would be split between the "
+                "nodes and could not be loaded. Pass --checkpoint-dir (checkpoint_dir=) a directory on a filesystem "
+                "every node shares (your home or scratch directory); nothing was saved."
+            )
+        )
     _shared_root = root
 
 
@@ -191,16 +195,21 @@ def _engine_latest() -> tuple[int, Path] | None:
 def _spec(name: str) -> Any:
     context = ctx.current()
     if context is None or context.spec is None or not context.spec.checkpoint_dir:
-        raise RuntimeError(f"ddpnb.{name} works inside a ddpnb rank (a %%ddp cell's function, or ddpnb.run's): its "
-                           "checkpoints belong to the run. Outside one, call torch.distributed.checkpoint directly.")
+        raise RuntimeError(
+            f"ddpnb.{name} works inside a ddpnb rank (a %%ddp cell's function, or ddpnb.run's): its "
+            "checkpoints belong to the run. Outside one, call torch.distributed.checkpoint directly."
+        )
     from ddpnb.rank import group
 
     own = group.own_group()
     if own is not None:
-        raise the_callers(RuntimeError(
-            f"ddpnb.{name} needs the run's own process group, and this rank's code replaced it with "
-            f"init_process_group ({own}): call torch.distributed.checkpoint directly, or leave the "
-            "process group ddpnb makes."))
+        raise the_callers(
+            RuntimeError(
+                f"ddpnb.{name} needs the run's own process group, and this rank's code replaced it with "
+                f"init_process_group ({own}): call torch.distributed.checkpoint directly, or leave the "
+                "process group ddpnb makes."
+            )
+        )
     return context.spec
 
 
@@ -211,8 +220,12 @@ def _state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if not isinstance(state, Mapping):
-        raise the_callers(TypeError("ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': "
-                                    f"opt}}, not {type(state).__name__}."))
+        raise the_callers(
+            TypeError(
+                "ddpnb checkpoints take a dict of what to save, e.g. {'model': model, 'opt': "
+                f"opt}}, not {type(state).__name__}."
+            )
+        )
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.nn.Module):
@@ -249,8 +262,12 @@ def _model_of(optimizer: Any, state: Mapping[str, Any], key: str) -> Any:
     for value in state.values():
         if isinstance(value, torch.nn.Module) and any(id(p) in params for p in value.parameters()):
             return value
-    raise the_callers(ValueError(f"ddpnb checkpoints: the optimizer {key!r} trains no model in the same dict; put "
-                                 f"its model next to it, e.g. {{'model': model, {key!r}: {key}}}."))
+    raise the_callers(
+        ValueError(
+            f"ddpnb checkpoints: the optimizer {key!r} trains no model in the same dict; put "
+            f"its model next to it, e.g. {{'model': model, {key!r}: {key}}}."
+        )
+    )
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -53,8 +53,12 @@ class RankPdb(pdb.Pdb):
     def __init__(self, context: ctx.RankContext) -> None:
         gathered = _Gathered()
         # stepping never stops inside ddpnb or torch: a prompt always lands on the user's own line
-        super().__init__(stdin=_Answers(context, gathered), stdout=gathered,  # type: ignore[arg-type]
-                         skip=["ddpnb.*", "torch.*"], nosigint=True)
+        super().__init__(
+            stdin=_Answers(context, gathered),
+            stdout=gathered,  # type: ignore[arg-type]
+            skip=["ddpnb.*", "torch.*"],
+            nosigint=True,
+        )
         self.use_rawinput = False
         self.prompt = "(Pdb) "
 
@@ -74,14 +78,19 @@ def post_mortem(context: ctx.RankContext, exc: BaseException) -> None:
 
 def install(context: ctx.RankContext, prompts: bool) -> None:
     """Every way user code enters pdb, pointed at the notebook (`prompts`) or at a note that skips it."""
+
     def enter(frame: FrameType) -> None:
         if prompts:
             RankPdb(context).set_trace(frame)
         else:
             where = cells.location(frame.f_code.co_filename, frame.f_lineno)
-            print(f"[ddpnb] breakpoint() on rank {context.rank} at {where} skipped: this front end takes no input "
-                  "(nbclient, a script, a --background run); run the cell in Jupyter, in the foreground, to get "
-                  "its prompt.", file=sys.stderr, flush=True)
+            print(
+                f"[ddpnb] breakpoint() on rank {context.rank} at {where} skipped: this front end takes no input "
+                "(nbclient, a script, a --background run); run the cell in Jupyter, in the foreground, to get "
+                "its prompt.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def breakpointhook(*args: Any, **kwargs: Any) -> None:
         enter(sys._getframe(1))
@@ -93,6 +102,7 @@ def install(context: ctx.RankContext, prompts: bool) -> None:
     pdb.set_trace = set_trace
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None:
+
         def distributed_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
             """torch's: every rank meets at a barrier, then `rank`'s prompt opens at the caller's next line
             (torch's reads /dev/stdin, which a rank does not have)."""

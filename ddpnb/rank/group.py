@@ -44,16 +44,25 @@ def _init_from_user_code(backend: str | None = None, init_method: str | None = N
             return
         dist.destroy_process_group()
     if not runs:
-        print(f"ddpnb: rank {os.environ['RANK']} called init_process_group for a group of its own (world size "
-              f"{world_size}, rank {rank}; the run's is world size {os.environ['WORLD_SIZE']}): it gets that group. "
-              "ddpnb.save_checkpoint and the straggler radar need the run's group, and are off on this rank.",
-              file=sys.stderr, flush=True)
+        print(
+            f"ddpnb: rank {os.environ['RANK']} called init_process_group for a group of its own (world size "
+            f"{world_size}, rank {rank}; the run's is world size {os.environ['WORLD_SIZE']}): it gets that group. "
+            "ddpnb.save_checkpoint and the straggler radar need the run's group, and are off on this rank.",
+            file=sys.stderr,
+            flush=True,
+        )
     kwargs.pop("rank", None)
     kwargs.pop("world_size", None)
     store = kwargs.pop("store", None) if not runs else None  # the run's group is always on the run's store
     # ranks asking for the same group meet under the same prefix
-    new_group(backend, rank=rank, world_size=world_size, store=store,
-              prefix=None if runs else f"ddpnb/own/{world_size}/{init_method or 'env://'}", **kwargs)
+    new_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        prefix=None if runs else f"ddpnb/own/{world_size}/{init_method or 'env://'}",
+        **kwargs,
+    )
 
 
 def _asked(init_method: str | None, kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -64,8 +73,11 @@ def _asked(init_method: str | None, kwargs: dict[str, Any]) -> tuple[int, int]:
     query = {key: values[-1] for key, values in parse_qs(urlparse(init_method or "").query).items()}
     rank, world_size = kwargs.get("rank", -1), kwargs.get("world_size", -1)
     rank = rank if rank is not None and rank >= 0 else int(query.get("rank", os.environ["RANK"]))
-    world_size = (world_size if world_size is not None and world_size >= 0
-                  else int(query.get("world_size", os.environ["WORLD_SIZE"])))
+    world_size = (
+        world_size
+        if world_size is not None and world_size >= 0
+        else int(query.get("world_size", os.environ["WORLD_SIZE"]))
+    )
     return rank, world_size
 
 
@@ -86,8 +98,15 @@ def _usable(backend: str) -> bool:
     return not (backend.lower() == "nccl" and ctx.device() == "cpu")
 
 
-def new_group(backend: str | None, *, rank: int | None = None, world_size: int | None = None,
-              prefix: str | None = None, store: Any = None, **kwargs: Any) -> None:
+def new_group(
+    backend: str | None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    prefix: str | None = None,
+    store: Any = None,
+    **kwargs: Any,
+) -> None:
     """The default process group: the run's (the environment's rank and world size), or the one the user's code
     asked for; on `store`, or this run's store under a key prefix of its own."""
     import torch.distributed as dist

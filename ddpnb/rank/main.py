@@ -24,8 +24,9 @@ Setup = Callable[[int, WorkerSpec], str]  # the rank's environment and device; r
 JoinGroup = Callable[[ctx.RankContext, WorkerSpec], None]  # the process group, ready when the function starts
 
 
-def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, join_group: JoinGroup,
-                 result_fd: int | None = None) -> None:
+def run_function(
+    context: ctx.RankContext, spec_payload: bytes, setup: Setup, join_group: JoinGroup, result_fd: int | None = None
+) -> None:
     """The rank's whole life inside its engine: raises SystemExit(1) after reporting a failure, SystemExit(n)
     after reporting the function's own sys.exit(n)."""
     rank = context.rank
@@ -44,10 +45,12 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         group.patch_init_process_group()
         progress.install_hook()
         if context.device.startswith("cuda"):
-            threading.Thread(target=progress.report_gpu_memory, args=(context,), name="ddpnb-gpu-memory",
-                             daemon=True).start()
-        threading.Thread(target=radar.sample_hardware, args=(rank, context.device, context.send),
-                         name="ddpnb-hardware", daemon=True).start()
+            threading.Thread(
+                target=progress.report_gpu_memory, args=(context,), name="ddpnb-gpu-memory", daemon=True
+            ).start()
+        threading.Thread(
+            target=radar.sample_hardware, args=(rank, context.device, context.send), name="ddpnb-hardware", daemon=True
+        ).start()
         join_group(context, spec)
         debug.install(context, spec.prompts)
         if spec.profile is not None:  # only then: a run without --profile never imports the profiler's code
@@ -66,8 +69,12 @@ def run_function(context: ctx.RankContext, spec_payload: bytes, setup: Setup, jo
         raise
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the user's failure: report it as data, exit non-zero
         # --debug: at the raising frame first, then the usual report; not where the rank only saw a peer fail
-        if context.spec is not None and context.spec.debug and not isinstance(exc, KeyboardInterrupt) \
-                and not is_knock_on(type(exc).__name__, str(exc)):
+        if (
+            context.spec is not None
+            and context.spec.debug
+            and not isinstance(exc, KeyboardInterrupt)
+            and not is_knock_on(type(exc).__name__, str(exc))
+        ):
             debug.post_mortem(context, exc)
         _report(context, exc, message=str(exc))
         raise SystemExit(1) from None
@@ -103,8 +110,15 @@ def _named_in(payload: bytes, modules: set[str]) -> tuple[str, ...]:
     installed = {name for name in modules if _installed(sys.modules.get(name))}
     if not installed or len(payload) > 10_000_000:  # reading a big closure's opcodes would delay the function
         return ()
-    return tuple(sorted({top for _, arg, _ in pickletools.genops(payload)
-                         if isinstance(arg, str) and (top := arg.partition(".")[0]) in installed}))
+    return tuple(
+        sorted(
+            {
+                top
+                for _, arg, _ in pickletools.genops(payload)
+                if isinstance(arg, str) and (top := arg.partition(".")[0]) in installed
+            }
+        )
+    )
 
 
 def _installed(module: Any) -> bool:
@@ -113,8 +127,16 @@ def _installed(module: Any) -> bool:
 
 
 def _report(context: ctx.RankContext, exc: BaseException, message: str) -> None:
-    context.send(msg.Failed(rank=context.rank, time=time.time(), exc_type=type(exc).__qualname__,
-                            message=message, traceback=user_traceback(exc), frames=user_locals(exc)))
+    context.send(
+        msg.Failed(
+            rank=context.rank,
+            time=time.time(),
+            exc_type=type(exc).__qualname__,
+            message=message,
+            traceback=user_traceback(exc),
+            frames=user_locals(exc),
+        )
+    )
 
 
 def _reseed() -> None:
@@ -127,14 +149,16 @@ def _reseed() -> None:
         sys.modules["numpy.random"].seed()
 
 
-def call_arguments(fn: Any, rank: Any, world_size: Any, args: tuple[Any, ...],
-                   call_style: CallStyle) -> tuple[Any, ...]:
+def call_arguments(
+    fn: Any, rank: Any, world_size: Any, args: tuple[Any, ...], call_style: CallStyle
+) -> tuple[Any, ...]:
     """What the rank calls `fn` with: `fn(rank, *args)` for `spawn`; otherwise fn(), fn(rank) or
     fn(rank, world_size) by its parameters, then `args`. The kernel checks the call with stand-ins first."""
     if call_style is CallStyle.SPAWN:
         return (rank, *args)
-    positional = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if args:  # rank and world_size fill the positional slots the args leave, defaulted ones included
         leading = len(positional) - len(args)
     else:  # fn(), fn(rank), fn(rank, world_size): defaulted parameters keep their defaults

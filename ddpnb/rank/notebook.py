@@ -67,9 +67,13 @@ def _with_notebook_main(original: Any) -> Any:
 def _definitions() -> dict[str, Any]:
     """What plain pickle may look up by name in `__main__`: its classes and functions defined in the notebook."""
     main = sys.modules["__main__"]
-    return {name: value for name, value in vars(main).items()
-            if isinstance(value, (type, types.FunctionType)) and getattr(value, "__module__", None) == "__main__"
-            and getattr(value, "__qualname__", None) == name}
+    return {
+        name: value
+        for name, value in vars(main).items()
+        if isinstance(value, (type, types.FunctionType))
+        and getattr(value, "__module__", None) == "__main__"
+        and getattr(value, "__qualname__", None) == name
+    }
 
 
 def _written() -> str:
@@ -110,4 +114,3 @@ def rebuild(namespace: dict[str, Any]) -> None:
         except Exception:  # noqa: BLE001, S112 - a module only the rank could import, say: the others still come
             continue
         namespace[name] = value
-

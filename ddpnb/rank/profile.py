@@ -83,9 +83,11 @@ class Window:
         if spec is None or spec.world_size == 1:
             return
         if not meet(self.context, f"ddpnb/profile/{name}/ready"):
-            self.notes.append(f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
-                              f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
-                              "(call ddpnb.log(step=...) on every rank)")
+            self.notes.append(
+                f"the other ranks did not reach the {'first' if name == START_MARK else 'last'} "
+                f"profiled step within {MEET_WAIT:g} s of this one: its clock is not aligned "
+                "(call ddpnb.log(step=...) on every rank)"
+            )
             return
         for exchange in range(EXCHANGES):
             if not self._exchange(name, f"ddpnb/profile/{name}/{exchange}", spec.world_size):
@@ -135,8 +137,11 @@ def meet(context: ctx.RankContext, key: str, wait: float = MEET_WAIT) -> bool:
 
 
 def send(context: ctx.RankContext, trace: bytes, steps: tuple[int, int] | None, note: str = "") -> None:
-    context.send(msg.Profiled(rank=context.rank, host=socket.gethostname(), device=context.device, trace=trace,
-                              steps=steps, note=note))
+    context.send(
+        msg.Profiled(
+            rank=context.rank, host=socket.gethostname(), device=context.device, trace=trace, steps=steps, note=note
+        )
+    )
 
 
 def _claim(context: ctx.RankContext, what: str) -> bool:
@@ -144,8 +149,11 @@ def _claim(context: ctx.RankContext, what: str) -> bool:
     global _windows
     _windows += 1
     if _windows == 2 and context.rank == 0:
-        print(f"[ddpnb] {what} is not profiled: a run profiles once per attempt (--profile's steps or the first "
-              "ddpnb.profile() region), and this one has already.", file=sys.stderr)
+        print(
+            f"[ddpnb] {what} is not profiled: a run profiles once per attempt (--profile's steps or the first "
+            "ddpnb.profile() region), and this one has already.",
+            file=sys.stderr,
+        )
     return _windows == 1
 
 
@@ -169,9 +177,13 @@ class StepWindow:
         if self.window is None:
             if step >= self.last:
                 self.done = True
-                send(self.context, b"", (self.first, self.last),
-                     f"no ddpnb.log(step=...) came between step {self.first - 1} and {self.last} (the first step "
-                     f"logged after them was {step}): nothing was profiled")
+                send(
+                    self.context,
+                    b"",
+                    (self.first, self.last),
+                    f"no ddpnb.log(step=...) came between step {self.first - 1} and {self.last} (the first step "
+                    f"logged after them was {step}): nothing was profiled",
+                )
             elif step >= self.first - 1:
                 self.done = not _claim(self.context, steps_words((self.first, self.last)))
                 if not self.done:
@@ -199,8 +211,12 @@ class StepWindow:
             self.window.close(mark=False)
         elif _windows == 0:
             logged = "no step" if self.latest is None else f"the last step logged was {self.latest}"
-            send(self.context, b"", (self.first, self.last),
-                 f"nothing was profiled: {logged} (--profile counts the steps given to ddpnb.log(step=...))")
+            send(
+                self.context,
+                b"",
+                (self.first, self.last),
+                f"nothing was profiled: {logged} (--profile counts the steps given to ddpnb.log(step=...))",
+            )
 
 
 @contextlib.contextmanager

@@ -39,11 +39,23 @@ def _tqdm_display(bar: Any, msg: str | None = None, pos: int | None = None) -> b
     context = ctx.current()
     if context is not None:
         counters = bar.format_dict
-        layout = "{n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]" if bar.total else \
-            "{n_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+        layout = (
+            "{n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+            if bar.total
+            else "{n_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+        )
         text = bar.format_meter(**{**counters, "prefix": "", "bar_format": layout})
-        context.send(Progress(rank=context.rank, bar=id(bar), desc=str(bar.desc or "").rstrip(": "),
-                               n=bar.n, total=bar.total, text=text, closed=closing))
+        context.send(
+            Progress(
+                rank=context.rank,
+                bar=id(bar),
+                desc=str(bar.desc or "").rstrip(": "),
+                n=bar.n,
+                total=bar.total,
+                text=text,
+                closed=closing,
+            )
+        )
     return True
 
 
@@ -56,6 +68,11 @@ def report_gpu_memory(context: ctx.RankContext) -> None:
 
     index = torch.device(context.device).index or 0  # not current_device(): that is per thread
     while True:
-        context.send(GpuMemory(rank=context.rank, reserved=torch.cuda.memory_reserved(index),
-                                    peak=torch.cuda.max_memory_reserved(index)))
+        context.send(
+            GpuMemory(
+                rank=context.rank,
+                reserved=torch.cuda.memory_reserved(index),
+                peak=torch.cuda.max_memory_reserved(index),
+            )
+        )
         time.sleep(GPU_MEMORY_INTERVAL)

@@ -87,8 +87,9 @@ class StepClock:
             self.every //= 2
         while wall / steps * self.every < STEP_REPORT_INTERVAL:
             self.every *= 2
-        due = StepTimes(rank=rank, steps=steps, wall=wall, compute=busy - self.busy, step=step,
-                        arrivals=self.arrivals(previous))
+        due = StepTimes(
+            rank=rank, steps=steps, wall=wall, compute=busy - self.busy, step=step, arrivals=self.arrivals(previous)
+        )
         self.step, self.at, self.busy = step, now, busy
         return due
 
@@ -129,9 +130,11 @@ class Gpu:
             return None
         nvml = self.nvml
         try:
-            return (float(nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
-                    int(nvml.nvmlDeviceGetMemoryInfo(self.handle).used),
-                    nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000)
+            return (
+                float(nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
+                int(nvml.nvmlDeviceGetMemoryInfo(self.handle).used),
+                nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000,
+            )
         except nvml.NVMLError:
             return None
 
@@ -147,8 +150,9 @@ def _nvml_handle(pynvml: Any, device: str) -> Any:
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
-def sample_hardware(rank: int, device: str, send: Callable[[Message], None],
-                    interval: float = HARDWARE_INTERVAL) -> None:
+def sample_hardware(
+    rank: int, device: str, send: Callable[[Message], None], interval: float = HARDWARE_INTERVAL
+) -> None:
     """The hardware thread: one `Hardware` message an `interval`, for the rank's whole life."""
     gpu = Gpu(device)
     cpu_before, _ = process_sample()
@@ -158,7 +162,15 @@ def sample_hardware(rank: int, device: str, send: Callable[[Message], None],
         cpu, rss = process_sample()
         now = time.monotonic()
         used = gpu.read()
-        send(Hardware(rank=rank, time=time.time(), cpu=100 * (cpu - cpu_before) / (now - before),
-                      rss=rss or 0, gpu_util=used[0] if used else None,
-                      gpu_memory=used[1] if used else None, gpu_power=used[2] if used else None))
+        send(
+            Hardware(
+                rank=rank,
+                time=time.time(),
+                cpu=100 * (cpu - cpu_before) / (now - before),
+                rss=rss or 0,
+                gpu_util=used[0] if used else None,
+                gpu_memory=used[1] if used else None,
+                gpu_power=used[2] if used else None,
+            )
+        )
         cpu_before, before = cpu, now

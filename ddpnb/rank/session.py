@@ -59,15 +59,22 @@ def _answer(rank: int, command: msg.Command, namespace: dict[str, Any]) -> msg.R
         try:
             payload = dumps(value)
         except Exception as exc:  # noqa: BLE001 - cloudpickle raises TypeError, PicklingError, ...
-            raise TypeError(f"the value cannot be sent to the notebook: {unpicklable_path(value, 'value')} cannot be "
-                            f"pickled ({type(exc).__name__}: {exc}); keep it on the ranks (assign it to a name) "
-                            "and pull what can travel") from None
+            raise TypeError(
+                f"the value cannot be sent to the notebook: {unpicklable_path(value, 'value')} cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); keep it on the ranks (assign it to a name) "
+                "and pull what can travel"
+            ) from None
         return msg.Reply(rank=rank, command=command.number, payload=payload)
     except BaseException as exc:  # noqa: BLE001 - the user's error (KeyboardInterrupt, SystemExit too) is the answer
         if command.kind is not msg.CommandKind.DEBUG:
             _last_error = exc
-        return msg.Reply(rank=rank, command=command.number, exc_type=type(exc).__qualname__, message=str(exc),
-                         traceback=user_traceback(exc))
+        return msg.Reply(
+            rank=rank,
+            command=command.number,
+            exc_type=type(exc).__qualname__,
+            message=str(exc),
+            traceback=user_traceback(exc),
+        )
 
 
 def _run(command: msg.Command, namespace: dict[str, Any]) -> Any:

@@ -115,8 +115,10 @@ class HostConnections:
         self.wake()
 
     def _refused(self, peer: Any, exc: BaseException) -> None:
-        line = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} refused a connection from {_peer(peer)}: "
-                f"{type(exc).__name__}: {exc or 'it closed before proving the secret'}\n")
+        line = (
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} refused a connection from {_peer(peer)}: "
+            f"{type(exc).__name__}: {exc or 'it closed before proving the secret'}\n"
+        )
         log.warning("ddpnb channel: %s", line.strip())
         try:
             with open(Path(self._run_dir) / CHANNEL_LOG, "a", opener=rundir.private) as file:
@@ -143,8 +145,11 @@ class HostConnections:
             self._arrived(conn, hello)
 
     def _arrived(self, conn: Connection, hello: Hello) -> None:
-        if not 0 <= hello.node_index < len(self.links) or self.links[hello.node_index].hello is not None \
-                or self.stopping:
+        if (
+            not 0 <= hello.node_index < len(self.links)
+            or self.links[hello.node_index].hello is not None
+            or self.stopping
+        ):
             conn.close()  # a stopped run forks nothing more; a second host for a node cannot exist: a bug
             return
         link = self.links[hello.node_index]
@@ -178,8 +183,9 @@ class HostConnections:
 
         threading.Thread(target=send, name=f"ddpnb-setup-{link.index}", daemon=True).start()
 
-    def _control(self, link: HostLink, kind: Control, value: Any = None, files: Files | None = None,
-                 keep: Any = None) -> None:
+    def _control(
+        self, link: HostLink, kind: Control, value: Any = None, files: Files | None = None, keep: Any = None
+    ) -> None:
         """To the node's host once it has its setup; until then queued behind it (`keep`: what must live till it
         is sent, a session command's shipment)."""
         with link.lock:
@@ -251,8 +257,11 @@ class HostConnections:
         """SIGKILL from each host to its ranks; a host that cannot be told at once is hung up, which ends its ranks
         (their lifeline). Whether every host came: one that did not is the engine's to end (its task)."""
         for link in self.links:
-            if link.conn is not None and link.closed_at is None and \
-                    not (link.ready and _send(link, Control.ESCALATE, wait=False)):
+            if (
+                link.conn is not None
+                and link.closed_at is None
+                and not (link.ready and _send(link, Control.ESCALATE, wait=False))
+            ):
                 self._hang_up(link)
         return all(link.hello is not None for link in self.links)
 
@@ -285,9 +294,14 @@ class HostConnections:
                 self._control(link, Control.COMMAND, (mine, command), files, shipment)
                 continue
             # every node's data at once; each sender holds the shipment, whose files it reads, till it is done
-            senders.append(threading.Thread(target=self._control,
-                                            args=(link, Control.COMMAND, (mine, command), files, shipment),
-                                            name=f"ddpnb-send-{link.index}", daemon=True))
+            senders.append(
+                threading.Thread(
+                    target=self._control,
+                    args=(link, Control.COMMAND, (mine, command), files, shipment),
+                    name=f"ddpnb-send-{link.index}",
+                    daemon=True,
+                )
+            )
             senders[-1].start()
         for sender in senders:
             sender.join()

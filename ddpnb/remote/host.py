@@ -54,8 +54,10 @@ class NodeHost:
         self.scratch = tempfile.mkdtemp(prefix=f"ddpnb-{place.engine}-")  # the ranks' stack files, on this node
         threads = _threads_per_rank(len(setup.seats), place.cpus)
         environ = dict(os.environ)  # the host's environment on this node (its scheduler's, CUDA_VISIBLE_DEVICES)
-        seats = [replace(seat, stack_dir=self.scratch, environ={**environ, **threads, **seat.environ})
-                 for seat in setup.seats]
+        seats = [
+            replace(seat, stack_dir=self.scratch, environ={**environ, **threads, **seat.environ})
+            for seat in setup.seats
+        ]
         self.ranks = ForkedRanks(seats)
         self.files = dict(files)  # segment id -> this host's memory files of it, while `holdings` holds it
         self.holdings = Holdings(files)
@@ -63,8 +65,9 @@ class NodeHost:
 
     def start(self, setup: Setup, store: socket.socket | None) -> None:
         with forkserver.lock:
-            self.ranks.start(self.relay, forkserver.context_held(), setup.spec_payload, self.files, store, None,
-                             setup.commands)
+            self.ranks.start(
+                self.relay, forkserver.context_held(), setup.spec_payload, self.files, store, None, setup.commands
+            )
         self.reader = threading.Thread(target=self._serve, name=f"ddpnb-{self.place.engine}-reader", daemon=True)
         self.reader.start()
         threading.Thread(target=self._forward, name=f"ddpnb-{self.place.engine}-sender", daemon=True).start()
@@ -101,8 +104,9 @@ class NodeHost:
             elif kind is Control.ESCALATE:
                 self.ranks.escalate()
             elif kind is Control.STACKS:  # takes a second (the ranks write their stacks): not in this loop
-                threading.Thread(target=self._send_stacks, args=value, name=f"ddpnb-{self.place.engine}-stacks",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._send_stacks, args=value, name=f"ddpnb-{self.place.engine}-stacks", daemon=True
+                ).start()
             elif kind is Control.COMMAND:  # with the segments this host lacks; the others it holds
                 ranks, command, shape, ids = value
                 self.files.update(receive_data(self.conn.fileno(), shape, self.place.engine) if shape else {})
@@ -138,9 +142,18 @@ def serve(address: tuple[str, int], secret: bytes, place: Place) -> None:
     keepalive(conn)
     here = _address_towards(address)
     store = bind_store_socket(here) if place.node_index == 0 else None  # rank 0's TCPStore, on this node
-    conn.send_bytes(pickle.dumps(Hello(
-        node_index=place.node_index, node=place.node or socket.gethostname(), host=here, pid=os.getpid(),
-        step=place.step, store_port=store.getsockname()[1] if store else 0)))
+    conn.send_bytes(
+        pickle.dumps(
+            Hello(
+                node_index=place.node_index,
+                node=place.node or socket.gethostname(),
+                host=here,
+                pid=os.getpid(),
+                step=place.step,
+                store_port=store.getsockname()[1] if store else 0,
+            )
+        )
+    )
     host = None
     try:
         kind, setup = pickle.loads(conn.recv_bytes())

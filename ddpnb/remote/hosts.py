@@ -64,17 +64,31 @@ class Hosts(Generic[Key]):
         """Ranks no host will report (their host lost with its node, or never come): failed with `cause`, or, for a
         run being stopped, ended as stopped (code -SIGKILL unless given)."""
         for rank in list(ranks):
-            self.end(rank, code if code is not None else -signal.SIGKILL if stopped else 1, stopped=stopped,
-                     cause="" if stopped else cause)
+            self.end(
+                rank,
+                code if code is not None else -signal.SIGKILL if stopped else 1,
+                stopped=stopped,
+                cause="" if stopped else cause,
+            )
 
-    def replay(self, host: Key, name: str, batch: list[Event], where: str = "",
-               placed: Callable[[int, int | None], None] | None = None) -> None:
+    def replay(
+        self,
+        host: Key,
+        name: str,
+        batch: list[Event],
+        where: str = "",
+        placed: Callable[[int, int | None], None] | None = None,
+    ) -> None:
         """A host's relayed batch, into the run's events, in order (`node.relay.replay`): ranks placed on node
         `name`; a rank killed by a signal it was not stopped with is said to have died `where` (its node)."""
 
         def exited(rank: int, code: int | None, stopped: bool) -> None:
-            self.end(rank, code, stopped=stopped,
-                     cause=f"{describe_exit(code)} (on {where})" if where and code and code < 0 and not stopped else "")
+            self.end(
+                rank,
+                code,
+                stopped=stopped,
+                cause=f"{describe_exit(code)} (on {where})" if where and code and code < 0 and not stopped else "",
+            )
 
         assert self.events is not None
         replay(batch, self.events, name, exited, placed)

@@ -143,7 +143,7 @@ def _receive_into(sock: int, fd: int, size: int) -> None:
     with socket.socket(fileno=os.dup(sock)) as raw:
         got = 0
         while got < size:
-            read = raw.recv_into(buffer[:min(BUFFER, size - got)])
+            read = raw.recv_into(buffer[: min(BUFFER, size - got)])
             if not read:
                 raise EOFError("the kernel's connection closed while notebook data was arriving")
             written = 0
@@ -167,7 +167,11 @@ def keepalive(sock: Any) -> None:
     does not probe) gives up after 2 min rather than TCP's 15 minutes of retries."""
     with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # a duplicate: the option is the socket's own
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3),
-                              ("TCP_USER_TIMEOUT", 120_000)):
+        for option, value in (
+            ("TCP_KEEPIDLE", 10),
+            ("TCP_KEEPINTVL", 3),
+            ("TCP_KEEPCNT", 3),
+            ("TCP_USER_TIMEOUT", 120_000),
+        ):
             if hasattr(socket, option):
                 raw.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

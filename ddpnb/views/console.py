@@ -8,6 +8,7 @@ import html
 import threading
 import warnings
 from collections import deque
+
 from ddpnb.core import messages as msg
 from ddpnb.core.cellnames import pdb_cell_names
 from ddpnb.core.run import Run
@@ -29,16 +30,18 @@ class PromptConsole:
         self._transcript: deque[str] = deque(maxlen=TRANSCRIPT_LINES)
         self.title = widgets.HTML()
         self.transcript = widgets.HTML()
-        self.input = widgets.Text(placeholder="a pdb command, then Enter (c: continue)",
-                                  layout=widgets.Layout(width="min(100%, 640px)"))
+        self.input = widgets.Text(
+            placeholder="a pdb command, then Enter (c: continue)", layout=widgets.Layout(width="min(100%, 640px)")
+        )
         self.input.add_class("ddpnb-console-input")
         with warnings.catch_warnings():
             # Enter alone sends: the suggested replacement (continuous_update=False) also sends a half-typed
             # command when the field loses focus
             warnings.simplefilter("ignore", DeprecationWarning)
             self.input.on_submit(lambda text: self.submit(text.value))
-        self.widget = widgets.VBox([self.title, self.transcript, self.input],
-                                   layout=widgets.Layout(display="none", margin="4px 0"))
+        self.widget = widgets.VBox(
+            [self.title, self.transcript, self.input], layout=widgets.Layout(display="none", margin="4px 0")
+        )
         self.widget.add_class("ddpnb-console")
 
     def update(self) -> None:
@@ -55,20 +58,23 @@ class PromptConsole:
                 said, _, ask = prompt.text.rpartition("\n")
                 self._transcript.extend(pdb_cell_names(said).splitlines())
                 others = len(waiting) - 1
-                self.title.value = (f'{section_html("debugger")} <span style="{_MUTED}">rank {prompt.rank} '
-                                    f'waits at {html.escape(ask.strip())}'
-                                    + (f"; {others} more rank{'s' if others > 1 else ''} after it" if others else "")
-                                    + "</span>")
+                self.title.value = (
+                    f'{section_html("debugger")} <span style="{_MUTED}">rank {prompt.rank} '
+                    f"waits at {html.escape(ask.strip())}"
+                    + (f"; {others} more rank{'s' if others > 1 else ''} after it" if others else "")
+                    + "</span>"
+                )
                 self.input.placeholder = f"(rank {prompt.rank}) {ask.strip()} a command, then Enter (c: continue)"
                 self.input.disabled = False
                 self.widget.layout.display = None
             else:
-                self.title.value = (f'{section_html("debugger")} <span style="{_MUTED}">no rank waits at a '
-                                    f'prompt</span>')
+                self.title.value = f'{section_html("debugger")} <span style="{_MUTED}">no rank waits at a prompt</span>'
                 self.input.disabled = True
-            self.transcript.value = (f'<pre class="ddpnb-console-transcript" style="{_MONO};margin:2px 0;'
-                                     f'max-height:240px;overflow:auto;white-space:pre-wrap">'
-                                     f'{html.escape(chr(10).join(self._transcript))}</pre>')
+            self.transcript.value = (
+                f'<pre class="ddpnb-console-transcript" style="{_MONO};margin:2px 0;'
+                f'max-height:240px;overflow:auto;white-space:pre-wrap">'
+                f"{html.escape(chr(10).join(self._transcript))}</pre>"
+            )
 
     def submit(self, line: str) -> None:
         """The input line (Enter), sent to the prompt it was typed at, if that still waits."""
@@ -84,8 +90,10 @@ class PromptConsole:
                 self._transcript.append(f"(rank {prompt.rank}) (Pdb) {line}")
                 self.input.disabled = True  # until the rank's next prompt
             else:
-                self._transcript.append(f"(rank {prompt.rank}) {line!r} not sent: no longer waits at that prompt: "
-                                        f"{run.not_waiting(prompt.rank)}")
+                self._transcript.append(
+                    f"(rank {prompt.rank}) {line!r} not sent: no longer waits at that prompt: "
+                    f"{run.not_waiting(prompt.rank)}"
+                )
         self.update()
 
     def close(self) -> None:

@@ -61,7 +61,7 @@ def single(line: OutputLine) -> FoldedLine:
 def own_text(line: OutputLine) -> str:
     """The line without torch's `[rankN]:` prefix where N is the rank that printed it (ddpnb's tag says it)."""
     prefix = TORCH_RANK.match(line.text)
-    return line.text[prefix.end():] if prefix and int(prefix.group(1)) == line.rank else line.text
+    return line.text[prefix.end() :] if prefix and int(prefix.group(1)) == line.rank else line.text
 
 
 class _Same:

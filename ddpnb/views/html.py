@@ -21,8 +21,18 @@ from ddpnb.core import checkpoints
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
-from ddpnb.core.report import (attempt_line, diagnosis_lines, diagnosis_summary, grouped_stacks, hardware_text,
-                               locals_lines, log_files, named, stall_headline, straggler_text)
+from ddpnb.core.report import (
+    attempt_line,
+    diagnosis_lines,
+    diagnosis_summary,
+    grouped_stacks,
+    hardware_text,
+    locals_lines,
+    log_files,
+    named,
+    stall_headline,
+    straggler_text,
+)
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, ranks_text, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -44,11 +54,22 @@ RANK_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#e377c2", "#bcbd22", "#393b79"
 # Text colours are inherited and tints are translucent, so the same markup reads on light and dark themes.
 _GREY, _BLUE, _GREEN, _RED, _ORANGE = "#757575", "#1976d2", "#388e3c", "#d32f2f", "#f57c00"
 STATE_COLOURS = (_GREY, _BLUE, _GREEN, _RED, _ORANGE)
-_RANK_COLOURS = {RankState.STARTING: _GREY, RankState.RUNNING: _BLUE, RankState.FINISHED: _GREEN,
-                 RankState.FAILED: _RED, RankState.STOPPED: _ORANGE}
+_RANK_COLOURS = {
+    RankState.STARTING: _GREY,
+    RankState.RUNNING: _BLUE,
+    RankState.FINISHED: _GREEN,
+    RankState.FAILED: _RED,
+    RankState.STOPPED: _ORANGE,
+}
 _ROLE_COLOURS = {FailureRole.ROOT_CAUSE: _RED, FailureRole.OWN: _RED, FailureRole.KNOCK_ON: _ORANGE}
-_RUN_COLOURS = {Outcome.RUNNING: _BLUE, Outcome.SUCCEEDED: _GREEN, Outcome.FAILED: _RED,
-                Outcome.TIMED_OUT: _ORANGE, Outcome.INTERRUPTED: _ORANGE, Outcome.STOPPED: _ORANGE}
+_RUN_COLOURS = {
+    Outcome.RUNNING: _BLUE,
+    Outcome.SUCCEEDED: _GREEN,
+    Outcome.FAILED: _RED,
+    Outcome.TIMED_OUT: _ORANGE,
+    Outcome.INTERRUPTED: _ORANGE,
+    Outcome.STOPPED: _ORANGE,
+}
 _MONO = "font-family:monospace;font-size:12px"
 _MUTED = "opacity:0.7;font-size:12px"
 # table cells wrap between words (never inside one) so a table fits its cell's width; the short columns (rank,
@@ -90,11 +111,13 @@ def rank_state(rank: RankRecord, role: FailureRole | None = None, stalled: bool 
 
 
 def _pill(state: str, colour: str) -> str:
-    return (f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="display:inline-block;'
-            f'padding:0 9px;border-radius:10px;font-weight:600;font-size:12px;border:1px solid {colour};'
-            f'color:{colour};margin-right:10px"><span style="display:inline-block;width:7px;height:7px;'
-            f'border-radius:50%;background-color:{colour};margin-right:5px;vertical-align:middle"></span>'
-            f'{html.escape(state)}</span>')
+    return (
+        f'<span class="ddpnb-pill" data-state="{html.escape(state)}" style="display:inline-block;'
+        f"padding:0 9px;border-radius:10px;font-weight:600;font-size:12px;border:1px solid {colour};"
+        f'color:{colour};margin-right:10px"><span style="display:inline-block;width:7px;height:7px;'
+        f'border-radius:50%;background-color:{colour};margin-right:5px;vertical-align:middle"></span>'
+        f"{html.escape(state)}</span>"
+    )
 
 
 def _devices(record: RunRecord) -> str:
@@ -108,18 +131,34 @@ def _devices(record: RunRecord) -> str:
 
 
 def header_html(record: RunRecord) -> str:
-    attempt = [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"] \
-        if record.max_restarts else []
+    attempt = (
+        [f"attempt {record.attempt} (restarts: {record.attempt} of {record.max_restarts})"]
+        if record.max_restarts
+        else []
+    )
     note = [record.launch_note] if record.launch_note else []  # how the request was read (a CPU fallback)
     queued = [record.queued.words()] if record.queued is not None else []  # its job's turn in the queue
-    meta = " · ".join([record.function, record.engine, record.backend, ranks_text(record.world_size),
-                       _devices(record), *note, *queued, *attempt, format_duration(record.duration)])
+    meta = " · ".join(
+        [
+            record.function,
+            record.engine,
+            record.backend,
+            ranks_text(record.world_size),
+            _devices(record),
+            *note,
+            *queued,
+            *attempt,
+            format_duration(record.duration),
+        ]
+    )
     colour = _ORANGE if record.stalled else _RUN_COLOURS[record.outcome]
     # spaces between the parts, not only margins: copied, or shown without styles, the words stay apart
-    return (f'<div class="ddpnb-head" style="padding:2px 0">'
-            f'<span class="ddpnb-title" style="font-weight:600;font-size:14px;margin-right:10px">ddpnb</span> '
-            f'{_pill(overall_state(record), colour)} '
-            f'<span class="ddpnb-meta" style="opacity:0.75">{html.escape(meta)}</span></div>')
+    return (
+        f'<div class="ddpnb-head" style="padding:2px 0">'
+        f'<span class="ddpnb-title" style="font-weight:600;font-size:14px;margin-right:10px">ddpnb</span> '
+        f"{_pill(overall_state(record), colour)} "
+        f'<span class="ddpnb-meta" style="opacity:0.75">{html.escape(meta)}</span></div>'
+    )
 
 
 def _progress_html(rank: RankRecord, compact: bool = False) -> str:
@@ -132,13 +171,20 @@ def _progress_html(rank: RankRecord, compact: bool = False) -> str:
         data = f'data-bar="{bar.bar}" data-n="{bar.n:g}" data-total="{"" if bar.total is None else f"{bar.total:g}"}"'
         if bar.total:
             share = max(0.0, min(1.0, bar.n / bar.total))
-            kind, fill = ((" ddpnb-failed", _RED) if rank.state is RankState.FAILED else
-                          (" ddpnb-done", _GREEN) if share >= 1 else ("", _BLUE))
-            parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}"><span class="ddpnb-bar{kind}" '
-                         f'style="display:inline-block;width:110px;height:8px;border-radius:4px;overflow:hidden;'
-                         f'vertical-align:middle;margin-right:6px;background-color:rgba(128,128,128,0.25)">'
-                         f'<span style="display:block;height:100%;width:{share * 100:.1f}%;background-color:{fill}">'
-                         f'</span></span>{label}</div>')
+            kind, fill = (
+                (" ddpnb-failed", _RED)
+                if rank.state is RankState.FAILED
+                else (" ddpnb-done", _GREEN)
+                if share >= 1
+                else ("", _BLUE)
+            )
+            parts.append(
+                f'<div class="ddpnb-progress" {data} style="{_MUTED}"><span class="ddpnb-bar{kind}" '
+                f'style="display:inline-block;width:110px;height:8px;border-radius:4px;overflow:hidden;'
+                f'vertical-align:middle;margin-right:6px;background-color:rgba(128,128,128,0.25)">'
+                f'<span style="display:block;height:100%;width:{share * 100:.1f}%;background-color:{fill}">'
+                f"</span></span>{label}</div>"
+            )
         else:
             parts.append(f'<div class="ddpnb-progress" {data} style="{_MUTED}">{label}</div>')
     return "".join(parts)
@@ -155,8 +201,10 @@ LAST_CELL = ' class="ddpnb-last"'
 
 
 def _td(content: str, style: str = "", attrs: str = "") -> str:
-    return (f'<td{attrs} style="{_CELL};border-bottom:1px solid rgba(128,128,128,0.15)'
-            f'{";" + style if style else ""}">{content}</td>')
+    return (
+        f'<td{attrs} style="{_CELL};border-bottom:1px solid rgba(128,128,128,0.15)'
+        f'{";" + style if style else ""}">{content}</td>'
+    )
 
 
 def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
@@ -166,22 +214,32 @@ def _radar_html(record: RunRecord) -> tuple[str, list[str]]:
     computes = [r.compute_per_step for r in record.ranks]
     columns: list[tuple[str, list[str]]] = []
     if any(c is not None for c in computes):
-        head = (f'<th style="{_HEAD}" title="the rank\'s own busy time per step, its waits in collectives left '
-                'out">compute/step</th>')
+        head = (
+            f'<th style="{_HEAD}" title="the rank\'s own busy time per step, its waits in collectives left '
+            'out">compute/step</th>'
+        )
         columns.append((head, [_compute_html(r) for r in record.ranks]))
     for index, name in enumerate(("CPU", "memory", "GPU")):
         if any(h[index] for h in hardware):
-            columns.append((f'<th style="{_HEAD}">{name}</th>',
-                            [_td(html.escape(_unbroken(h[index])) or "–", _MONO) for h in hardware]))
-    return "".join(head for head, _ in columns), ["".join(cells[i] for _, cells in columns)
-                                                  for i in range(len(record.ranks))]
+            columns.append(
+                (
+                    f'<th style="{_HEAD}">{name}</th>',
+                    [_td(html.escape(_unbroken(h[index])) or "–", _MONO) for h in hardware],
+                )
+            )
+    return "".join(head for head, _ in columns), [
+        "".join(cells[i] for _, cells in columns) for i in range(len(record.ranks))
+    ]
 
 
 def _unbroken(text: str) -> str:
     """A number and its unit, and a rank state's parts, kept on one line: '301.0\u00a0MiB', 'stopped\u00a0·
     SIGTERM' (a narrow table wraps between them, not inside)."""
-    return re.sub(r"(\d) (%|B|KiB|MiB|GiB|W|ms)\b", "\\1\u00a0\\2", text).replace(" · ", "\u00a0· ").replace(
-        "exit ", "exit\u00a0")
+    return (
+        re.sub(r"(\d) (%|B|KiB|MiB|GiB|W|ms)\b", "\\1\u00a0\\2", text)
+        .replace(" · ", "\u00a0· ")
+        .replace("exit ", "exit\u00a0")
+    )
 
 
 def _compute_html(rank: RankRecord) -> str:
@@ -189,8 +247,11 @@ def _compute_html(rank: RankRecord) -> str:
     if compute is None:
         return _td("–", _MUTED)
     straggler = straggler_text(rank)
-    flag = (f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{straggler}</span>'
-            if straggler else "")
+    flag = (
+        f' <span class="ddpnb-straggler" style="color:{_ORANGE};font-weight:600">{straggler}</span>'
+        if straggler
+        else ""
+    )
     return _td(f"{compute * 1000:.1f} ms{flag}", _MONO)
 
 
@@ -202,16 +263,22 @@ def ranks_html(record: RunRecord) -> str:
     head = f'style="{_HEAD}"'
     radar_head, radar_cells = _radar_html(record)
     names = ["rank", "state", "device", "PID", *(["GPU memory"] if gpus else [])]
-    table = ('<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
-             # table-layout: JupyterLab's own stylesheet fixes it for the summary a finished run leaves
-             '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
-             'table-layout:auto">'
-             if compact else
-             '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
-             'table-layout:auto">')
-    rows = [f"{table}<thead><tr>" + "".join(f"<th {head}>{name}</th>" for name in names) + radar_head
-            + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
-            + "</tr></thead><tbody>"]
+    table = (
+        '<div class="ddpnb-ranks-scroll" style="max-height:400px;overflow-y:auto">'
+        # table-layout: JupyterLab's own stylesheet fixes it for the summary a finished run leaves
+        '<table class="ddpnb-ranks ddpnb-compact" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
+        'table-layout:auto">'
+        if compact
+        else '<table class="ddpnb-ranks" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
+        'table-layout:auto">'
+    )
+    rows = [
+        f"{table}<thead><tr>"
+        + "".join(f"<th {head}>{name}</th>" for name in names)
+        + radar_head
+        + "".join(f"<th {head}>{name}</th>" for name in ("progress", "time", "latest output"))
+        + "</tr></thead><tbody>"
+    ]
     for rank, radar in zip(record.ranks, radar_cells):
         role = record.failure_role(rank.rank) if rank.state is RankState.FAILED else None
         stalled = record.stalled and rank.state is RankState.RUNNING
@@ -220,19 +287,24 @@ def ranks_html(record: RunRecord) -> str:
         role_attr = f' data-role="{role.name.lower()}"' if role is not None else ""
         straggler = f' data-straggler="{straggler_text(rank)}"' if rank.holds_others is not None else ""
         last = rank.last_text[:MAX_LINE_CHARS]  # not a progress bar's line: the progress column has the bar
-        swatch = (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
-                  f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}')
-        latest = (f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
-                  f'overflow:hidden;text-overflow:ellipsis;opacity:0.75">{html.escape(last[:160])}</div>')
+        swatch = (
+            f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
+            f'margin-right:6px;background-color:{_rank_colour(rank.rank)}"></span>{rank.rank}'
+        )
+        latest = (
+            f'<div class="ddpnb-mono" title="{html.escape(last)}" style="{_MONO};white-space:nowrap;'
+            f'overflow:hidden;text-overflow:ellipsis;opacity:0.75">{html.escape(last[:160])}</div>'
+        )
         rows.append(
             f'<tr data-rank="{rank.rank}" data-state="{"stalled" if stalled else rank.state.value}"{role_attr}'
-            f'{straggler}>{_td(swatch, f"{_ONE_LINE};{pad}")}'
-            f'{_td(html.escape(_unbroken(rank_state(rank, role, stalled))), f"color:{colour};font-weight:{weight};{pad}")}'
-            f'{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or "–"), f"{_MONO};{_ONE_LINE};{pad}")}'
-            f'{_gpu_memory_html(rank) if gpus else ""}{radar}{_td(_progress_html(rank, compact), pad)}'
-            f'{_td(format_duration(rank.duration), f"{_ONE_LINE};{pad}")}'
+            f"{straggler}>{_td(swatch, f'{_ONE_LINE};{pad}')}"
+            f"{_td(html.escape(_unbroken(rank_state(rank, role, stalled))), f'color:{colour};font-weight:{weight};{pad}')}"
+            f"{_td(html.escape(rank.device), pad)}{_td(str(rank.pid or '–'), f'{_MONO};{_ONE_LINE};{pad}')}"
+            f"{_gpu_memory_html(rank) if gpus else ''}{radar}{_td(_progress_html(rank, compact), pad)}"
+            f"{_td(format_duration(rank.duration), f'{_ONE_LINE};{pad}')}"
             # the rest of the table's width, however little: its text is cut there (the title has it whole)
-            f'{_td(latest, f"width:99%;max-width:0;{pad}", attrs=LAST_CELL)}</tr>')
+            f"{_td(latest, f'width:99%;max-width:0;{pad}', attrs=LAST_CELL)}</tr>"
+        )
     rows.append("</tbody></table></div>" if compact else "</tbody></table>")
     return "".join(rows)
 
@@ -262,22 +334,30 @@ def plots_html(record: RunRecord, images: bool = False) -> str:
     and does not show an untrusted `image/svg+xml` output at all, but keeps an image's data URI)."""
     names = metric_names(record)
     if not names:
-        return (f'<div class="ddpnb-muted" style="{_MUTED}">No metrics yet: send them from the ranks with '
-                '<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>')
+        return (
+            f'<div class="ddpnb-muted" style="{_MUTED}">No metrics yet: send them from the ranks with '
+            "<code>ddpnb.log(step=i, loss=loss.item())</code>.</div>"
+        )
     many = record.world_size >= MANY_RANKS
     shown = [0] if many else [r.rank for r in record.ranks]
     legend = "".join(f'<span style="margin-right:12px">{_swatch(_rank_colour(r))}rank {r}</span> ' for r in shown)
     if many:
-        legend += (f'<span style="margin-right:12px">{_swatch(_rank_colour(0), "opacity:0.25")}min–max of all ranks'
-                   f'</span><span style="margin-right:12px">{_swatch(MEDIAN_COLOUR)}median</span>')
+        legend += (
+            f'<span style="margin-right:12px">{_swatch(_rank_colour(0), "opacity:0.25")}min–max of all ranks'
+            f'</span><span style="margin-right:12px">{_swatch(MEDIAN_COLOUR)}median</span>'
+        )
     plots = [_plot(record, name, shown, many, images) for name in names]
-    return (f'<div class="ddpnb-legend" style="{_MUTED};margin:2px 0">{legend}</div>'
-            f'<div class="ddpnb-plots" style="margin:2px 0 4px">{"".join(plots)}</div>')
+    return (
+        f'<div class="ddpnb-legend" style="{_MUTED};margin:2px 0">{legend}</div>'
+        f'<div class="ddpnb-plots" style="margin:2px 0 4px">{"".join(plots)}</div>'
+    )
 
 
 def _swatch(colour: str, style: str = "") -> str:
-    return (f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
-            f'margin-right:6px;background-color:{colour}{";" + style if style else ""}"></span>')
+    return (
+        f'<span class="ddpnb-swatch" style="display:inline-block;width:9px;height:9px;border-radius:2px;'
+        f'margin-right:6px;background-color:{colour}{";" + style if style else ""}"></span>'
+    )
 
 
 def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image: bool = False) -> str:
@@ -287,20 +367,21 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
     counts = {rank: len(points) for rank, points in logged.items()}
     series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
-    before = [{rank: thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS) for rank in shown}
-              for a in record.attempts]
-    by_step = all(step is not None for attempt in [series, *before] for points in attempt.values()
-                  for step, _, _ in points)
+    before = [{rank: thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS) for rank in shown} for a in record.attempts]
+    by_step = all(
+        step is not None for attempt in [series, *before] for points in attempt.values() for step, _, _ in points
+    )
 
     def xy(points: list[tuple[int | None, float, float]]) -> list[tuple[float, float]]:
-        return [(float(step) if by_step else t - record.started, value) for step, t, value in points
-                if math.isfinite(value)]
+        return [
+            (float(step) if by_step else t - record.started, value) for step, t, value in points if math.isfinite(value)
+        ]
 
     lines = {rank: xy(series[rank]) for rank in shown}
     # earlier attempts: their lines, fainter, and a marker where each later attempt's first point is
     earlier = [{rank: xy(points) for rank, points in attempt.items()} for attempt in before]
     restarts = []
-    for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][:len(record.attempts)]:
+    for ranks in [*(a.ranks for a in record.attempts[1:]), record.ranks][: len(record.attempts)]:
         first = next((xy(r.metrics[name][:1]) for r in ranks if r.rank in shown and r.metrics.get(name)), [])
         restarts.extend(x for x, _ in first[:1])
     band_points: list[tuple[float, float, float]] = []
@@ -317,10 +398,14 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
     latest = series[shown[0]] or next((a[shown[0]] for a in reversed(before) if a[shown[0]]), [])
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
-    title = (f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
-             f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>')
-    box = f'<div class="ddpnb-plot" data-metric="{html.escape(name)}" style="display:inline-block;' \
-          f'vertical-align:top;margin:0 14px 4px 0">{title}'
+    title = (
+        f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
+        f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>'
+    )
+    box = (
+        f'<div class="ddpnb-plot" data-metric="{html.escape(name)}" style="display:inline-block;'
+        f'vertical-align:top;margin:0 14px 4px 0">{title}'
+    )
     if not all_x:
         return f"{box}</div>"
     left, right, top, bottom = 44, 10, 6, 22
@@ -341,40 +426,59 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     def sy(y: float) -> float:
         return top + (1 - (y - y_lo) / (y_hi - y_lo)) * plot_h
 
-    svg = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-size="10" font-family="sans-serif">')]
+    svg = [
+        (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-size="10" font-family="sans-serif">'
+        )
+    ]
     for y in y_ticks:
-        svg.append(f'<line class="ddpnb-grid" x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                   f'stroke="#808080" stroke-opacity="0.2"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#808080">'
-                   f'{_tick_label(y)}</text>')
+        svg.append(
+            f'<line class="ddpnb-grid" x1="{left}" x2="{width - right}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+            f'stroke="#808080" stroke-opacity="0.2"/><text x="{left - 5}" y="{sy(y) + 3.5:.1f}" text-anchor="end" fill="#808080">'
+            f"{_tick_label(y)}</text>"
+        )
     for x in x_ticks:
         if x_lo <= x <= x_hi and sx(x) < width - right - 30:  # the right end carries the axis' unit
-            svg.append(f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#808080">'
-                       f'{_tick_label(x)}</text>')
-    svg.append(f'<line class="ddpnb-axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" '
-               f'stroke="#808080" stroke-opacity="0.6"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
-               f'stroke="#808080" stroke-opacity="0.6"/>')
-    svg.append(f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#808080">'
-               f'{"step" if by_step else "s"}</text>')
+            svg.append(
+                f'<text x="{sx(x):.1f}" y="{height - 8}" text-anchor="middle" fill="#808080">{_tick_label(x)}</text>'
+            )
+    svg.append(
+        f'<line class="ddpnb-axis" x1="{left}" x2="{width - right}" y1="{top + plot_h}" y2="{top + plot_h}" '
+        f'stroke="#808080" stroke-opacity="0.6"/><line class="ddpnb-axis" x1="{left}" x2="{left}" y1="{top}" y2="{top + plot_h}" '
+        f'stroke="#808080" stroke-opacity="0.6"/>'
+    )
+    svg.append(
+        f'<text x="{width - right}" y="{height - 8}" text-anchor="end" fill="#808080">'
+        f"{'step' if by_step else 's'}</text>"
+    )
     if band_points:
         thinned = thin(band_points, MAX_POINTS)
         outline = [(sx(x), sy(hi)) for x, _, hi in thinned] + [(sx(x), sy(lo)) for x, lo, _ in reversed(thinned)]
-        svg.append(f'<polygon class="ddpnb-band" fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
-                   f'points="{_points(outline)}"><title>min–max of all ranks</title></polygon>')
-        svg.append(f'<polyline class="ddpnb-median" fill="none" stroke="{MEDIAN_COLOUR}" stroke-width="1.2" '
-                   f'stroke-dasharray="4,2" points="{_points((sx(x), sy(y)) for x, y in thin(median, MAX_POINTS))}">'
-                   '<title>median of all ranks</title></polyline>')
+        svg.append(
+            f'<polygon class="ddpnb-band" fill="{_rank_colour(0)}" fill-opacity="0.18" stroke="none" '
+            f'points="{_points(outline)}"><title>min–max of all ranks</title></polygon>'
+        )
+        svg.append(
+            f'<polyline class="ddpnb-median" fill="none" stroke="{MEDIAN_COLOUR}" stroke-width="1.2" '
+            f'stroke-dasharray="4,2" points="{_points((sx(x), sy(y)) for x, y in thin(median, MAX_POINTS))}">'
+            "<title>median of all ranks</title></polyline>"
+        )
     for number, attempt in enumerate(earlier):
         for rank, points in attempt.items():
             if len(points) > 1:
-                svg.append(f'<polyline data-rank="{rank}" data-attempt="{number}" fill="none" '
-                           f'stroke="{_rank_colour(rank)}" stroke-opacity="0.35" stroke-width="1.2" '
-                           f'points="{_points((sx(x), sy(y)) for x, y in thin(points, MAX_POINTS))}"/>')
+                svg.append(
+                    f'<polyline data-rank="{rank}" data-attempt="{number}" fill="none" '
+                    f'stroke="{_rank_colour(rank)}" stroke-opacity="0.35" stroke-width="1.2" '
+                    f'points="{_points((sx(x), sy(y)) for x, y in thin(points, MAX_POINTS))}"/>'
+                )
     for number, x in enumerate(restarts, 1):
-        svg.append(f'<line class="ddpnb-restart" data-attempt="{number}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
-                   f'y1="{top}" y2="{top + plot_h}" stroke="{_ORANGE}" stroke-dasharray="3,3">'
-                   f'<title>attempt {number} starts here</title></line>'
-                   f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="{_ORANGE}">restart {number}</text>')
+        svg.append(
+            f'<line class="ddpnb-restart" data-attempt="{number}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
+            f'y1="{top}" y2="{top + plot_h}" stroke="{_ORANGE}" stroke-dasharray="3,3">'
+            f"<title>attempt {number} starts here</title></line>"
+            f'<text x="{sx(x) + 3:.1f}" y="{top + 9}" fill="{_ORANGE}">restart {number}</text>'
+        )
     for rank, points in lines.items():
         if not points:
             continue
@@ -382,17 +486,21 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
         drawn = thin(points, MAX_POINTS)
         attrs = f'data-rank="{rank}" data-points="{counts[rank]}"'
         if len(drawn) == 1:
-            (x, y), = drawn
+            ((x, y),) = drawn
             svg.append(f'<circle {attrs} cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>')
         else:
-            svg.append(f'<polyline {attrs} fill="none" stroke="{colour}" stroke-width="1.6" '
-                       f'stroke-linejoin="round" points="{_points((sx(x), sy(y)) for x, y in drawn)}"/>')
+            svg.append(
+                f'<polyline {attrs} fill="none" stroke="{colour}" stroke-width="1.6" '
+                f'stroke-linejoin="round" points="{_points((sx(x), sy(y)) for x, y in drawn)}"/>'
+            )
     svg.append("</svg>")
     drawn_svg = "".join(svg)
     if image:
         data = base64.b64encode(drawn_svg.encode()).decode()
-        drawn_svg = (f'<img class="ddpnb-plot-image" src="data:image/svg+xml;base64,{data}" width="{width}" '
-                     f'height="{height}" alt="{html.escape(name)}: {html.escape(value)}">')
+        drawn_svg = (
+            f'<img class="ddpnb-plot-image" src="data:image/svg+xml;base64,{data}" width="{width}" '
+            f'height="{height}" alt="{html.escape(name)}: {html.escape(value)}">'
+        )
     return f"{box}{drawn_svg}</div>"
 
 
@@ -442,9 +550,11 @@ def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -
     else:
         tag, colour = f"[rank {rank}]", _rank_colour(rank)
     tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
-    return (f'<div class="ddpnb-line ddpnb-{stream}" style="{_WRAP};'
-            f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;{_ONE_LINE};'
-            f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>')
+    return (
+        f'<div class="ddpnb-line ddpnb-{stream}" style="{_WRAP};'
+        f'line-height:1.35{tint}"><span class="ddpnb-tag" style="font-weight:600;margin-right:6px;{_ONE_LINE};'
+        f'color:{colour}">{tag}</span><span class="ddpnb-text">{html.escape(text)}</span></div>'
+    )
 
 
 def total_lines(record: RunRecord, rank: int | None = None) -> int:
@@ -464,8 +574,9 @@ LogEntry = OutputLine | FoldedLine | RestartMark
 
 def printed_count(lines: Iterable[LogEntry]) -> int:
     """How many printed lines these are: a folded line is one per rank that printed it; a restart's mark none."""
-    return sum(len(line.ranks) if isinstance(line, FoldedLine) else 0 if isinstance(line, RestartMark) else 1
-               for line in lines)
+    return sum(
+        len(line.ranks) if isinstance(line, FoldedLine) else 0 if isinstance(line, RestartMark) else 1 for line in lines
+    )
 
 
 def log_note(lines: Sequence[LogEntry], total: int, where: str) -> str:
@@ -484,8 +595,10 @@ def log_note(lines: Sequence[LogEntry], total: int, where: str) -> str:
 def any_line_html(line: LogEntry) -> str:
     """`line_html` of a line as the run gave it or as `views.fold` folded it; a restart's mark across the log."""
     if isinstance(line, RestartMark):
-        return (f'<div class="ddpnb-restart-mark" style="white-space:pre-wrap;line-height:1.35;color:{_ORANGE};'
-                f'font-weight:600;border-top:1px dashed {_ORANGE};margin:2px 0">{html.escape(line.text)}</div>')
+        return (
+            f'<div class="ddpnb-restart-mark" style="white-space:pre-wrap;line-height:1.35;color:{_ORANGE};'
+            f'font-weight:600;border-top:1px dashed {_ORANGE};margin:2px 0">{html.escape(line.text)}</div>'
+        )
     ranks = line.ranks if isinstance(line, FoldedLine) else ()
     return line_html(line.rank, line.stream, line.text, ranks)
 
@@ -493,9 +606,11 @@ def any_line_html(line: LogEntry) -> str:
 def log_html(lines: Iterable[str], note: str) -> str:
     """The log panel from lines drawn by `line_html` (the live dashboard draws each line once, not each redraw)."""
     inner = "".join(lines) or f'<div class="ddpnb-muted" style="{_MUTED}">no output yet</div>'
-    return (f'<div class="ddpnb-muted" style="{_MUTED}">{note}</div>'
-            f'<div class="ddpnb-log ddpnb-mono" style="{_MONO};border:1px solid {_RULE};border-radius:3px;'
-            f'padding:4px 8px;margin:2px 0;background-color:rgba(128,128,128,0.06)"><div>{inner}</div></div>')
+    return (
+        f'<div class="ddpnb-muted" style="{_MUTED}">{note}</div>'
+        f'<div class="ddpnb-log ddpnb-mono" style="{_MONO};border:1px solid {_RULE};border-radius:3px;'
+        f'padding:4px 8px;margin:2px 0;background-color:rgba(128,128,128,0.06)"><div>{inner}</div></div>'
+    )
 
 
 def error_html(record: RunRecord, full_traceback: bool = True) -> str:
@@ -504,38 +619,59 @@ def error_html(record: RunRecord, full_traceback: bool = True) -> str:
     shows the traceback) only where it was raised, so the traceback is not shown twice."""
     first = record.first_failure
     muted = f'class="ddpnb-muted" style="{_MUTED}"'
-    earlier = "".join(f'<div {muted} data-attempt="{a.number}">attempt {a.number} (restarted): '
-                      f'{html.escape(attempt_line(a))}</div>' for a in record.attempts)
-    box = (f'<div class="ddpnb-error" style="border-left:3px solid {_RED};background-color:rgba(211,47,47,0.08);'
-           f'padding:4px 10px;margin:4px 0">')
+    earlier = "".join(
+        f'<div {muted} data-attempt="{a.number}">attempt {a.number} (restarted): {html.escape(attempt_line(a))}</div>'
+        for a in record.attempts
+    )
+    box = (
+        f'<div class="ddpnb-error" style="border-left:3px solid {_RED};background-color:rgba(211,47,47,0.08);'
+        f'padding:4px 10px;margin:4px 0">'
+    )
     if first is None:
         return f"{box}{earlier}</div>" if earlier else ""
-    parts = [(f'{box}<div class="ddpnb-error-title" style="font-weight:600;color:{_RED}">rank {first.rank} failed '
-              f'first: {html.escape(first.summary)}</div>')]
+    parts = [
+        (
+            f'{box}<div class="ddpnb-error-title" style="font-weight:600;color:{_RED}">rank {first.rank} failed '
+            f"first: {html.escape(first.summary)}</div>"
+        )
+    ]
     traceback = cell_names(first.traceback).rstrip()
     if traceback and full_traceback:
-        parts.append(f'<pre style="margin:4px 0;{_WRAP};max-height:320px;overflow-y:auto">'
-                     f'{html.escape(traceback)}</pre>')
+        parts.append(
+            f'<pre style="margin:4px 0;{_WRAP};max-height:320px;overflow-y:auto">{html.escape(traceback)}</pre>'
+        )
     elif traceback:
         frames = [line.strip() for line in traceback.splitlines() if line.startswith(("  File ", "  Cell In["))]
         # a crash report lists the innermost frame first, and the summary already names it
         at = f"at {frames[-1]}; " if frames and "most recent call first" not in traceback else ""
-        parts.append(f'<div {muted} data-traceback="below">{html.escape(at)}the full traceback is in the cell\'s '
-                     f'error below</div>')
+        parts.append(
+            f'<div {muted} data-traceback="below">{html.escape(at)}the full traceback is in the cell\'s '
+            f"error below</div>"
+        )
     values = locals_lines(first)
     if values:  # collapsed: the traceback says where; these say with what
-        parts.append(f'<details class="ddpnb-locals"><summary {muted}>locals where rank {first.rank} raised</summary>'
-                     f'<pre style="margin:4px 0;{_WRAP};max-height:240px;overflow-y:auto">'
-                     f'{html.escape(chr(10).join(values))}</pre></details>')
+        parts.append(
+            f'<details class="ddpnb-locals"><summary {muted}>locals where rank {first.rank} raised</summary>'
+            f'<pre style="margin:4px 0;{_WRAP};max-height:240px;overflow-y:auto">'
+            f"{html.escape(chr(10).join(values))}</pre></details>"
+        )
     others = [f for f in sorted(record.failures, key=lambda f: f.time) if f is not first]
     own = [f for f in others if not f.knock_on]  # as the text report splits them
     if own:
-        parts.append(f'<div {muted}>also failed: ' + "; ".join(
-            html.escape(f"rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary))
-            for f in own) + "</div>")
+        parts.append(
+            f"<div {muted}>also failed: "
+            + "; ".join(
+                html.escape(f"rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary))
+                for f in own
+            )
+            + "</div>"
+        )
     if len(own) < len(others):
-        parts.append(f'<div {muted}>then, as a consequence: '
-                     + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others if f.knock_on) + "</div>")
+        parts.append(
+            f"<div {muted}>then, as a consequence: "
+            + "; ".join(html.escape(f"rank {f.rank}: {f.summary}") for f in others if f.knock_on)
+            + "</div>"
+        )
     parts.append(f"{earlier}</div>")
     return "".join(parts)
 
@@ -549,27 +685,34 @@ def stall_html(record: RunRecord, foreground: bool = False) -> str:
         return ""
     if not stall.ongoing:
         assert stall.resumed is not None
-        return (f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
-                f'({html.escape(diagnosis_summary(stall.diagnosis))}), then progress resumed</div>')
+        return (
+            f'<div class="ddpnb-muted" style="{_MUTED}" data-stall="resumed">stalled for {format_duration(stall.resumed - stall.since)} '
+            f"({html.escape(diagnosis_summary(stall.diagnosis))}), then progress resumed</div>"
+        )
     going = record.outcome is Outcome.RUNNING
     now = time.time() if going else record.ended
     diagnosis = stall.diagnosis
-    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(diagnosis, now),
-                                                                    *diagnosis.flight])
+    lines = "".join(f"<div>{html.escape(line)}</div>" for line in [*diagnosis_lines(diagnosis, now), *diagnosis.flight])
     taken = format_duration(max(0.0, (now or diagnosis.taken) - diagnosis.taken))
     if not going:
         tail = f"still stalled when the run ended ({record.outcome.value})"
     elif foreground:
-        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
-                "seconds while the run stays stalled; interrupt the kernel (■) to stop it")
+        tail = (
+            f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+            "seconds while the run stays stalled; interrupt the kernel (■) to stop it"
+        )
     else:
-        tail = (f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
-                "seconds while the run stays stalled; Stop ends it")
-    return (f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
-            f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0 0">'
-            f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
-            f'{html.escape(stall_headline(stall, now))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
-            f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>')
+        tail = (
+            f"the run goes on; each rank's stack below was taken {taken} ago, and is taken again every few "
+            "seconds while the run stays stalled; Stop ends it"
+        )
+    return (
+        f'<div class="ddpnb-stall" data-stall="ongoing" style="border-left:3px solid {_ORANGE};'
+        f'background-color:rgba(245,124,0,0.1);padding:4px 10px;margin:4px 0 0">'
+        f'<div class="ddpnb-stall-title" style="font-weight:600;color:{_ORANGE}">'
+        f'{html.escape(stall_headline(stall, now))}</div><div class="ddpnb-mono" style="{_MONO}">{lines}</div>'
+        f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(tail)}</div></div>'
+    )
 
 
 def stall_stacks_html(record: RunRecord) -> str:
@@ -580,22 +723,34 @@ def stall_stacks_html(record: RunRecord) -> str:
     stall = record.stall
     if stall is None or not record.stalled or not stall.diagnosis.stacks:
         return ""
-    return (f'<div class="ddpnb-stall-stacks" style="border-left:3px solid {_ORANGE};padding:0 10px 4px;'
-            f'margin:0 0 4px;background-color:rgba(245,124,0,0.05)">' + "".join(
-                f'<div class="ddpnb-stall-stack" data-ranks="{",".join(map(str, ranks))}" style="{_MUTED}">'
-                f'{html.escape(named(ranks))}</div><pre class="ddpnb-mono" style="{_MONO};margin:1px 0 4px;'
-                f'{_WRAP};max-height:240px;overflow-y:auto">{html.escape(text)}'
-                f'</pre>' for ranks, text in grouped_stacks(stall.diagnosis.stacks)) + "</div>")
+    return (
+        f'<div class="ddpnb-stall-stacks" style="border-left:3px solid {_ORANGE};padding:0 10px 4px;'
+        f'margin:0 0 4px;background-color:rgba(245,124,0,0.05)">'
+        + "".join(
+            f'<div class="ddpnb-stall-stack" data-ranks="{",".join(map(str, ranks))}" style="{_MUTED}">'
+            f'{html.escape(named(ranks))}</div><pre class="ddpnb-mono" style="{_MONO};margin:1px 0 4px;'
+            f'{_WRAP};max-height:240px;overflow-y:auto">{html.escape(text)}'
+            f"</pre>"
+            for ranks, text in grouped_stacks(stall.diagnosis.stacks)
+        )
+        + "</div>"
+    )
 
 
 def stacks_html(stacks: dict[int, str]) -> str:
     """Every rank's stack, as `Run.stacks()` gave them."""
     if not stacks:
         return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
-    return f'<div class="ddpnb-stacks">{section_html("stacks")}' + "".join(
-        f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
-        f'{_WRAP};max-height:320px;overflow-y:auto">'
-        f'{html.escape(text.rstrip() or "(no stack came)")}</pre>' for rank, text in sorted(stacks.items())) + "</div>"
+    return (
+        f'<div class="ddpnb-stacks">{section_html("stacks")}'
+        + "".join(
+            f'<div data-rank="{rank}">rank {rank}</div><pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;'
+            f'{_WRAP};max-height:320px;overflow-y:auto">'
+            f"{html.escape(text.rstrip() or '(no stack came)')}</pre>"
+            for rank, text in sorted(stacks.items())
+        )
+        + "</div>"
+    )
 
 
 def log_location(record: RunRecord) -> str:
@@ -610,14 +765,18 @@ def resume_html(record: RunRecord) -> str:
     found = checkpoints.latest(record.checkpoint_dir)
     if found is None:
         return ""
-    return (f'<div class="ddpnb-muted" style="{_MUTED}" data-resume="{found[0]}">continue from its checkpoint of '
-            f'step {found[0]}: <code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or '
-            f'<code>--resume last</code>)</div>')
+    return (
+        f'<div class="ddpnb-muted" style="{_MUTED}" data-resume="{found[0]}">continue from its checkpoint of '
+        f"step {found[0]}: <code>%%ddp --resume {html.escape(str(record.run_dir))}</code> (or "
+        f"<code>--resume last</code>)</div>"
+    )
 
 
 def section_html(title: str) -> str:
-    return (f'<span class="ddpnb-section" style="font-weight:600;font-size:12px;opacity:0.7;'
-            f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>')
+    return (
+        f'<span class="ddpnb-section" style="font-weight:600;font-size:12px;opacity:0.7;'
+        f'text-transform:uppercase;letter-spacing:0.04em">{title}</span>'
+    )
 
 
 def summary_html(record: RunRecord, lines: Sequence[LogEntry], full_traceback: bool = True) -> str:
@@ -627,12 +786,16 @@ def summary_html(record: RunRecord, lines: Sequence[LogEntry], full_traceback: b
     tail = lines[-SUMMARY_LOG_LINES:]
     # every attempt's lines: those shown may come from an earlier one
     note = log_note(tail, total_lines(record), log_location(record))
-    logs = (f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
-            f'{section_html("output")}</summary>'
-            f'{log_html((any_line_html(line) for line in tail), note)}</details>')
+    logs = (
+        f'<details{" open" if tail else ""} style="margin:6px 0 2px"><summary style="cursor:pointer">'
+        f"{section_html('output')}</summary>"
+        f"{log_html((any_line_html(line) for line in tail), note)}</details>"
+    )
     hint = f'<div class="ddpnb-muted" style="{_MUTED}">{html.escape(record.hint)}</div>' if record.hint else ""
-    return (f'<div class="ddpnb" data-ddpnb-summary="1" style="font-size:13px;line-height:1.4;max-width:1100px">'
-            f'{header_html(record)}{ranks_html(record)}'
-            f'{plots_html(record, images=True) if metric_names(record) else ""}'
-            f'{profile_html(record.profile) if record.profile is not None else ""}{stall_html(record)}'
-            f'{error_html(record, full_traceback)}{resume_html(record)}{logs}{hint}</div>')
+    return (
+        f'<div class="ddpnb" data-ddpnb-summary="1" style="font-size:13px;line-height:1.4;max-width:1100px">'
+        f"{header_html(record)}{ranks_html(record)}"
+        f"{plots_html(record, images=True) if metric_names(record) else ''}"
+        f"{profile_html(record.profile) if record.profile is not None else ''}{stall_html(record)}"
+        f"{error_html(record, full_traceback)}{resume_html(record)}{logs}{hint}</div>"
+    )

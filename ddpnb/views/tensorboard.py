@@ -33,14 +33,18 @@ def check(directory: str | os.PathLike[str]) -> Path:
     try:
         import tensorboard.summary  # noqa: F401
     except ImportError:
-        raise LaunchError("tensorboard= (--tensorboard) needs TensorBoard: pip install tensorboard "
-                          "(or pip install -e '.[tensorboard]'), then run the cell again.") from None
+        raise LaunchError(
+            "tensorboard= (--tensorboard) needs TensorBoard: pip install tensorboard "
+            "(or pip install -e '.[tensorboard]'), then run the cell again."
+        ) from None
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise LaunchError(f"tensorboard directory {str(directory)!r} cannot be created ({exc.strerror}): pass a "
-                          "directory you can write to.") from None
+        raise LaunchError(
+            f"tensorboard directory {str(directory)!r} cannot be created ({exc.strerror}): pass a "
+            "directory you can write to."
+        ) from None
     return path
 
 
@@ -128,10 +132,16 @@ class TensorBoardWriter:
                 subdir = f"rank{rank.rank}.attempt{attempt}" if self.record.max_restarts else f"rank{rank.rank}"
                 # flushed here once a FLUSH_INTERVAL; its own queue and timer only need to stay out of the way
                 writer = self._writers[(attempt, rank.rank)] = EventFileWriter(
-                    str(self.directory / subdir), max_queue_size=QUEUE, flush_secs=3600)
+                    str(self.directory / subdir), max_queue_size=QUEUE, flush_secs=3600
+                )
             for index, (step, at, value) in enumerate(new, done):
-                writer.add_event(Event(wall_time=at, step=index if step is None else step,
-                                       summary=Summary(value=[Summary.Value(tag=name, simple_value=value)])))
+                writer.add_event(
+                    Event(
+                        wall_time=at,
+                        step=index if step is None else step,
+                        summary=Summary(value=[Summary.Value(tag=name, simple_value=value)]),
+                    )
+                )
             self._written[key] = done + len(new)
             wrote = True
         return wrote

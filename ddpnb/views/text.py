@@ -14,14 +14,21 @@ import time
 from ddpnb.core import checkpoints
 from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import AttemptRecord, Outcome, RunRecord, Stall
-from ddpnb.core.report import (diagnosis_lines, diagnosis_summary, grouped_stacks, log_files, named,
-                               restart_line, stall_headline, summary_table)
+from ddpnb.core.report import (
+    diagnosis_lines,
+    diagnosis_summary,
+    grouped_stacks,
+    log_files,
+    named,
+    restart_line,
+    stall_headline,
+    summary_table,
+)
 from ddpnb.core.run import Run
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import format_duration, ranks_text
 from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.profile import profile_text
-
 
 QUEUE_SAY_EVERY = 60.0  # seconds between two lines about a job whose queue state did not change
 
@@ -46,8 +53,10 @@ class TextView:
         self.folder = Folder(record.world_size, enabled=fold)
         devices = ", ".join(sorted({r.device for r in record.ranks}))
         note = f"; {record.launch_note}" if record.launch_note else ""
-        self.out.write(f"[ddpnb] {record.function} on {ranks_text(record.world_size)}, backend {record.backend}, "
-                       f"devices {devices}{note}; logs in {record.run_dir}\n")
+        self.out.write(
+            f"[ddpnb] {record.function} on {ranks_text(record.world_size)}, backend {record.backend}, "
+            f"devices {devices}{note}; logs in {record.run_dir}\n"
+        )
         run.subscribe(self.update)
 
     def update(self) -> None:
@@ -57,7 +66,7 @@ class TextView:
         self.skipped += skipped_by_window
         now = time.monotonic()
         # a restart's line goes where it happened: after the last line of the attempt it ended, once read
-        for lines, attempt in split_at_restarts(new, run.record.attempts[self.restarts_shown:], self.seen):
+        for lines, attempt in split_at_restarts(new, run.record.attempts[self.restarts_shown :], self.seen):
             self._write(self._limit(self.folder.add(lines, now) + (self.folder.flush() if attempt or done else [])))
             if attempt is not None:
                 self._restarted(attempt)
@@ -73,7 +82,7 @@ class TextView:
         """The first `max_lines` lines shown; the rest counted (a folded line counts once per rank)."""
         shown = lines[: max(0, self.max_lines - self.shown)]
         self.shown += len(shown)
-        self.skipped += sum(len(line.ranks) for line in lines[len(shown):])
+        self.skipped += sum(len(line.ranks) for line in lines[len(shown) :])
         return shown
 
     def _write(self, shown: list[FoldedLine]) -> None:
@@ -111,8 +120,10 @@ class TextView:
         if not stall.ongoing and stall is not self.resume_shown:
             self.resume_shown = stall
             assert stall.resumed is not None
-            self.out.write(f"[ddpnb] progress resumed: no longer stalled, after {format_duration(stall.resumed - stall.since)} "
-                           "without progress\n")
+            self.out.write(
+                f"[ddpnb] progress resumed: no longer stalled, after {format_duration(stall.resumed - stall.since)} "
+                "without progress\n"
+            )
 
     def _restarted(self, attempt: AttemptRecord) -> None:
         self.restarts_shown += 1
@@ -121,8 +132,10 @@ class TextView:
     def _summary(self) -> None:
         record = self.run.record
         if self.skipped:
-            self.out.write(f"[ddpnb] {self.skipped} lines not shown here (limit {self.max_lines}, "
-                           f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n")
+            self.out.write(
+                f"[ddpnb] {self.skipped} lines not shown here (limit {self.max_lines}, "
+                f"DDPNB_MAX_LINES); every line is in the logs: {record.run_dir}\n"
+            )
         again = f" after {record.attempt} restart{'s' if record.attempt > 1 else ''}" if record.attempt else ""
         self.out.write(f"[ddpnb] run {record.outcome.value}{again} in {format_duration(record.duration)}\n")
         if record.outcome is Outcome.SUCCEEDED:  # a failure's report carries the table and the logs already
@@ -135,8 +148,10 @@ class TextView:
             self.out.write(f"[ddpnb] {record.hint}\n")
         found = checkpoints.latest(record.checkpoint_dir) if record.checkpoint_dir else None
         if found and record.outcome is not Outcome.SUCCEEDED:
-            self.out.write(f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
-                           f"(or --resume {record.run_dir})\n")
+            self.out.write(
+                f"[ddpnb] continue from its checkpoint of step {found[0]}: %%ddp --resume last "
+                f"(or --resume {record.run_dir})\n"
+            )
         self.out.flush()
 
 
@@ -147,8 +162,9 @@ def stall_lines(stall: Stall, going: str = "the run", again: bool = False) -> st
     headline = stall_headline(stall)
     lines = [f"[ddpnb] {'still ' + headline if again else headline}"]
     lines += [f"[ddpnb]   {line}" for line in [*diagnosis_lines(stall.diagnosis), *stall.diagnosis.flight]]
-    lines.append(f"[ddpnb]   {going} goes on; each rank's stack:" if stall.diagnosis.stacks else
-                 f"[ddpnb]   {going} goes on")
+    lines.append(
+        f"[ddpnb]   {going} goes on; each rank's stack:" if stall.diagnosis.stacks else f"[ddpnb]   {going} goes on"
+    )
     for ranks, text in grouped_stacks(stall.diagnosis.stacks):
         lines.append(f"[ddpnb] --- {named(ranks)} ---")
         lines += [f"[ddpnb]   {line}".rstrip() for line in text.splitlines()]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 from ddpnb.core import live
-from ddpnb.node import forkserver
 from ddpnb.engines.local.engine import LocalOptions, LocalType
+from ddpnb.node import forkserver
 from ddpnb.node.forkserver import PreloadError
 from ddpnb.rank import context as rank_context
 

@@ -26,12 +26,17 @@ RAY_REQUIREMENT = "ray[train]>=2.44,<3"  # tested: 2.44.1 (Train v1), 2.60.0 (v2
 def version_warning(kernel: dict[str, str]) -> str:
     """The line a node prints where its versions differ from the kernel's; "" where they match."""
     here = versions()
-    differ = [f"{name} {here.get(name)} here, {version} in the kernel" for name, version in kernel.items()
-              if here.get(name) != version]
+    differ = [
+        f"{name} {here.get(name)} here, {version} in the kernel"
+        for name, version in kernel.items()
+        if here.get(name) != version
+    ]
     if not differ:
         return ""
-    return (f"[ddpnb] this node's versions differ from the kernel's: {'; '.join(differ)}. Functions and results "
-            "travel pickled between them: install the same versions on both.")
+    return (
+        f"[ddpnb] this node's versions differ from the kernel's: {'; '.join(differ)}. Functions and results "
+        "travel pickled between them: install the same versions on both."
+    )
 
 
 def versions() -> dict[str, str]:

@@ -58,8 +58,9 @@ class RunActor:
         self._inbox: list[bytes | NewAttempt] = []
         self._commands: list[str] = []
         # sessions: each rank's commands, with their data's object references
-        self._cells: dict[int, collections.deque[tuple[bytes, dict[int, Any]]]] = \
-            collections.defaultdict(collections.deque)
+        self._cells: dict[int, collections.deque[tuple[bytes, dict[int, Any]]]] = collections.defaultdict(
+            collections.deque
+        )
         self._controller: Any = None  # Ray Train's controller, once it announced itself
         self._fit_started = False
         self._announcing = False  # Ray Train v2: the controller announces itself (`_AnnounceController`)
@@ -153,16 +154,28 @@ class RunActor:
             storage, name = TRAIN_STORAGE, request.name
         trainer = TorchTrainer(
             rank_main,
-            train_loop_config={"spec": request.spec_payload, "channel": me, "versions": request.versions,
-                               "report_checkpoints": native, "data": request.data},
-            scaling_config=ScalingConfig(num_workers=request.world_size, use_gpu=request.use_gpus,
-                                         placement_strategy=request.placement, **coordinator),
+            train_loop_config={
+                "spec": request.spec_payload,
+                "channel": me,
+                "versions": request.versions,
+                "report_checkpoints": native,
+                "data": request.data,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=request.world_size,
+                use_gpu=request.use_gpus,
+                placement_strategy=request.placement,
+                **coordinator,
+            ),
             torch_config=TorchConfig(backend=request.backend, timeout_s=request.group_timeout_s),
-            run_config=RunConfig(name=name, storage_path=storage,
-                                 failure_config=FailureConfig(max_failures=request.max_failures),
-                                 # ddpnb keeps the newest K itself (`rank.checkpoint._prune`)
-                                 checkpoint_config=CheckpointConfig(num_to_keep=None),
-                                 **({"callbacks": callbacks} if callbacks else {})),
+            run_config=RunConfig(
+                name=name,
+                storage_path=storage,
+                failure_config=FailureConfig(max_failures=request.max_failures),
+                # ddpnb keeps the newest K itself (`rank.checkpoint._prune`)
+                checkpoint_config=CheckpointConfig(num_to_keep=None),
+                **({"callbacks": callbacks} if callbacks else {}),
+            ),
         )
         with self._lock:
             if self._abort_requested:
@@ -172,9 +185,10 @@ class RunActor:
             trainer.fit()
         except Exception as exc:  # noqa: BLE001 - Ray Train's account of a failed run goes to the kernel as data
             failures = getattr(exc, "worker_failures", None) or {}
-            return FitOutcome(error=_describe_error(exc),
-                               rank_errors={int(rank): _describe_error(error).splitlines()[0]
-                                            for rank, error in failures.items()})
+            return FitOutcome(
+                error=_describe_error(exc),
+                rank_errors={int(rank): _describe_error(error).splitlines()[0] for rank, error in failures.items()},
+            )
         finally:
             if not native:
                 shutil.rmtree(os.path.join(TRAIN_STORAGE, request.name), ignore_errors=True)
@@ -189,6 +203,7 @@ def _announce_controller_to(run_actor: Any) -> list[Any]:
     """A Ray Train v2 controller callback that hands the controller to the run actor as it starts, so a stop can
     use the controller's own abort (Ray Train v1 has no such controller), and tells it when the controller restarts
     the workers (FailureConfig) and after which ranks' errors."""
+
     class AnnounceController(_compat.ray_controller_callback()):  # type: ignore[misc]
         def __init__(self, run_actor: Any) -> None:
             self.run_actor = run_actor
@@ -202,7 +217,8 @@ def _announce_controller_to(run_actor: Any) -> list[Any]:
             error = _compat.ray_restart_failure(current_state)
             if error is not None:  # FailureConfig: Ray Train restarts the workers; the kernel learns who failed
                 failures = getattr(error, "worker_failures", None) or {}
-                self.run_actor.restarting.remote({int(rank): _describe_error(failure).splitlines()[0]
-                                                  for rank, failure in failures.items()})
+                self.run_actor.restarting.remote(
+                    {int(rank): _describe_error(failure).splitlines()[0] for rank, failure in failures.items()}
+                )
 
     return [AnnounceController(run_actor)]

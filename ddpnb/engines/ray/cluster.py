@@ -27,9 +27,12 @@ def connect_for_run(address: str | None, world_size: int, use_gpus: bool) -> Non
     print(connect(address, cpus=cpus, gpus=gpus))
     total = ray.cluster_resources()
     if total.get("CPU", 0) < cpus or total.get("GPU", 0) < gpus:
-        print(f"[ddpnb] the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all; "
-              f"this run needs {cpus} CPUs and {gpus} GPUs. It waits until the cluster has room (an autoscaler "
-              "may add nodes); --timeout bounds the wait.", file=sys.stderr)
+        print(
+            f"[ddpnb] the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all; "
+            f"this run needs {cpus} CPUs and {gpus} GPUs. It waits until the cluster has room (an autoscaler "
+            "may add nodes); --timeout bounds the wait.",
+            file=sys.stderr,
+        )
 
 
 def connect(address: str | None, cpus: int, gpus: int) -> str:
@@ -115,8 +118,13 @@ def _start_local(cpus: int, gpus: int) -> None:
     for attempt in range(LOCAL_START_ATTEMPTS):
         try:
             # no dashboard (ddpnb has its own), no log forwarding (ranks report through ddpnb's channel)
-            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
             break
         except Exception as exc:  # noqa: BLE001 - Ray gives its raylet 30 s to start; a busy machine needs longer
             ray.shutdown()
@@ -131,9 +139,11 @@ def _restart_local(cpus: int, gpus: int) -> None:
     import ray
 
     if live.runs("ray"):
-        raise LaunchError(f"the local Ray instance has {_local_resources.get('CPU', 0)} CPUs and "
-                          f"{_local_resources.get('GPU', 0)} GPUs, and a run is still using it: wait for that run "
-                          "(or stop it) before starting a bigger one.")
+        raise LaunchError(
+            f"the local Ray instance has {_local_resources.get('CPU', 0)} CPUs and "
+            f"{_local_resources.get('GPU', 0)} GPUs, and a run is still using it: wait for that run "
+            "(or stop it) before starting a bigger one."
+        )
     wanted = (max(cpus, _local_resources.get("CPU", 0)), max(gpus, _local_resources.get("GPU", 0)))
     ray.shutdown()
     _start_local(*wanted)
@@ -144,4 +154,4 @@ def _describe(what: str) -> str:
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     total = ray.cluster_resources()
-    return (f"[ddpnb] {what}: {len(nodes)} node(s), {total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs")
+    return f"[ddpnb] {what}: {len(nodes)} node(s), {total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs"

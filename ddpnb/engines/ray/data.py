@@ -65,8 +65,11 @@ class RefStore(notebook_data.BySource[Held]):
                 held.launch = self.launches
                 if (source := held.source()) is not None:
                     held_now[id(source)] = held
-            self.entries = {key: held for key, held in held_now.items()
-                         if held.source() is not None and held.launch > self.launches - KEEP_LAUNCHES}
+            self.entries = {
+                key: held
+                for key, held in held_now.items()
+                if held.source() is not None and held.launch > self.launches - KEEP_LAUNCHES
+            }
 
     def held_bytes(self) -> int:
         with self.lock:
@@ -104,7 +107,9 @@ class ObjectStoreShipment:
         import torch
 
         if tensor.device.type != "cpu":  # copied to the CPU here (this kernel already runs CUDA: it holds the
-            copy = notebook_data.cpu_copy(tensor)  # tensor), moved to each rank's own device there (`rank.data.from_cuda`)
+            copy = notebook_data.cpu_copy(
+                tensor
+            )  # tensor), moved to each rank's own device there (`rank.data.from_cuda`)
             reduced = self._reduce_cpu(copy, torch)
             return (rebuild_from_cuda, reduced[1]) if reduced is not None else (from_cuda, (copy,))
         return self._reduce_cpu(tensor, torch)
@@ -115,10 +120,18 @@ class ObjectStoreShipment:
         storage = tensor.untyped_storage()
         if storage.nbytes() < MIN_BYTES:
             return None
-        key = self._key(storage, _compat.tensor_version(tensor),
-                        lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
-        return rebuild_tensor, (key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()),
-                                 tuple(tensor.stride()), tensor.requires_grad, type(tensor) is torch.nn.Parameter)
+        key = self._key(
+            storage, _compat.tensor_version(tensor), lambda: torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        )
+        return rebuild_tensor, (
+            key,
+            tensor.dtype,
+            tensor.storage_offset(),
+            tuple(tensor.size()),
+            tuple(tensor.stride()),
+            tensor.requires_grad,
+            type(tensor) is torch.nn.Parameter,
+        )
 
     def reduce_array(self, array: Any) -> tuple[Any, ...] | None:
         numpy = sys.modules["numpy"]
@@ -167,8 +180,11 @@ class ObjectStoreShipment:
         if held is not None and _unchanged(held, pending.version, data):
             self.reused += held.nbytes
             return held
-        ref = pending.source if source is None else \
-            weakref.ref(source, lambda ref, key=source_key, target=self.store: target.forget(key, ref))
+        ref = (
+            pending.source
+            if source is None
+            else weakref.ref(source, lambda ref, key=source_key, target=self.store: target.forget(key, ref))
+        )
         self.written += data.nbytes
         return Held(ray.put(data), data.nbytes, ref, pending.version)
 
@@ -178,8 +194,13 @@ class ObjectStoreShipment:
     def commit(self) -> DataSent:
         """What this launch put into the object store and reused; the store now holds what it used, for the next
         launch (this launch's references stay too, for a restart, until the run goes)."""
-        sent = DataSent(written=self.written, reused=self.reused, blocks=len(self.refs), seconds=self.seconds,
-                        into="Ray's object store")
+        sent = DataSent(
+            written=self.written,
+            reused=self.reused,
+            blocks=len(self.refs),
+            seconds=self.seconds,
+            into="Ray's object store",
+        )
         self.store.keep(self.used.values())
         self.used = {}
         return sent
@@ -195,8 +216,9 @@ def _unchanged(held: Held, version: int | None, data: Any) -> bool:
     stored = ray.get(held.ref)
     if stored.nbytes != data.nbytes:
         return False
-    return all((stored[start:start + CHUNK] == data[start:start + CHUNK]).all()
-               for start in range(0, stored.nbytes, CHUNK))
+    return all(
+        (stored[start : start + CHUNK] == data[start : start + CHUNK]).all() for start in range(0, stored.nbytes, CHUNK)
+    )
 
 
 def _connection() -> tuple[str, ...]:

@@ -20,8 +20,10 @@ from ddpnb.core.spec import LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT
 from ddpnb.engines.ray.data import ObjectStoreShipment
 
-INSTALL_HINT = (f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
-                "every node of the cluster.")
+INSTALL_HINT = (
+    f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
+    "every node of the cluster."
+)
 ANNOUNCE_EVERY = 0.1  # seconds between two announcements of output to the views
 # seconds `Run.stop()` waits for the ranks to be gone: Ray Train's abort, then the run actor killed
 STOP_WAIT = 3.0 + 2 * 15.0 + 5
@@ -57,15 +59,22 @@ class RayType:
     name: ClassVar[str] = "ray"
     # ranks may be on other nodes: notebook data goes through Ray's object store (`shipment`), results in messages
     capabilities: ClassVar[Capabilities] = Capabilities(
-        commands=True, announce_every=ANNOUNCE_EVERY, stop_wait=STOP_WAIT)
+        commands=True, announce_every=ANNOUNCE_EVERY, stop_wait=STOP_WAIT
+    )
     Options: ClassVar[type] = RayOptions
     flags: ClassVar[list[Flag]] = [
-        Flag("--address", metavar="auto|HOST:PORT|ray://HOST:PORT|local",
-                 help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
-                      "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
-                      "run, which 'local' asks for in any case)."),
-        Flag("--placement", choices=[p.value for p in Placement],
-                 help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes."),
+        Flag(
+            "--address",
+            metavar="auto|HOST:PORT|ray://HOST:PORT|local",
+            help="with --engine ray: the cluster to use (default: the one this kernel is connected to, else "
+            "$RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray instance sized for the "
+            "run, which 'local' asks for in any case).",
+        ),
+        Flag(
+            "--placement",
+            choices=[p.value for p in Placement],
+            help="with --engine ray: 'pack' ranks onto few nodes (default) or 'spread' them across nodes.",
+        ),
     ]
 
     def __init__(self) -> None:
@@ -136,5 +145,3 @@ class RayEngine:
     def close(self) -> None:
         if self.launch is not None:
             self.launch.close()
-
-

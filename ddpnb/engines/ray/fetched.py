@@ -28,18 +28,28 @@ def _fetch(key: int) -> Any:
     try:
         ref = _refs[key]
     except KeyError:
-        raise RuntimeError("ddpnb: notebook data was sent through Ray's object store without its reference; this "
-                           "is a bug in ddpnb, please report it") from None
+        raise RuntimeError(
+            "ddpnb: notebook data was sent through Ray's object store without its reference; this "
+            "is a bug in ddpnb, please report it"
+        ) from None
     return ray.get(ref).copy()  # the object store's copy is read-only: this rank's own, as a pickle's would be
 
 
-def rebuild_tensor(key: int, dtype: Any, storage_offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-                    requires_grad: bool, parameter: bool) -> Any:
+def rebuild_tensor(
+    key: int,
+    dtype: Any,
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> Any:
     import torch
 
     if mapped.has(key):  # a rank forked by its node's host: the object is in a memory file the host filled
-        return mapped.rebuild_tensor(key, 0, mapped.size(key), dtype, storage_offset, size, stride, requires_grad,
-                                     parameter)
+        return mapped.rebuild_tensor(
+            key, 0, mapped.size(key), dtype, storage_offset, size, stride, requires_grad, parameter
+        )
     storage = _storages.get(key)
     if storage is None:
         storage = _storages[key] = torch.from_numpy(_fetch(key)).untyped_storage()

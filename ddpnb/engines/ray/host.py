@@ -78,8 +78,16 @@ class Host:
         self._stores[run] = sock
         return sock.getsockname()[1]
 
-    def start(self, run: str, spec_payload: bytes, seats: list[Seat], refs: dict[int, Any], commands: bool,
-              preloaded: list[str], kernel_versions: dict[str, str]) -> list[str]:
+    def start(
+        self,
+        run: str,
+        spec_payload: bytes,
+        seats: list[Seat],
+        refs: dict[int, Any],
+        commands: bool,
+        preloaded: list[str],
+        kernel_versions: dict[str, str],
+    ) -> list[str]:
         """Fork this node's ranks of `run`; returns notes for the kernel to print (a preload that failed here)."""
         notes = _preload(preloaded, busy=lambda: bool(self._runs))
         scratch = tempfile.mkdtemp(prefix="ddpnb-ray-")
@@ -97,10 +105,10 @@ class Host:
                 return notes
             data = self._files(hosted, refs)
             with forkserver.lock:  # `preload` must not restart the forkserver while ranks are forked from it
-                hosted.ranks.start(relay, forkserver.context_held(), spec_payload, data,
-                                   self._stores.pop(run, None), None, commands)
-            hosted.reader = threading.Thread(target=self._serve, args=(hosted,), name=f"ddpnb-host-{run}",
-                                             daemon=True)
+                hosted.ranks.start(
+                    relay, forkserver.context_held(), spec_payload, data, self._stores.pop(run, None), None, commands
+                )
+            hosted.reader = threading.Thread(target=self._serve, args=(hosted,), name=f"ddpnb-host-{run}", daemon=True)
             hosted.reader.start()
         return notes
 

@@ -42,15 +42,30 @@ def rank_main(config: dict[str, Any]) -> None:
     restarts = ray.get(channel.join.remote(rank))  # Ray Train's restarts of the workers so far (FailureConfig)
     link = _Link(rank, channel)
     runtime = ray.get_runtime_context()
-    link.send(Placed(rank=rank, node_id=runtime.get_node_id(), node_ip=ray.util.get_node_ip_address(),
-                     pid=os.getpid(), placement_group=ray.util.get_current_placement_group()))
+    link.send(
+        Placed(
+            rank=rank,
+            node_id=runtime.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            placement_group=ray.util.get_current_placement_group(),
+        )
+    )
     finished = threading.Event()
-    threading.Thread(target=_serve_commands, args=(link, channel, finished, threading.get_ident()),
-                     name="ddpnb-commands", daemon=True).start()
+    threading.Thread(
+        target=_serve_commands,
+        args=(link, channel, finished, threading.get_ident()),
+        name="ddpnb-commands",
+        daemon=True,
+    ).start()
     capture = _Capture(link)
     # Ray's workers import for themselves: `ddpnb.preload` does not apply, so rank 0 does not suggest it
-    context = ctx.RankContext(rank=rank, link=link, suggests_preload=False,
-                              checkpoints=_RayCheckpoints() if config.get("report_checkpoints") else None)
+    context = ctx.RankContext(
+        rank=rank,
+        link=link,
+        suggests_preload=False,
+        checkpoints=_RayCheckpoints() if config.get("report_checkpoints") else None,
+    )
 
     def setup(rank: int, spec: WorkerSpec) -> str:
         spec.attempt += restarts  # the kernel's attempts so far, then Ray Train's within this fit
@@ -111,8 +126,11 @@ class _RayCheckpoints:
 
         first = ray.train.get_context().get_world_rank() == 0
         # the directory is already in Ray Train's storage (DCP wrote it there): registered, not copied
-        ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint(str(path)) if first else None,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        ray.train.report(
+            {"step": step},
+            checkpoint=ray.train.Checkpoint(str(path)) if first else None,
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+        )
 
     def latest(self) -> Path | None:
         import ray.train
@@ -214,8 +232,9 @@ class _Capture:
             os.dup2(write_end, fd)
             os.close(write_end)
             self._read_ends.append(read_end)
-            thread = threading.Thread(target=self._forward, args=(read_end, self._saved[fd], name),
-                                      name=f"ddpnb-{name}", daemon=True)
+            thread = threading.Thread(
+                target=self._forward, args=(read_end, self._saved[fd], name), name=f"ddpnb-{name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         for stream in (sys.stdout, sys.stderr):
@@ -264,7 +283,7 @@ def _unread(fd: int) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     try:
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
     except OSError:  # Ray's log file went away: the kernel still has the output
         return
 

@@ -69,17 +69,30 @@ class TrainEngine:
         # the function's and args' big tensors and arrays: put into the object store once, fetched by each rank
         data = shared.put() if isinstance(shared, ObjectStoreShipment) else {}
         request = FitRequest(
-            name=f"ddpnb-{Path(spec.run_dir).name}", spec_payload=spec_payload, world_size=spec.world_size,
-            use_gpus=spec.use_gpus, backend=spec.backend, placement=self.placement,
-            group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800, versions=versions(),
+            name=f"ddpnb-{Path(spec.run_dir).name}",
+            spec_payload=spec_payload,
+            world_size=spec.world_size,
+            use_gpus=spec.use_gpus,
+            backend=spec.backend,
+            placement=self.placement,
+            group_timeout_s=int(self.timeout) + 60 if self.timeout else 1800,
+            versions=versions(),
             # Ray Train v2 restarts the workers itself after a rank's failure, and tells the run (`NewAttempt`);
             # a timeout, and Ray Train v1, still end the fit and leave the restart to the run (a new engine)
-            max_failures=self._ray_restarts, checkpoint_dir=spec.checkpoint_dir, data=data,
+            max_failures=self._ray_restarts,
+            checkpoint_dir=spec.checkpoint_dir,
+            data=data,
         )
-        self._actor = ray.remote(RunActor).options(
-            # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
-            num_cpus=0, max_concurrency=3 * spec.world_size + 8, scheduling_strategy=_near_this_kernel(),
-        ).remote()
+        self._actor = (
+            ray.remote(RunActor)
+            .options(
+                # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
+                num_cpus=0,
+                max_concurrency=3 * spec.world_size + 8,
+                scheduling_strategy=_near_this_kernel(),
+            )
+            .remote()
+        )
         self._fit_ref = self._actor.fit.remote(request)
 
     # --- the reader ------------------------------------------------------------------------------------------------
@@ -200,8 +213,11 @@ class TrainEngine:
             try:
                 remove_placement_group(group)
             except Exception as exc:  # noqa: BLE001 - say so: its CPUs/GPUs stay reserved until the kernel exits
-                print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
-                      "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
+                print(
+                    f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
+                    "its CPUs and GPUs stay reserved until this kernel exits.",
+                    file=sys.stderr,
+                )
 
     def collect_stacks(self, ranks: list[int]) -> dict[int, str]:
         import ray
@@ -241,8 +257,10 @@ class TrainEngine:
 
 def _missing_hint(fit: FitOutcome) -> str:
     if "No module named" in fit.error:
-        return (f"\n\nThe Ray cluster's nodes need the same packages as this kernel: {RAY_REQUIREMENT}, and ddpnb, "
-                f"torch and cloudpickle at the kernel's versions ({versions()}).")
+        return (
+            f"\n\nThe Ray cluster's nodes need the same packages as this kernel: {RAY_REQUIREMENT}, and ddpnb, "
+            f"torch and cloudpickle at the kernel's versions ({versions()})."
+        )
     return ""
 
 

@@ -65,8 +65,9 @@ class WarmEngine:
         # the function's and args' big tensors and arrays: put into the object store once, fetched once per node
         self._refs = start.shipment.put() if isinstance(start.shipment, ObjectStoreShipment) else {}
         bundle = {"CPU": 1, **({"GPU": 1} if self.spec.use_gpus else {})}
-        self._group = placement_group([bundle] * self.spec.world_size, strategy=self.placement,
-                                      name=f"ddpnb-{self._run}")
+        self._group = placement_group(
+            [bundle] * self.spec.world_size, strategy=self.placement, name=f"ddpnb-{self._run}"
+        )
 
     # --- the reader ------------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -124,12 +125,34 @@ class WarmEngine:
             environ = {"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {}
             seats[node] = []
             for local_rank, index in enumerate(mine):
-                seats[node].append(Seat(rank, local_rank, len(mine), "", node_rank, master, port,
-                                        visible.index(gpus[index]) if gpus else None, environ))
+                seats[node].append(
+                    Seat(
+                        rank,
+                        local_rank,
+                        len(mine),
+                        "",
+                        node_rank,
+                        master,
+                        port,
+                        visible.index(gpus[index]) if gpus else None,
+                        environ,
+                    )
+                )
                 rank += 1
-        notes = self._wait({node: self._actors[node].start.remote(self._run, self._payload, seats[node], self._refs,
-                                                                 self._commands, forkserver.preloaded(), versions())
-                            for node in nodes})
+        notes = self._wait(
+            {
+                node: self._actors[node].start.remote(
+                    self._run,
+                    self._payload,
+                    seats[node],
+                    self._refs,
+                    self._commands,
+                    forkserver.preloaded(),
+                    versions(),
+                )
+                for node in nodes
+            }
+        )
         for note in itertools.chain(*notes.values()):
             print(note, file=sys.stderr)
         self._hosts.open()  # commands sent while the ranks were being forked go first, in order
@@ -190,8 +213,9 @@ class WarmEngine:
         """The node's host died: its ranks fail, saying so; no later call goes to it; the next launch starts another."""
         _hosts.pop(node, None)
         self._actors.pop(node, None)
-        self._hosts.lose(self._hosts.left(node),
-                         f"its Ray node {self._ips.get(node, '?')} was lost ({type(exc).__name__})")
+        self._hosts.lose(
+            self._hosts.left(node), f"its Ray node {self._ips.get(node, '?')} was lost ({type(exc).__name__})"
+        )
 
     # --- stopping and commands --------------------------------------------------------------------------------------
     def stop(self, ranks: list[int], failed: bool) -> float | None:
@@ -222,26 +246,31 @@ class WarmEngine:
     def send(self, ranks: list[int], command: bytes, shipment: Any = None) -> None:
         # the command's big tensors and arrays: put once (or reused), fetched once per node by its host
         refs = shipment.put() if isinstance(shipment, ObjectStoreShipment) else {}
-        self._hosts.in_order(lambda number: [host.send.remote(self._run, number, ranks, command, refs)
-                                             for host in self._actors.values()])
+        self._hosts.in_order(
+            lambda number: [host.send.remote(self._run, number, ranks, command, refs) for host in self._actors.values()]
+        )
 
     def interrupt(self, ranks: list[int]) -> None:
-        self._hosts.in_order(lambda number: [host.interrupt.remote(self._run, number, ranks)
-                                             for host in self._actors.values()])
+        self._hosts.in_order(
+            lambda number: [host.interrupt.remote(self._run, number, ranks) for host in self._actors.values()]
+        )
 
     def close(self) -> None:
         import ray
 
         try:
             ray.get([host.close.remote(self._run) for host in self._actors.values()], timeout=CALL_WAIT)
-        except Exception:  # noqa: BLE001 - a host is gone (its ranks with it), or Ray is (the kernel is exiting)
+        except Exception:  # noqa: BLE001, S110 - a host is gone (its ranks with it), or Ray is (the kernel is exiting)
             pass
         if self._group is not None:
             try:
                 _remove(self._group, self.spec.world_size)
             except Exception as exc:  # noqa: BLE001 - say so: its CPUs/GPUs stay reserved until the kernel exits
-                print(f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
-                      "its CPUs and GPUs stay reserved until this kernel exits.", file=sys.stderr)
+                print(
+                    f"[ddpnb] the run's Ray placement group could not be released ({type(exc).__name__}: {exc}); "
+                    "its CPUs and GPUs stay reserved until this kernel exits.",
+                    file=sys.stderr,
+                )
         self._events = None  # the run and its value go with the caller's last reference, not at the next gc
 
 
@@ -276,9 +305,15 @@ def _host(node: str) -> Any:
     from ddpnb.engines.ray.host import Host
 
     if node not in _hosts:
-        _hosts[node] = ray.remote(Host).options(
-            num_cpus=0, max_concurrency=64,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote()
+        _hosts[node] = (
+            ray.remote(Host)
+            .options(
+                num_cpus=0,
+                max_concurrency=64,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            )
+            .remote()
+        )
     return _hosts[node]
 
 
@@ -305,6 +340,16 @@ def _gpu_ids(group: Any, world_size: int) -> dict[int, str]:
     def gpu_id() -> str:
         return str(ray.get_gpu_ids()[0])
 
-    return dict(enumerate(ray.get([
-        gpu_id.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index))
-        .remote() for index in range(world_size)], timeout=HOST_START)))
+    return dict(
+        enumerate(
+            ray.get(
+                [
+                    gpu_id.options(
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+                    ).remote()
+                    for index in range(world_size)
+                ],
+                timeout=HOST_START,
+            )
+        )
+    )

@@ -15,21 +15,30 @@ from dataclasses import dataclass
 from ddpnb.core.spec import LaunchError
 
 SCONTROL_WAIT = 30.0  # seconds a `scontrol` call may take (a busy controller answers slowly)
-INSIDE_HINT = ("--engine slurm runs the ranks as a job step of the allocation this kernel runs in (SLURM_JOB_ID), "
-               "or, outside one, of a job it asks for itself (salloc, with --partition, --time, ...).")
+INSIDE_HINT = (
+    "--engine slurm runs the ranks as a job step of the allocation this kernel runs in (SLURM_JOB_ID), "
+    "or, outside one, of a job it asks for itself (salloc, with --partition, --time, ...)."
+)
 # Slurm's messaging failing, as its commands say it (slurm_strerror): a busy or briefly stalled controller, not an
 # answer; a command that failed so is tried again, RETRIES times at most, BACKOFF seconds apart, then twice that
-TRANSIENT = ("Socket timed out on send/recv operation", "Unable to contact slurm controller",
-             "Zero Bytes were transmitted or received", "Communication connection failure")
+TRANSIENT = (
+    "Socket timed out on send/recv operation",
+    "Unable to contact slurm controller",
+    "Zero Bytes were transmitted or received",
+    "Communication connection failure",
+)
 RETRIES = 3
 BACKOFF = 1.0
 log = logging.getLogger(__name__)
 
 
 def srun_path() -> str:
-    return command("srun", "--engine slurm needs Slurm's `srun` on this kernel's PATH, and there is none: run the "
-                           "kernel on a node of a Slurm cluster (load its module, e.g. `module load slurm`), or "
-                           "install Slurm's client commands (Debian/Ubuntu: apt-get install slurm-client).")
+    return command(
+        "srun",
+        "--engine slurm needs Slurm's `srun` on this kernel's PATH, and there is none: run the "
+        "kernel on a node of a Slurm cluster (load its module, e.g. `module load slurm`), or "
+        "install Slurm's client commands (Debian/Ubuntu: apt-get install slurm-client).",
+    )
 
 
 def command(name: str, missing: str) -> str:
@@ -67,8 +76,9 @@ def describe(job: str, whose: str = "") -> Allocation:
     fields = _parse(scontrol("show", "job", job))
     state = fields.get("JobState", "")
     if state != "RUNNING":
-        raise LaunchError(f"Slurm job {job} {whose}is {state or 'gone'}, not running: its ranks cannot start in it. "
-                          f"{INSIDE_HINT}")
+        raise LaunchError(
+            f"Slurm job {job} {whose}is {state or 'gone'}, not running: its ranks cannot start in it. {INSIDE_HINT}"
+        )
     nodes = tuple(scontrol("show", "hostnames", fields.get("NodeList", "")).split())
     return Allocation(job=job, nodes=nodes, cpus=int(fields.get("NumCPUs", "0") or 0), state=state, fields=fields)
 
@@ -100,21 +110,28 @@ def scontrol(*args: str) -> str:
     output); LaunchError, quoting Slurm, where it failed otherwise or every time."""
     for retry in range(RETRIES + 1):
         try:
-            done = subprocess.run(["scontrol", "-o", *args], capture_output=True, text=True, timeout=SCONTROL_WAIT,
-                                  check=False)
+            done = subprocess.run(
+                ["scontrol", "-o", *args], capture_output=True, text=True, timeout=SCONTROL_WAIT, check=False
+            )
         except FileNotFoundError:
             raise LaunchError("--engine slurm needs Slurm's `scontrol` on PATH, next to `srun`.") from None
         except subprocess.TimeoutExpired:
-            raise LaunchError(f"`scontrol {' '.join(args)}` did not answer in {SCONTROL_WAIT:g} s: is the Slurm "
-                              "controller reachable from here?") from None
+            raise LaunchError(
+                f"`scontrol {' '.join(args)}` did not answer in {SCONTROL_WAIT:g} s: is the Slurm "
+                "controller reachable from here?"
+            ) from None
         said = done.stderr.strip() or done.stdout.strip()
         if not done.returncode:
             return done.stdout
         if retry == RETRIES or not transient(said):
             break
-        pause = BACKOFF * 2 ** retry
-        print(f"[ddpnb] `scontrol {' '.join(args)}` failed ({said}): trying again in {pause:g} s ({retry + 1} of "
-              f"{RETRIES})", file=sys.stderr, flush=True)
+        pause = BACKOFF * 2**retry
+        print(
+            f"[ddpnb] `scontrol {' '.join(args)}` failed ({said}): trying again in {pause:g} s ({retry + 1} of "
+            f"{RETRIES})",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(pause)
     raise LaunchError(f"`scontrol {' '.join(args)}` failed: {said}")
 
@@ -144,16 +161,22 @@ def spread(job: Allocation, world_size: int, asked: int | None, srun_args: str) 
     quoting Slurm."""
     held = f"Slurm job {job.job} holds {job.quote('NumNodes', 'NumCPUs', 'NodeList')}"
     if asked is not None and asked > len(job.nodes):
-        raise LaunchError(f"--nodes {asked} asks for more nodes than this allocation has: {held}. Use "
-                          f"--nodes {len(job.nodes)} or fewer, or allocate more (salloc -N {asked} ...).")
+        raise LaunchError(
+            f"--nodes {asked} asks for more nodes than this allocation has: {held}. Use "
+            f"--nodes {len(job.nodes)} or fewer, or allocate more (salloc -N {asked} ...)."
+        )
     nodes = asked or min(len(job.nodes), world_size)
     if nodes > world_size:
-        raise LaunchError(f"--nodes {nodes} needs at least one rank per node, and this run has "
-                          f"{world_size}: use -n {nodes} or more, or fewer nodes.")
+        raise LaunchError(
+            f"--nodes {nodes} needs at least one rank per node, and this run has "
+            f"{world_size}: use -n {nodes} or more, or fewer nodes."
+        )
     overcommit = any(arg in ("-O", "--overcommit") for arg in shlex.split(srun_args))
     if world_size > job.cpus and not overcommit:
-        raise LaunchError(f"{world_size} ranks need {world_size} CPUs, one per rank, and {held}: "
-                          f"use -n {job.cpus} or fewer, or an allocation with more tasks (salloc -n "
-                          f"{world_size} ...), or --srun-args --overcommit to share CPUs.")
+        raise LaunchError(
+            f"{world_size} ranks need {world_size} CPUs, one per rank, and {held}: "
+            f"use -n {job.cpus} or fewer, or an allocation with more tasks (salloc -n "
+            f"{world_size} ...), or --srun-args --overcommit to share CPUs."
+        )
     each, extra = divmod(world_size, nodes)
     return [each + (index < extra) for index in range(nodes)]

@@ -51,8 +51,14 @@ TASK_END = re.compile(rb"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+)
 NO_STEP = re.compile(r"Unable to (confirm allocation|create step) for job")
 LABEL = re.compile(rb"^ *(\d+): ")  # --label: every line a host wrote, "1: ..." (padded to the widest task)
 # what srun and slurmstepd say when ddpnb cancels a step: not news once the run is being stopped
-STOP_NOISE = (b"forcing job termination", b"Job step aborted", b"Force Terminated", b"CANCELLED AT",
-              b"Terminating StepId", b"Waiting up to")
+STOP_NOISE = (
+    b"forcing job termination",
+    b"Job step aborted",
+    b"Force Terminated",
+    b"CANCELLED AT",
+    b"Terminating StepId",
+    b"Waiting up to",
+)
 
 
 class SlurmType:
@@ -63,26 +69,45 @@ class SlurmType:
     # ranks on other nodes: notebook data travels once per node, results pickled, on the channel; no run directory
     # in common
     capabilities: ClassVar[Capabilities] = Capabilities(
-        commands=True, announce_every=COALESCE, stop_wait=STOP_GRACE + STACK_WAIT + SRUN_WAIT + 5)
+        commands=True, announce_every=COALESCE, stop_wait=STOP_GRACE + STACK_WAIT + SRUN_WAIT + 5
+    )
     Options: ClassVar[type] = SlurmOptions
     flags: ClassVar[list[Flag]] = [
-        Flag("--nodes", metavar="N",
-             help="with --engine slurm: spread the ranks over N nodes (inside an allocation, default: all it holds, "
-                  "at most one per rank)."),
-        Flag("--srun-args", metavar="'ARGS'",
-             help="with --engine slurm: more srun options for the ranks' job step, quoted as one argument "
-                  "(e.g. --srun-args '--cpus-per-task=4 --mem=8G')."),
-        Flag("--partition", metavar="NAME",
-             help="with --engine slurm outside an allocation: the partition of the job ddpnb asks for (salloc)."),
-        Flag("--time", metavar="LIMIT",
-             help="with --engine slurm outside an allocation: the job's time limit, as salloc takes it (30, 2:00:00)."),
+        Flag(
+            "--nodes",
+            metavar="N",
+            help="with --engine slurm: spread the ranks over N nodes (inside an allocation, default: all it holds, "
+            "at most one per rank).",
+        ),
+        Flag(
+            "--srun-args",
+            metavar="'ARGS'",
+            help="with --engine slurm: more srun options for the ranks' job step, quoted as one argument "
+            "(e.g. --srun-args '--cpus-per-task=4 --mem=8G').",
+        ),
+        Flag(
+            "--partition",
+            metavar="NAME",
+            help="with --engine slurm outside an allocation: the partition of the job ddpnb asks for (salloc).",
+        ),
+        Flag(
+            "--time",
+            metavar="LIMIT",
+            help="with --engine slurm outside an allocation: the job's time limit, as salloc takes it (30, 2:00:00).",
+        ),
         Flag("--account", metavar="NAME", help="with --engine slurm outside an allocation: the job's account."),
         Flag("--qos", metavar="NAME", help="with --engine slurm outside an allocation: the job's quality of service."),
-        Flag("--constraint", metavar="FEATURES",
-             help="with --engine slurm outside an allocation: node features the job needs (salloc --constraint)."),
-        Flag("--job-args", metavar="'ARGS'",
-             help="with --engine slurm outside an allocation: more salloc options for the job, quoted as one "
-                  "argument (e.g. --job-args '--mem=16G --exclusive')."),
+        Flag(
+            "--constraint",
+            metavar="FEATURES",
+            help="with --engine slurm outside an allocation: node features the job needs (salloc --constraint).",
+        ),
+        Flag(
+            "--job-args",
+            metavar="'ARGS'",
+            help="with --engine slurm outside an allocation: more salloc options for the job, quoted as one "
+            "argument (e.g. --job-args '--mem=16G --exclusive').",
+        ),
     ]
 
     def check(self, options: SlurmOptions) -> None:
@@ -91,9 +116,11 @@ class SlurmType:
             job = allocation.current()
             if options.submits:
                 given = ", ".join(f"--{name.replace('_', '-')}" for name in options.submits)
-                raise LaunchError(f"{given}: options of a job ddpnb asks for outside an allocation, and this kernel "
-                                  f"runs inside Slurm job {job.job}, whose nodes the ranks use. Leave them out, or "
-                                  "pass srun options for the step with --srun-args.")
+                raise LaunchError(
+                    f"{given}: options of a job ddpnb asks for outside an allocation, and this kernel "
+                    f"runs inside Slurm job {job.job}, whose nodes the ranks use. Leave them out, or "
+                    "pass srun options for the step with --srun-args."
+                )
         else:
             submit.salloc_path()
 
@@ -159,30 +186,55 @@ class SlurmEngine:
         """The step: a host per node, each given the door's address and the secret on srun's stdin."""
         counts = allocation.spread(job, self.world_size, self.options.nodes, self.options.srun_args or "")
         self._invitation = self._conns.listen(allocation.reachable_address(job.nodes[0]), counts)
-        self._command = [allocation.srun_path(), f"--jobid={job.job}", f"--nodes={len(counts)}",
-                         f"--ntasks={len(counts)}", "--ntasks-per-node=1", f"--cpus-per-task={max(counts)}",
-                         "--overlap", "--kill-on-bad-exit=0", "--label",
-                         f"--job-name=ddpnb-{Path(self.spec.run_dir).name}",
-                         *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if self.spec.use_gpus else []),
-                         *shlex.split(self.options.srun_args or ""),
-                         sys.executable, "-c", HOST_MAIN]
+        self._command = [
+            allocation.srun_path(),
+            f"--jobid={job.job}",
+            f"--nodes={len(counts)}",
+            f"--ntasks={len(counts)}",
+            "--ntasks-per-node=1",
+            f"--cpus-per-task={max(counts)}",
+            "--overlap",
+            "--kill-on-bad-exit=0",
+            "--label",
+            f"--job-name=ddpnb-{Path(self.spec.run_dir).name}",
+            *([f"--gpus-per-node={max(counts)}", "--gpu-bind=none"] if self.spec.use_gpus else []),
+            *shlex.split(self.options.srun_args or ""),
+            sys.executable,
+            "-c",
+            HOST_MAIN,
+        ]
         self._srun = self._start_step()
         self._conns.hosts.open()  # a session's commands sent while the job waited go first, in order
 
     def _seats(self, link: HostLink, master: tuple[str, int]) -> list[Seat]:
         """A node's seats, with the variables srun gives each task of a step."""
-        return [Seat(rank, local, len(link.ranks), "", link.index, *master, local if self.spec.use_gpus else None,
-                     {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local), "SLURM_NTASKS": str(self.world_size),
-                      "SLURM_STEP_NUM_TASKS": str(self.world_size)})
-                for local, rank in enumerate(link.ranks)]
+        return [
+            Seat(
+                rank,
+                local,
+                len(link.ranks),
+                "",
+                link.index,
+                *master,
+                local if self.spec.use_gpus else None,
+                {
+                    "SLURM_PROCID": str(rank),
+                    "SLURM_LOCALID": str(local),
+                    "SLURM_NTASKS": str(self.world_size),
+                    "SLURM_STEP_NUM_TASKS": str(self.world_size),
+                },
+            )
+            for local, rank in enumerate(link.ranks)
+        ]
 
     def _start_step(self) -> subprocess.Popen[bytes]:
         """srun, given the door's address and the secret on its stdin (it gives them to every host); its pipes
         read by `serve`."""
         # its own session: the kernel's interrupt (sent to the kernel's process group) must not reach srun,
         # which would cancel the step at once; ddpnb stops it in its own order
-        srun = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        srun = subprocess.Popen(
+            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
         assert srun.stdin is not None
         try:
             srun.stdin.write(self._invitation)
@@ -205,17 +257,28 @@ class SlurmEngine:
         if self._conns.stopping or self._closing or self._conns.arrived():
             return False
         if self._retry_at is None:
-            failed = next((line for line in self._srun_said[self._said_from:]
-                           if NO_STEP.search(line) and allocation.transient(line)), None)
+            failed = next(
+                (
+                    line
+                    for line in self._srun_said[self._said_from :]
+                    if NO_STEP.search(line) and allocation.transient(line)
+                ),
+                None,
+            )
             if failed is None or self._retries >= allocation.RETRIES:
                 return False
             self._retries += 1
             pause = allocation.BACKOFF * 2 ** (self._retries - 1)
             self._retry_at = now + pause
-            self._events.output(0, Stream.STDERR, (
-                f"[ddpnb] srun could not start the step ({failed.removeprefix('srun: error: ')}): Slurm's "
-                f"messaging failed before any rank started; trying again in {pause:g} s ({self._retries} of "
-                f"{allocation.RETRIES})\n").encode())
+            self._events.output(
+                0,
+                Stream.STDERR,
+                (
+                    f"[ddpnb] srun could not start the step ({failed.removeprefix('srun: error: ')}): Slurm's "
+                    f"messaging failed before any rank started; trying again in {pause:g} s ({self._retries} of "
+                    f"{allocation.RETRIES})\n"
+                ).encode(),
+            )
             return True
         if now < self._retry_at:
             return True
@@ -229,8 +292,12 @@ class SlurmEngine:
     def _ask_for_job(self) -> allocation.Allocation | None:
         """Outside an allocation: a job of this attempt's own, for its ranks. A job kept from the run before, or
         one granted at once, is returned; None: it waits in the queue (`_await_job`)."""
-        request = submit.JobRequest(name=f"ddpnb-{Path(self.spec.run_dir).name}", tasks=self.spec.world_size,
-                                    gpus=self.spec.use_gpus, options=self.options)
+        request = submit.JobRequest(
+            name=f"ddpnb-{Path(self.spec.run_dir).name}",
+            tasks=self.spec.world_size,
+            gpus=self.spec.use_gpus,
+            options=self.options,
+        )
         kept = submit.take_kept(request)
         if kept is not None:
             self._own_job = kept
@@ -318,7 +385,7 @@ class SlurmEngine:
         labelled = LABEL.match(line)
         if labelled and int(labelled.group(1)) < len(links):
             if not (quiet and any(noise in line for noise in STOP_NOISE)):
-                self._events.output(links[int(labelled.group(1))].ranks[0], self._streams[fd], line[labelled.end():])
+                self._events.output(links[int(labelled.group(1))].ranks[0], self._streams[fd], line[labelled.end() :])
             return
         ended = TASK_END.match(line)
         if ended:
@@ -349,12 +416,20 @@ class SlurmEngine:
                 conns.hosts.lose(conns.hosts.left(link.index), f"did not start: {why}", stopped=conns.stopping, code=1)
             elif link.hello is not None and (link.closed_at is not None or drained):
                 how = f": {said[0]}" if said else ""
-                conns.hosts.lose(conns.hosts.left(link.index),
-                                 f"its Slurm node {link.name} was lost (ddpnb's host there ended{how})",
-                                 stopped=conns.stopping)
-        if conns.hosts.all_ended() and not srun_done and all(
-                link.closed_at is not None and now - link.closed_at > SRUN_WAIT for link in conns.links
-                if link.hello is not None):
+                conns.hosts.lose(
+                    conns.hosts.left(link.index),
+                    f"its Slurm node {link.name} was lost (ddpnb's host there ended{how})",
+                    stopped=conns.stopping,
+                )
+        if (
+            conns.hosts.all_ended()
+            and not srun_done
+            and all(
+                link.closed_at is not None and now - link.closed_at > SRUN_WAIT
+                for link in conns.links
+                if link.hello is not None
+            )
+        ):
             self._cancel_step()  # every rank ended, but srun waits for something that holds the step
 
     # --- stopping, stacks and commands ------------------------------------------------------------------------------
@@ -372,8 +447,14 @@ class SlurmEngine:
         if self._cancelled:
             return
         self._cancelled = True
-        step = next((link.hello.step for link in self._conns.links
-                     if link.hello is not None and not link.hello.step.endswith(".")), "")
+        step = next(
+            (
+                link.hello.step
+                for link in self._conns.links
+                if link.hello is not None and not link.hello.step.endswith(".")
+            ),
+            "",
+        )
         if step:
             allocation.scancel(step)
         if self._srun is not None and self._srun.poll() is None:

@@ -19,10 +19,17 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # nothing forked here reads the rest of the step's input
     os.close(devnull)
-    serve(address, secret, Place(
-        node_index=int(os.environ.get("SLURM_NODEID", "0")), node=os.environ.get("SLURMD_NODENAME", ""),
-        step=f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}",
-        cpus=_cpus(), engine="slurm"))
+    serve(
+        address,
+        secret,
+        Place(
+            node_index=int(os.environ.get("SLURM_NODEID", "0")),
+            node=os.environ.get("SLURMD_NODENAME", ""),
+            step=f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}",
+            cpus=_cpus(),
+            engine="slurm",
+        ),
+    )
     os._exit(0)
 
 

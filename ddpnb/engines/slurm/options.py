@@ -39,8 +39,9 @@ class SlurmOptions:
             try:
                 shlex.split(getattr(self, name) or "")
             except ValueError as exc:
-                raise LaunchError(f"{name} must be options as a shell would split them ({exc}): "
-                                  f"{getattr(self, name)!r}.") from None
+                raise LaunchError(
+                    f"{name} must be options as a shell would split them ({exc}): {getattr(self, name)!r}."
+                ) from None
         for name in SUBMIT_OPTIONS[:-1]:
             value = getattr(self, name)
             if not isinstance(value, str) or any(c.isspace() for c in value):

@@ -53,11 +53,16 @@ class JobRequest:
     def salloc(self, salloc: str) -> list[str]:
         options = self.options
         named = {name: getattr(options, name) for name in SUBMIT_OPTIONS if name != "job_args"}
-        return [salloc, f"--job-name={self.name}", f"--ntasks={self.tasks}",
-                *([f"--nodes={options.nodes}"] if options.nodes else []),
-                *(["--gpus-per-task=1"] if self.gpus else []),
-                *(f"--{key}={value}" for key, value in named.items() if value),
-                *shlex.split(options.job_args), "cat"]
+        return [
+            salloc,
+            f"--job-name={self.name}",
+            f"--ntasks={self.tasks}",
+            *([f"--nodes={options.nodes}"] if options.nodes else []),
+            *(["--gpus-per-task=1"] if self.gpus else []),
+            *(f"--{key}={value}" for key, value in named.items() if value),
+            *shlex.split(options.job_args),
+            "cat",
+        ]
 
 
 def keep_seconds() -> float:
@@ -98,9 +103,12 @@ atexit.register(release_kept)  # also when the kernel dies outright: `cat` then 
 
 
 def salloc_path() -> str:
-    return allocation.command("salloc", "--engine slurm outside an allocation asks Slurm for a job with `salloc`, "
-                              "and there is none on this kernel's PATH: load Slurm's module (e.g. `module load "
-                              "slurm`), or start Jupyter inside an allocation.")
+    return allocation.command(
+        "salloc",
+        "--engine slurm outside an allocation asks Slurm for a job with `salloc`, "
+        "and there is none on this kernel's PATH: load Slurm's module (e.g. `module load "
+        "slurm`), or start Jupyter inside an allocation.",
+    )
 
 
 class OwnJob:
@@ -126,9 +134,14 @@ class OwnJob:
         `release` cancels the job."""
         # salloc under its keeper, which ends it once this pipe closes: a job waiting in the queue goes with a
         # kernel that dies, too (`keeper.py`)
-        self._salloc = subprocess.Popen([sys.executable, "-I", KEEPER, *self.request.salloc(salloc_path())],
-                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, start_new_session=True)  # the kernel's interrupt is ddpnb's
+        self._salloc = subprocess.Popen(
+            [sys.executable, "-I", KEEPER, *self.request.salloc(salloc_path())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # the kernel's interrupt is ddpnb's
         threading.Thread(target=self._read, name="ddpnb-salloc", daemon=True).start()
         while not self.job and not self.granted_within(POLL):
             continue
@@ -185,8 +198,13 @@ class OwnJob:
     def _time_left(self) -> float | None:
         """Seconds before the job reaches its time limit, as squeue says it (None: no limit, or not known)."""
         try:
-            done = subprocess.run(["squeue", "-h", "-j", self.job, "-o", "%L"], capture_output=True, text=True,
-                                  timeout=allocation.SCONTROL_WAIT, check=False)
+            done = subprocess.run(
+                ["squeue", "-h", "-j", self.job, "-o", "%L"],
+                capture_output=True,
+                text=True,
+                timeout=allocation.SCONTROL_WAIT,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         found = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", done.stdout.strip())  # [D-][H:]M:S
@@ -238,8 +256,13 @@ class OwnJob:
         if not self.job:
             return ""
         try:
-            done = subprocess.run(["squeue", "-h", "-j", self.job, "-o", "%T|%r"], capture_output=True, text=True,
-                                  timeout=allocation.SCONTROL_WAIT, check=False)
+            done = subprocess.run(
+                ["squeue", "-h", "-j", self.job, "-o", "%T|%r"],
+                capture_output=True,
+                text=True,
+                timeout=allocation.SCONTROL_WAIT,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired):  # squeue is slow or missing: salloc still says the grant
             return ""
         state, _, reason = done.stdout.strip().partition("|")
@@ -250,7 +273,8 @@ class OwnJob:
     def _refusal(self) -> str:
         said = [line.removeprefix("salloc: ") for line in self._said if "error" in line.lower()] or self._said
         request = " ".join(shlex.quote(arg) for arg in self.request.salloc("salloc")[1:-1])
-        return (f"Slurm refused the job for this run (salloc {request}): {'; '.join(said[-3:]) or 'no reason given'}."
-                " Check --partition, --account, --qos, --time and --constraint against `sinfo` and your "
-                "cluster's documentation; nothing was started.")
-
+        return (
+            f"Slurm refused the job for this run (salloc {request}): {'; '.join(said[-3:]) or 'no reason given'}."
+            " Check --partition, --account, --qos, --time and --constraint against `sinfo` and your "
+            "cluster's documentation; nothing was started."
+        )
