@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 import threading
 import zlib
+from collections import deque
 from pathlib import Path
 
 import pytest
 
-from ddpnb.core.journal import entries
+import ddpnb
+from ddpnb.core.journal import JOURNAL_FILE, JOURNAL_VAR, entries
 from ddpnb.core.journal.frames import FRAME, MAGIC, Follower, JournalError, Reader, Writer
+from ddpnb.core.journal.replay import Replay, replay
+from ddpnb.core.spec import Stream
+from tests.fake_engine import Exit, Gate, Print, Script, failed, finishes, metric, returned, started
+from tests.test_faults import wait_for
 
 
 def _write(path, payloads, header=None):
@@ -171,3 +178,120 @@ def test_concurrent_appends_from_one_thread_and_reads_from_another_see_only_whol
     done.set()
     reader.join()
     assert seen == expected and follower.torn is None
+
+
+# --- replay: a record equal to the owner's ----------------------------------------------------------------------------
+def differences(owner, replayed, where="record") -> list[str]:
+    """Every field, at any depth, where the replayed record differs from the owner's: `where` names it."""
+    if dataclasses.is_dataclass(owner) and not isinstance(owner, type):
+        if type(owner) is not type(replayed):
+            return [f"{where}: {type(owner).__name__} != {type(replayed).__name__}"]
+        return [d for f in dataclasses.fields(owner)
+                for d in differences(getattr(owner, f.name), getattr(replayed, f.name), f"{where}.{f.name}")]
+    if isinstance(owner, dict) and isinstance(replayed, dict):
+        if owner.keys() != replayed.keys():
+            return [f"{where}: keys {sorted(owner)} != {sorted(replayed)}"]
+        return [d for key in owner for d in differences(owner[key], replayed[key], f"{where}[{key!r}]")]
+    if isinstance(owner, (list, tuple, deque)) and isinstance(replayed, (list, tuple, deque)) \
+            and not hasattr(owner, "_fields"):
+        if len(owner) != len(replayed):
+            return [f"{where}: {len(owner)} items != {len(replayed)}"]
+        return [d for i, (a, b) in enumerate(zip(owner, replayed)) for d in differences(a, b, f"{where}[{i}]")]
+    return [] if owner == replayed else [f"{where}: {owner!r} != {replayed!r}"]
+
+
+def _journaled(monkeypatch):
+    monkeypatch.setenv(JOURNAL_VAR, "1")
+
+
+def _fake(script, nprocs=2, **options):
+    return ddpnb.launch(nothing, engine="fake", nprocs=nprocs, script=script, **{"view": "none", **options})
+
+
+def nothing(*args):
+    """What the fake's ranks "run": the script says what they do."""
+
+
+def _same_as_replayed(handle) -> Replay:
+    replayed = Replay.read(handle.record.run_dir)
+    assert replayed.torn is None and replayed.done
+    assert differences(handle.record, replayed.record) == []
+    owner_lines, _, count = handle.lines_since(0)
+    lines, lost, replayed_count = replayed.lines_since(0)
+    assert (lines, lost, replayed_count) == (owner_lines, 0, count)
+    return replayed
+
+
+@pytest.mark.fast
+def test_a_fake_run_with_a_failure_and_a_restart_replays_into_the_owners_record(monkeypatch):
+    _journaled(monkeypatch)
+    steps = [step for s in range(50) for step in (metric(0, s, loss=1 / (s + 1), acc=s / 50), metric(1, s, loss=2.0),
+                                                   Print(0, f"step {s}"), Print(1, f"rank 1 at {s}\n", Stream.STDERR))]
+    attempt_0 = Script([started(0), started(1), *steps, Print(0, "half a line"), failed(1, "ValueError", "bad batch"),
+                        Exit(1, 1)])
+    attempt_1 = Script([started(0), started(1), *steps[:40], returned(0, {"loss": 0.5}), returned(1), Exit(0, 0),
+                        Exit(1, 0)])
+    handle = _fake([attempt_0, attempt_1], max_restarts=1)
+    assert handle.result() == {"loss": 0.5}
+    replayed = _same_as_replayed(handle)
+    record = replayed.record
+    assert record.outcome is ddpnb.Outcome.SUCCEEDED and len(record.attempts) == 1
+    assert record.attempts[0].first_failure.rank == 1
+    assert record.attempts[0].ranks[0].state is ddpnb.RankState.STOPPED  # stopped by the owner, as the journal says
+    assert [p.step for p in record.metrics("loss", rank=0)] == [*range(50), *range(10)]
+    assert replayed.attempt.result.take() == {"loss": 0.5}
+
+
+@pytest.mark.fast
+def test_a_stop_and_a_stall_are_the_owners_in_the_replay_not_decided_again(monkeypatch):
+    _journaled(monkeypatch)
+    gate = threading.Event()
+    story = Script([started(0), started(1), metric(0, 1, loss=1.0), Print(1, "waiting"), Gate(gate)],
+                   stacks={0: "File \"<cell>\", line 3, in train\n  dist.all_reduce(t)\n",
+                           1: "File \"<cell>\", line 5, in train\n  time.sleep(100)\n"})
+    handle = _fake(story, stall=0.3)
+    wait_for(lambda: handle.record.stalled, "the stall doctor to find the run stalled")
+    handle.stop()
+    record = handle.wait()
+    assert record.outcome is ddpnb.Outcome.STOPPED and record.stall is not None
+    replayed = _same_as_replayed(handle)
+    assert replayed.record.stall.diagnosis.ranks == record.stall.diagnosis.ranks
+
+
+@pytest.mark.fast
+def test_a_timed_out_run_replays_with_the_owners_stacks(monkeypatch):
+    _journaled(monkeypatch)
+    gate = threading.Event()
+    story = Script([started(0), started(1), Print(0, "before"), Gate(gate)],
+                   stacks={0: "File \"<cell>\", line 3, in train\n  dist.all_reduce(t)\n", 1: ""})
+    handle = _fake(story, timeout=0.3)
+    record = handle.wait()
+    assert record.outcome is ddpnb.Outcome.TIMED_OUT and record.at_timeout is not None
+    replayed = _same_as_replayed(handle)
+    assert replayed.record.ranks[0].stack == record.ranks[0].stack != ""
+
+
+@pytest.mark.fast
+def test_a_journal_replays_as_far_as_it_is_whole(monkeypatch):
+    _journaled(monkeypatch)
+    story = Script([*finishes(0, "ok"), started(1), *[Print(1, f"line {i}") for i in range(100)], returned(1),
+                    Exit(1, 0)])
+    handle = _fake(story)
+    handle.result()
+    path = handle.record.run_dir / JOURNAL_FILE
+    size = path.stat().st_size
+    os.truncate(path, size - 10)  # the end record, torn
+    replayed = Replay.read(handle.record.run_dir)
+    assert replayed.torn is not None and replayed.torn.lost > 0 and not replayed.done
+    assert replayed.record.outcome is ddpnb.Outcome.RUNNING
+    assert replayed.record.ranks[1].lines == 100 and replayed.record.ranks[0].state is ddpnb.RankState.FINISHED
+
+
+@pytest.mark.fast
+def test_ordinary_runs_write_no_journal(monkeypatch):
+    monkeypatch.delenv(JOURNAL_VAR, raising=False)
+    handle = _fake(Script([*finishes(0), *finishes(1)]))
+    handle.result()
+    assert not (handle.record.run_dir / JOURNAL_FILE).exists()
+    with pytest.raises(JournalError, match="the run has no journal"):
+        replay(handle.record.run_dir)

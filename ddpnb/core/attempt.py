@@ -82,6 +82,7 @@ class Attempt:
         self.result = ResultSlot(memory_file=capabilities.shares_memory)
         self.state = AttemptState.STARTING
         self.started = time.time()
+        self.clock: Callable[[], float] = time.time  # what the attempt writes times with (a journal records it)
         self._request = stop_request
         self._returned: set[int] = set()
         self._placed: set[int] = set()  # ranks whose process exists
@@ -151,7 +152,7 @@ class Attempt:
                 self.engine.close()  # first: whatever fails below, nothing of the attempt outlives it
                 for rank in self.record.ranks:  # never reported gone (ddpnb's reader failed): the close ended it
                     if rank.state in _RUNNING:
-                        rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
+                        rank.state, rank.ended = RankState.STOPPED, rank.ended or self.clock()
             if self.is_queued():  # the engine ended without saying the wait was over
                 self.queued(self.record.queued.what, "")  # type: ignore[union-attr]
             self._judge_stragglers(at_once=True)  # the last count too
@@ -214,7 +215,7 @@ class Attempt:
     # --- RunEvents: what the engine reports, from the reader thread -------------------------------------------
     def placed(self, rank: int, pid: int | None, node: str = "") -> None:
         record = self.record.ranks[rank]
-        record.pid, record.started = pid, time.time()
+        record.pid, record.started = pid, self.clock()
         record.node = node or record.node
         self._placed.add(rank)
         if len(self._placed) == len(self.record.ranks):
@@ -328,11 +329,11 @@ class Attempt:
         queued = self.record.queued
         if state:
             if queued is None or not queued.ongoing or queued.what != what:
-                self.record.queued = Queued(what, state)
+                self.record.queued = Queued(what, state, since=self.clock())
             else:
                 queued.state = state
         elif queued is not None and queued.ongoing:
-            queued.until = time.time()
+            queued.until = self.clock()
         self.announcer.mark(turn=True)
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
@@ -353,7 +354,7 @@ class Attempt:
                traceback: str = "") -> None:
         record = self.record.ranks[rank]
         self.announcer.mark(turn=True)
-        record.exitcode, record.ended = exitcode, record.ended or time.time()
+        record.exitcode, record.ended = exitcode, record.ended or self.clock()
         with self._prompt_lock:  # a rank gone from its prompt waits for no answer
             self.waiting.pop(rank, None)
             record.breakpoint_at = ""
@@ -369,7 +370,7 @@ class Attempt:
                 cause = describe_exit(exitcode)
                 if exitcode is not None and exitcode >= 0:
                     cause += " before its function returned (os._exit, or exit() in C code?)"
-            self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self.record.failures.append(Failure(rank, self.clock(), cause, traceback))
             self.logs.explain_crash(rank)  # type: ignore[union-attr]
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
 
@@ -403,7 +404,7 @@ class Attempt:
             stall.diagnosis = dataclasses.replace(self.diagnose(recorder=False), flight=stall.diagnosis.flight)
             self.announcer.mark(turn=True)
         elif alarm is Alarm.RESUMED and self.record.stall is not None:
-            self.record.stall.resumed = time.time()
+            self.record.stall.resumed = self.clock()
             self.announcer.mark(turn=True)
         if self._escalate_at is not None and time.monotonic() > self._escalate_at:
             after = self.engine.escalate()
@@ -421,7 +422,7 @@ class Attempt:
         self.state = AttemptState.STOPPING
         going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
                  and r.state is not RankState.FAILED]  # a failed rank exits by itself
-        now = time.time()
+        now = self.clock()
         with self._prompt_lock:  # a rank being stopped is asked nothing more: its prompt goes with it
             for rank in going:
                 self._stopping.setdefault(rank, now)

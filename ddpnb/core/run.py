@@ -25,6 +25,7 @@ from ddpnb.core.cellnames import cell_names, pdb_cell_names
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.data import Shipment
 from ddpnb.core.engine import Capabilities, Engine
+from ddpnb.core.journal.tee import JournalTee
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import Decision, RestartPolicy
 from ddpnb.core.ranklogs import log_paths
@@ -54,6 +55,7 @@ class RunSetup:
     shipment: Shipment | None = None  # the notebook data the ranks map; the caller commits it after `start`
     stall: float | None = None  # --stall: None adapts to the run, 0 never (`core.stall`)
     commands: bool = False  # a session: the ranks take commands over the engine's channel
+    journal: bool = False  # write the run's journal into its directory (`core.journal`: replay, attach)
 
 
 class Run:
@@ -81,7 +83,10 @@ class Run:
         # set by a foreground dashboard once its summary (the rank table, the logs' place) is above the cell's error
         self.summary_above = False
         self.attempt = self._new_attempt(0, spec)
-        self._relay: CurrentAttempt | None = CurrentAttempt(self.attempt, self._restarted)
+        self._relay: CurrentAttempt | JournalTee | None = CurrentAttempt(self.attempt, self._restarted)
+        self.journal = JournalTee(self._relay, self.record, setup.devices, setup.capabilities) \
+            if setup.journal else None
+        self._relay = self.journal or self._relay  # the engine tells the journal, which tells the attempt
 
     # --- public lifecycle -----------------------------------------------------------------------------------
     def start(self) -> Run:
@@ -101,6 +106,8 @@ class Run:
         except BaseException as exc:
             self.attempt.abandon()
             self._release()
+            if self.journal is not None:
+                self.journal.discard()
             rundir.remove_if_empty(run_dir)
             if isinstance(exc, KeyboardInterrupt):  # the ranks that had started are gone: say so, not where
                 self.record.outcome, self.record.ended = Outcome.INTERRUPTED, time.time()
@@ -421,6 +428,8 @@ class Run:
         record.ended = time.time()
         outcome, note = self.attempt.outcome()
         record.outcome, record.note = outcome, note or record.note
+        if self.journal is not None:
+            self.journal.concluded()
         self.attempt.result.settle(record.outcome is Outcome.SUCCEEDED)
         self._done.set()
         self._announcer.now()

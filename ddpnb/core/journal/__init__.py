@@ -6,3 +6,4 @@ directory, so that any later process replays it into the same record and views (
 """
 
 JOURNAL_FILE = "journal"  # its name in the run directory
+JOURNAL_VAR = "DDPNB_JOURNAL"  # set (1): ordinary runs write a journal too (detached runs always do)
