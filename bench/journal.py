@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddpnb.core import messages as msg  # noqa: E402
-from ddpnb.core.engine import AttemptStart, Capabilities, RunEvents  # noqa: E402
-from ddpnb.core.journal.replay import Replay  # noqa: E402
-from ddpnb.core.run import Run, RunSetup  # noqa: E402
-from ddpnb.core.spec import CallStyle, Stream, WorkerSpec  # noqa: E402
+from ddpnb.core import messages as msg
+from ddpnb.core.engine import AttemptStart, Capabilities, RunEvents
+from ddpnb.core.journal.replay import Replay
+from ddpnb.core.run import Run, RunSetup
+from ddpnb.core.spec import CallStyle, Stream, WorkerSpec
 
 RANKS = 2
 
