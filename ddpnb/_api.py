@@ -16,6 +16,7 @@ from ddpnb import _compat
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
 from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
 from ddpnb.core.cellnames import cell_names_of
+from ddpnb.core.journal import JOURNAL_VAR
 from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
@@ -27,6 +28,7 @@ from ddpnb.core.spec import (
     ViewKind,
     WorkerSpec,
     check_platform,
+    enabled,
     local_gpu_count,
 )
 from ddpnb.rank import context as rank_context
@@ -161,7 +163,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         engine=options.engine, capabilities=engine_type.capabilities,
         new_engine=functools.partial(engine_type.create, options=launch.engine_options), front_end=CellFrontEnd(),
         function="session" if commands else function_name(fn), policy=RestartPolicy(options.max_restarts),
-        shipment=shipment, stall=launch.stall, commands=commands))
+        shipment=shipment, stall=launch.stall, commands=commands, journal=enabled(JOURNAL_VAR)))
     run.hold(held)
     run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
