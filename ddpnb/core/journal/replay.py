@@ -28,7 +28,7 @@ from ddpnb.core.record import AttemptRecord, Outcome, OutputLine, RankRecord, Ru
 from ddpnb.core.spec import WorkerSpec
 from ddpnb.core.watchdog import Watchdog
 
-FOLLOW_EVERY = 0.05  # seconds between two looks at a live journal that had nothing new
+FOLLOW_EVERY = 0.01  # seconds between two looks at a live journal that had nothing new (a read: cheap)
 
 
 class JournalEngine:

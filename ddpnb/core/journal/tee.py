@@ -59,6 +59,7 @@ class JournalTee:
             self._placed(rank, pid, node)
         finally:
             self._other(Entry.PLACED, rank, pid, node, reads)
+            self._flush()  # rare (once a rank an attempt): a viewer waiting for the run to begin sees it at once
 
     def message(self, rank: int, message: msg.Message) -> None:
         self._begin()
