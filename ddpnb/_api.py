@@ -17,6 +17,7 @@ from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
 from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
 from ddpnb.core.cellnames import cell_names_of
 from ddpnb.core.journal import JOURNAL_VAR
+from ddpnb.core.journal.frames import JournalError
 from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
@@ -39,7 +40,7 @@ from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 from ddpnb.views.frontend import CellFrontEnd
 
-__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "LaunchError", "LaunchOptions", "attach", "attempt", "device",
+__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "JournalError", "LaunchError", "LaunchOptions", "attach", "attempt", "device",
            "last_run", "launch", "log", "profile", "run", "runs", "spawn", "start"]
 
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
