@@ -208,7 +208,7 @@ def _start_detached(fn: Callable[..., Any], launch: Launch, spec: WorkerSpec, de
     if resumed:
         notes.append(f"resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
                      "(ddpnb.load_checkpoint loads it)")
-    plan = supervisor.Plan(spec=spec, devices=devices, engine=options.engine, engine_options=launch.engine_options,
+    plan = supervisor.DetachedPlan(spec=spec, devices=devices, engine=options.engine, engine_options=launch.engine_options,
                            function=function_name(fn), max_restarts=options.max_restarts, stall=launch.stall,
                            notes=[note for note in notes if note])
     try:

@@ -44,7 +44,7 @@ START_WAIT = 120.0  # seconds the kernel waits for the supervisor to have starte
 
 
 @dataclass(frozen=True)
-class Plan:
+class DetachedPlan:
     """What the kernel checked and planned for a detached run: all the supervisor needs to own it."""
 
     spec: WorkerSpec
@@ -57,7 +57,7 @@ class Plan:
     notes: list[str]
 
 
-def start(plan: Plan) -> int:
+def start(plan: DetachedPlan) -> int:
     """Fork the supervisor from the kernel's forkserver and wait until it has started every rank; its PID.
     Raises LaunchError with the supervisor's own words where it could not start the run."""
     payload = cloudpickle.dumps(plan)  # the args may hold objects defined in the notebook
@@ -88,7 +88,7 @@ def start(plan: Plan) -> int:
 def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> None:
     """multiprocessing target, in the process forked for the run: own it until it ends."""
     os.setsid()  # out of the kernel's session and process group: what ends the kernel does not reach it
-    plan: Plan = pickle.loads(payload)
+    plan: DetachedPlan = pickle.loads(payload)
     run_dir = Path(plan.spec.run_dir)
     _log_to(run_dir / files.LOG)
     _own_forkserver()  # first: no thread runs yet
@@ -126,7 +126,7 @@ class _Unattended:
         print(f"[ddpnb supervisor] the {view} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
-def _owned(plan: Plan) -> Run:
+def _owned(plan: DetachedPlan) -> Run:
     engine_type = engines.engine_type(plan.engine)
     run = Run(RunSetup(
         spec=plan.spec, devices=plan.devices, engine=plan.engine, capabilities=engine_type.capabilities,
