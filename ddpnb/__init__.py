@@ -15,7 +15,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpnb._api import LaunchError, LaunchOptions, attempt, device, last_run, launch, log, profile, run, runs, spawn
+from ddpnb._api import (
+    LaunchError,
+    LaunchOptions,
+    attach,
+    attempt,
+    device,
+    last_run,
+    launch,
+    log,
+    profile,
+    run,
+    runs,
+    spawn,
+)
 from ddpnb._session import PerRank, Session, SessionBroken, SessionError, current_session, session
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunRecord
@@ -26,8 +39,8 @@ from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
     "LaunchError", "LaunchOptions", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
-    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "attempt", "current_session", "device",
-    "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "profile", "run", "runs", "save_checkpoint",
+    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "attach", "attempt", "current_session",
+    "device", "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "profile", "run", "runs", "save_checkpoint",
     "session", "spawn",
 ]
 __version__ = "0.1.0"

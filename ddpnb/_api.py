@@ -16,10 +16,15 @@ from ddpnb import _compat
 from ddpnb._options import DEFAULT_KEEP, Launch, LaunchOptions, max_lines
 from ddpnb.core import checkpoints, data, flight, live, pickling, rundir
 from ddpnb.core.cellnames import cell_names_of
+from ddpnb.core.journal import JOURNAL_VAR
+from ddpnb.core.journal.frames import JournalError
 from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
 from ddpnb.core.stacks import the_callers
+from ddpnb.detached import supervisor
+from ddpnb.detached.attach import DetachedRun, Listed, listed
+from ddpnb.detached.attach import attach as attach_to
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,
     CallStyle,
@@ -27,6 +32,7 @@ from ddpnb.core.spec import (
     ViewKind,
     WorkerSpec,
     check_platform,
+    enabled,
     local_gpu_count,
 )
 from ddpnb.rank import context as rank_context
@@ -34,13 +40,13 @@ from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 from ddpnb.views.frontend import CellFrontEnd
 
-__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "LaunchError", "LaunchOptions", "attempt", "device", "last_run",
-           "launch", "log", "profile", "run", "runs", "spawn", "start"]
+__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "JournalError", "LaunchError", "LaunchOptions", "attach", "attempt", "device",
+           "last_run", "launch", "log", "profile", "run", "runs", "spawn", "start"]
 
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
 
-def launch(fn: Callable[..., Any], /, **options: Any) -> Run:
+def launch(fn: Callable[..., Any], /, **options: Any) -> Run | DetachedRun:
     """Start `fn` on every rank and return the `Run` handle at once; the run goes on in the background.
 
     The handle has `wait()`, `result()`, `stop()`, `stacks()`, `done` and `status`. The options are
@@ -106,7 +112,8 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> No
                           f"{rule}.") from None
 
 
-def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands: bool = False) -> Run:
+def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands: bool = False
+          ) -> Run | DetachedRun:
     """Start a checked launch, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not
     (`--background`); `commands`: the ranks also take commands over the engine's channel (a session's ranks,
     running `rank.session.serve`)."""
@@ -120,7 +127,9 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     _check_callable(fn, args, CallStyle(options.call_style))
     # the function's (and then the args') big tensors and arrays go where the engine's ranks read them: shared
     # memory they map (local), Ray's object store (ray)
-    shipment = engine_type.shipment()
+    detach = options.detach
+    # a detached run's data cannot be memory files of the kernel's: they go with the kernel; it travels pickled
+    shipment = None if detach else engine_type.shipment()
     payload = pickling.dump_function(fn, shipment)  # before anything starts: an unpicklable function starts nothing
     if options.checkpoint_dir is not None:
         try:
@@ -144,7 +153,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     sources = pickling.notebook_sources()
     # a rank's breakpoint() asks the front end where it takes input: the cell that waits for the run (or a
     # session's command); for a run whose cell returned, its dashboard's console, `.wait()` or `.debug(rank)`
-    prompts = engine_type.capabilities.commands and _compat.front_end_takes_input()
+    prompts = engine_type.capabilities.commands and _compat.front_end_takes_input() and not detach
     if options.debug and not prompts:
         print("[ddpnb] --debug needs a front end that takes input (Jupyter, not nbclient or a script): the run "
               "goes on without post-mortem prompts.", file=sys.stderr)
@@ -156,12 +165,14 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
         prompts=prompts, debug=options.debug and prompts, profile=launch.profile,
     )
+    devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
+    if detach:
+        return _start_detached(fn, launch, spec, devices, held)
     run = Run(RunSetup(
-        spec=spec, devices=[f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)],
-        engine=options.engine, capabilities=engine_type.capabilities,
+        spec=spec, devices=devices, engine=options.engine, capabilities=engine_type.capabilities,
         new_engine=functools.partial(engine_type.create, options=launch.engine_options), front_end=CellFrontEnd(),
         function="session" if commands else function_name(fn), policy=RestartPolicy(options.max_restarts),
-        shipment=shipment, stall=launch.stall, commands=commands))
+        shipment=shipment, stall=launch.stall, commands=commands, journal=enabled(JOURNAL_VAR)))
     run.hold(held)
     run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
@@ -187,6 +198,46 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     if launch.tensorboard is not None:
         board.TensorBoardWriter(run, launch.tensorboard)
     return run
+
+
+def _start_detached(fn: Callable[..., Any], launch: Launch, spec: WorkerSpec, devices: list[str],
+                    held: int | None) -> DetachedRun:
+    """Hand the checked launch to a supervisor of its own (`detached.supervisor`); the viewer's handle on it."""
+    options, resumed = launch.options, launch.resumed
+    notes = [launch.plan.note, "detached: its supervisor owns it, not this kernel (ddpnb.attach from any kernel)"]
+    if resumed:
+        notes.append(f"resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
+                     "(ddpnb.load_checkpoint loads it)")
+    plan = supervisor.DetachedPlan(spec=spec, devices=devices, engine=options.engine, engine_options=launch.engine_options,
+                           function=function_name(fn), max_restarts=options.max_restarts, stall=launch.stall,
+                           notes=[note for note in notes if note])
+    try:
+        supervisor.start(plan)
+    except BaseException:
+        rundir.remove_if_empty(Path(spec.run_dir))
+        raise
+    finally:
+        if held is not None:
+            os.close(held)
+    handle = DetachedRun(Path(spec.run_dir))
+    if launch.view is ViewKind.WIDGET:
+        from ddpnb.views.dashboard import Dashboard
+
+        Dashboard(handle, foreground=False, fold=options.fold)  # type: ignore[arg-type]
+    elif launch.view is ViewKind.TEXT:
+        from ddpnb.views.text import TextView
+
+        TextView(handle, max_lines(), fold=options.fold)  # type: ignore[arg-type]
+        print(f"[ddpnb] detached as {handle.name}: it outlives this kernel; its output shows here when you call "
+              ".wait() or .result(); ddpnb.attach('last') from any kernel")
+    return handle
+
+
+def attach(which: str | os.PathLike[str] = "last") -> DetachedRun:
+    """The handle of a detached run (`launch(fn, detach=True)`, `%%ddp --detach`) from any kernel: 'last' (the
+    newest), its name (`ddpnb.runs()` lists them) or its run directory. It has `launch`'s API (`wait`, `result`,
+    `stop`, `stacks`, `record`, `status`); displayed, the dashboard with the run's whole history, then live."""
+    return attach_to(which)
 
 
 def run(fn: Callable[..., Any], /, **options: Any) -> Any:
@@ -221,10 +272,12 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
     return None
 
 
-def runs() -> list[Run]:
+def runs() -> list[Run | Listed]:
     """The runs of this kernel still going, oldest first: the handles of background cells and `launch`es, each
-    with `.stop()`, `.wait()`, `.result()` and a repr that says how it is now."""
-    return live.runs()
+    with `.stop()`, `.wait()`, `.result()` and a repr that says how it is now; then this user's detached runs on
+    this machine, each with its state ('running', 'orphaned' where its supervisor is gone, or how it ended) and
+    `.attach()`."""
+    return [*live.runs(), *listed()]  # type: ignore[list-item]
 
 
 def last_run() -> RunRecord | None:

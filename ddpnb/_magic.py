@@ -181,6 +181,10 @@ class DDPMagics(Magics):
     @argument("--background", action="store_true",
               help="return the run handle at once and keep the dashboard live while other cells run; "
                    "the handle has wait(), result(), stop() and status.")
+    @argument("--detach", action="store_true",
+              help="the run is owned by a supervisor process of its own, not this kernel: it goes on if the kernel "
+                   "dies or restarts; the cell returns its handle at once (as --background), and ddpnb.attach('last') "
+                   "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local engine.")
     @argument("--view", choices=[kind.value for kind in ViewKind],
               help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
                    "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).")
@@ -231,7 +235,7 @@ class DDPMagics(Magics):
         launch = _checked(args, timeout=args.timeout, view=args.view, max_restarts=args.max_restarts,
                           checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
                           resume=args.resume, tensorboard=args.tensorboard,
-                          debug=args.debug, profile=args.profile)  # before the cell defines anything
+                          debug=args.debug, profile=args.profile, detach=args.detach)  # before the cell runs
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
         try:
@@ -244,10 +248,18 @@ class DDPMagics(Magics):
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")
         if not callable(fn):
             raise UsageError(f"--fn {name}: {name} is not a function (its type is {type(fn).__name__}).")
+        background = args.background or args.detach  # a detached run's cell never waits: the kernel may go
         try:
-            run = _api.start(fn, launch, foreground=not args.background)
+            run = _api.start(fn, launch, foreground=not background)
         except (_api.LaunchError, NotPicklableError) as exc:
             raise UsageError(str(exc)) from None
+        if args.detach:  # it outlives the kernel: running the cell again starts another, it stops nothing
+            if args.out:
+                self.shell.user_ns[args.out] = run
+            else:
+                print(f"[ddpnb] detached as {run.name}: ddpnb.attach({run.name!r}) or %ddp_attach {run.name} from "
+                      f"any kernel; its handle here is {self._keep_as_output(run)}")
+            return None
         self._cell_runs[key] = run
         if args.background:
             if args.out:
@@ -484,6 +496,15 @@ class SessionMagics(Magics):
         if out:
             self.shell.user_ns[out] = values
         return values
+
+    @line_magic
+    def ddp_attach(self, line: str) -> object:
+        """`%ddp_attach [NAME|PATH]`: the handle of a detached run (default: the newest), shown as its dashboard,
+        its whole history first, then live. ddpnb.runs() lists them."""
+        try:
+            return _api.attach(line.strip() or "last")
+        except (LookupError, PermissionError, _api.JournalError) as exc:
+            raise UsageError(str(exc)) from None
 
     @line_magic
     def ddp_restart(self, line: str) -> None:

@@ -55,7 +55,9 @@ class LaunchOptions:
     prompt at the raising frame (a foreground cell whose front end takes input). profile: the steps to profile on
     every rank, counted by `ddpnb.log(step=...)` ('5-7', or True for steps 3-5): one merged trace in the run
     directory and each rank's step time broken down in `record.profile` (docs/profiling.md). oversubscribe: start
-    more CPU ranks on this machine than 8 a usable CPU (at least 16), which is refused without it.
+    more CPU ranks on this machine than 8 a usable CPU (at least 16), which is refused without it. detach: the run
+    is owned by a supervisor process of its own, not the kernel, so it outlives the kernel; `ddpnb.attach` from any
+    later kernel (docs/detached.md).
     """
 
     gpus: int | str | None = None
@@ -77,6 +79,7 @@ class LaunchOptions:
     debug: bool = False
     profile: bool | str | int | tuple[int, int] | None = None
     oversubscribe: bool = False
+    detach: bool = False
     engine_options: Mapping[str, Any] = field(default_factory=dict)  # the engine's own, by name
 
     @classmethod
@@ -110,10 +113,12 @@ class LaunchOptions:
                               f"args=({self.args!r},).")
         _check_whole(self.max_restarts, "max_restarts", 0)
         _check_whole(self.keep_checkpoints, "keep_checkpoints", 1)
-        for name in ("fold", "debug", "oversubscribe"):
+        for name in ("fold", "debug", "oversubscribe", "detach"):
             if not isinstance(getattr(self, name), bool):
                 raise LaunchError(f"{name} takes True or False, not {getattr(self, name)!r}.")
         check_env(self.env)
+        if self.detach:
+            _check_detach(self)
         stall = stall_seconds(self.stall)
         engine_type = engines.engine_type(self.engine)  # raises if the engine cannot be used here
         engine_options = engines.options(self.engine, dict(self.engine_options))
@@ -154,6 +159,19 @@ def _engine_option_names(name: str) -> list[str]:
         return engines.option_names(name)
     except ImportError:
         return []
+
+
+def _check_detach(options: LaunchOptions) -> None:
+    """What a detached run cannot do (yet), refused saying why."""
+    if options.engine != engines.DEFAULT:
+        raise LaunchError(f"detach (--detach) runs on the local engine for now, not on {options.engine!r}: Slurm and "
+                          "Ray detached runs come next (docs/detached.md). Leave out detach, or the engine.")
+    if options.debug:
+        raise LaunchError("detach (--detach) and debug (--debug) do not go together: a detached run's prompts would "
+                          "have no front end to ask in once the kernel is gone. Leave out one of them.")
+    if options.tensorboard is not None:
+        raise LaunchError("detach (--detach) and tensorboard do not go together yet: the event files are written by "
+                          "the kernel's view of a run. Leave out tensorboard, or detach.")
 
 
 def _check_whole(value: object, name: str, least: int) -> None:

@@ -80,6 +80,7 @@ class Attempt:
         self.channel = channel
         self.result = ResultSlot(memory_file=capabilities.shares_memory)
         self.state = AttemptState.STARTING
+        self.clock: Callable[[], float] = time.time  # what the attempt writes times with (a journal records it)
         self._request = stop_request
         self._returned: set[int] = set()
         self._placed: set[int] = set()  # ranks whose process exists
@@ -145,7 +146,7 @@ class Attempt:
                 self.engine.close()  # first: whatever fails below, nothing of the attempt outlives it
                 for rank in self.record.ranks:  # never reported gone (ddpnb's reader failed): the close ended it
                     if rank.state in _RUNNING:
-                        rank.state, rank.ended = RankState.STOPPED, rank.ended or time.time()
+                        rank.state, rank.ended = RankState.STOPPED, rank.ended or self.clock()
             if self.is_queued():  # the engine ended without saying the wait was over
                 self.queued(self.record.queued.what, "")  # type: ignore[union-attr]
             self._judge_stragglers(at_once=True)  # the last count too
@@ -197,7 +198,7 @@ class Attempt:
     def learned(self, last_line: int) -> AttemptRecord:
         """The attempt's record, complete: how it ended, and the run's count of output lines then (`last_line`)."""
         self.record.outcome, self.record.note = self.outcome()
-        self.record.ended, self.record.last_line = time.time(), last_line
+        self.record.ended, self.record.last_line = self.clock(), last_line
         return self.record
 
     def snapshot(self) -> AttemptSnapshot:
@@ -212,7 +213,7 @@ class Attempt:
     # --- RunEvents: what the engine reports, from the reader thread -------------------------------------------
     def placed(self, rank: int, pid: int | None, node: str = "") -> None:
         record = self.record.ranks[rank]
-        record.pid, record.started = pid, time.time()
+        record.pid, record.started = pid, self.clock()
         record.node = node or record.node
         self._placed.add(rank)
         if len(self._placed) == len(self.record.ranks):
@@ -318,11 +319,11 @@ class Attempt:
         queued = self.record.queued
         if state:
             if queued is None or not queued.ongoing or queued.what != what:
-                self.record.queued = Queued(what, state)
+                self.record.queued = Queued(what, state, since=self.clock())
             else:
                 queued.state = state
         elif queued is not None and queued.ongoing:
-            queued.until = time.time()
+            queued.until = self.clock()
         self.announcer.mark(turn=True)
 
     def _failed(self, rank: int, message: msg.Failed) -> None:
@@ -343,7 +344,7 @@ class Attempt:
                traceback: str = "") -> None:
         record = self.record.ranks[rank]
         self.announcer.mark(turn=True)
-        record.exitcode, record.ended = exitcode, record.ended or time.time()
+        record.exitcode, record.ended = exitcode, record.ended or self.clock()
         self.broker.withdraw([rank])  # a rank gone from its prompt waits for no answer
         if record.state is RankState.FAILED:
             return
@@ -357,7 +358,7 @@ class Attempt:
                 cause = describe_exit(exitcode)
                 if exitcode is not None and exitcode >= 0:
                     cause += " before its function returned (os._exit, or exit() in C code?)"
-            self.record.failures.append(Failure(rank, time.time(), cause, traceback))
+            self.record.failures.append(Failure(rank, self.clock(), cause, traceback))
             self.logs.explain_crash(rank)  # type: ignore[union-attr]
             self._begin_stop(Outcome.FAILED, f"rank {rank} {cause}")
 
@@ -388,7 +389,7 @@ class Attempt:
             stall.diagnosis = dataclasses.replace(self.diagnose(recorder=False), flight=stall.diagnosis.flight)
             self.announcer.mark(turn=True)
         elif alarm is Alarm.RESUMED and self.record.stall is not None:
-            self.record.stall.resumed = time.time()
+            self.record.stall.resumed = self.clock()
             self.announcer.mark(turn=True)
         if self._escalate_at is not None and time.monotonic() > self._escalate_at:
             after = self.engine.escalate()
@@ -406,7 +407,7 @@ class Attempt:
         self.state = AttemptState.STOPPING
         going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
                  and r.state is not RankState.FAILED]  # a failed rank exits by itself
-        now = time.time()
+        now = self.clock()
         for rank in going:
             self._stopping.setdefault(rank, now)
         self.broker.withdraw(going)  # a rank being stopped is asked nothing more: its prompt goes with it

@@ -19,6 +19,7 @@ from ddpnb.core.announce import Announcer
 from ddpnb.core.attempt import Attempt, CurrentAttempt, StopRequest
 from ddpnb.core.channel import CommandChannel
 from ddpnb.core.engine import Engine
+from ddpnb.core.journal.tee import JournalTee
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import Decision
 from ddpnb.core.ranklogs import log_paths
@@ -54,7 +55,11 @@ class Lifecycle:
         self.locks: list[int] = []  # the run directory's, and those on directories it reads (`Run.hold`)
         self.attempt = self._new_attempt(0, spec)
         self.record.current = self.attempt.record
-        self._relay: CurrentAttempt | None = CurrentAttempt(self.attempt, self._restarted)
+        relay = CurrentAttempt(self.attempt, self._restarted)
+        # a journaled run's engine tells the journal, which tells the attempt (`core.journal`)
+        self.journal = JournalTee(relay, self.record, setup.devices, setup.capabilities, self._journal_broken) \
+            if setup.journal else None
+        self._relay: CurrentAttempt | JournalTee | None = self.journal or relay
 
     def start(self, handle: LiveRun) -> None:
         """Start every rank of the first attempt, then the reader thread; on any failure nothing is left running
@@ -74,11 +79,18 @@ class Lifecycle:
         except BaseException as exc:
             self.attempt.abandon()
             self._release()
+            if self.journal is not None:
+                self.journal.discard()
             rundir.remove_if_empty(run_dir)
             if isinstance(exc, KeyboardInterrupt):  # the ranks that had started are gone: say so, not where
                 self.record.outcome, self.record.ended = Outcome.INTERRUPTED, time.time()
                 raise RunInterrupted(self.record, starting=True) from None
             raise
+
+    def _journal_broken(self, words: str) -> None:
+        """The journal could not be written (a full disk): every view's header says so; the run goes on."""
+        self.record.add_launch_note(words)
+        self.announcer.mark(turn=True)
 
     def view_failed(self, view: str, exc: Exception) -> None:
         """Keep a view's bug (ddpnb's own) in the record."""
@@ -172,6 +184,8 @@ class Lifecycle:
         learned = self.attempt.learned(self.lines.count)
         record.ended = time.time()
         record.outcome, record.note = learned.outcome, learned.note or record.note
+        if self.journal is not None:
+            self.journal.concluded()
         self.attempt.result.settle(record.outcome is Outcome.SUCCEEDED)
         self.done.set()
         self.announcer.now()

@@ -57,6 +57,7 @@ class RunSetup:
     shipment: Shipment | None = None  # the notebook data the ranks map; the caller commits it after `start`
     stall: float | None = None  # --stall: None adapts to the run, 0 never (`core.stall`)
     commands: bool = False  # a session: the ranks take commands over the engine's channel
+    journal: bool = False  # write the run's journal into its directory (`core.journal`: replay, attach)
 
 
 class Run:

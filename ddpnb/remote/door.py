@@ -34,12 +34,14 @@ Refuse = Callable[[Any, BaseException], None]
 
 class Door:
     """Listens on `host` (port 0; `address` says where) until `close`; `admit(conn, hello)` for each host that
-    proves `secret` (it must not block), `refuse(peer, exc)` for anything else, both from the door's threads."""
+    proves `secret` (it must not block), `refuse(peer, exc)` for anything else, both from the door's threads.
+    `greeting`: the type of the first frame after the secret (a host's `Hello`; a detached run's viewer's ask)."""
 
-    def __init__(self, host: str, secret: bytes, admit: Admit, refuse: Refuse) -> None:
+    def __init__(self, host: str, secret: bytes, admit: Admit, refuse: Refuse, greeting: type = Hello) -> None:
         self._server = socket.create_server((host, 0))
         self.address: tuple[str, int] = self._server.getsockname()[:2]
         self._secret = secret
+        self._greeting = greeting
         self._admit, self._refuse = admit, refuse
         self._checking: dict[socket.socket, threading.Thread] = {}  # each connection being checked, its check
         self._lock = threading.Lock()
@@ -68,9 +70,9 @@ class Door:
             try:
                 deliver_challenge(conn, self._secret)
                 answer_challenge(conn, self._secret)
-                hello = pickle.loads(conn.recv_bytes())  # the secret is proven: this is one of the run's hosts
-                if not isinstance(hello, Hello):
-                    raise TypeError(f"not a host's hello: {type(hello).__name__}")
+                hello = pickle.loads(conn.recv_bytes())  # the secret is proven: this is one of the run's own
+                if not isinstance(hello, self._greeting):
+                    raise TypeError(f"not a {self._greeting.__name__}: {type(hello).__name__}")
             except BlockingIOError:
                 conn.close()
                 self._refused(peer, TimeoutError(f"it left the challenge unanswered for {AUTH_WAIT} s"))

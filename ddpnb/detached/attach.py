@@ -1,0 +1,272 @@
+"""A viewer's handle on a detached run: `attach(...)` from any kernel (the one that launched it too), built on the
+journal's replay (`core.journal.replay.Replay.follow`): the record, the lines and the views get the run's whole
+history, then follow it live; commands go to the supervisor through its door (`files.ask`)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpnb.core import hints, rundir
+from ddpnb.core.announce import Subscribers
+from ddpnb.core.journal.frames import JournalError
+from ddpnb.core.journal.replay import Replay
+from ddpnb.core.record import Outcome, OutputLine, RunRecord
+from ddpnb.core.report import WorkerError, diagnosis_summary
+from ddpnb.core.run import TICK
+from ddpnb.core.spec import is_seconds
+from ddpnb.core.words import format_duration, ranks_text
+from ddpnb.detached import files
+
+FIRST_RECORD_WAIT = 30.0  # seconds attach waits for a just-launched run's journal to say what the run is
+RESULT_WAIT = 10.0  # seconds `result()` waits, after the run's end, for the supervisor to have kept the value
+ORPHAN_CHECK = 1.0  # seconds between two looks at whether the supervisor is still alive while waiting
+
+
+class DetachedRun:
+    """The handle of a detached run, as `launch`'s: `wait()`, `result()`, `stop()`, `stacks()`, `record`,
+    `status`, `done`; displayed in a notebook, the live dashboard, its history replayed first."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.name = run_dir.name
+        self._replay = Replay()
+        self._leave = threading.Event()
+        self._failed: BaseException | None = None
+        self._views = Subscribers()
+        self.summary_above = False
+        threading.Thread(target=self._follow, name="ddpnb-attached", daemon=True).start()
+        deadline = time.monotonic() + FIRST_RECORD_WAIT
+        while self._replay.record is None:
+            if self._failed is not None:
+                raise self._failed
+            if not files.supervised(run_dir) and time.monotonic() > deadline - FIRST_RECORD_WAIT + 2:
+                raise JournalError(f"{run_dir} holds no record of its run: its supervisor is gone (see "
+                                   f"{run_dir / files.LOG})")
+            if time.monotonic() > deadline:
+                raise JournalError(f"{run_dir}'s journal said nothing within {FIRST_RECORD_WAIT:g} s")
+            time.sleep(0.02)
+        self.record: RunRecord = self._replay.record
+
+    def _follow(self) -> None:
+        try:
+            self._replay.follow(self.run_dir, self._leave)
+        except BaseException as exc:  # noqa: BLE001 - raised where the caller is: `attach`, or `wait`
+            self._failed = exc
+
+    # --- the handle ---------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._replay.done
+
+    @property
+    def orphaned(self) -> bool:
+        """The supervisor is gone and the journal never said the run ended: its state is unknown."""
+        return not self.done and not files.supervised(self.run_dir) and not self._catching_up()
+
+    def _catching_up(self) -> bool:
+        """The journal may hold records the follower has not read yet (it looks every 50 ms)."""
+        time.sleep(0.2)
+        return self.done
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.record.outcome
+
+    @property
+    def attempt(self) -> Any:
+        return self._replay.attempt
+
+    @property
+    def status(self) -> str:
+        record = self.record
+        ranks = ", ".join(f"{r.rank}: {r.state.value}" for r in record.ranks)
+        stalled = f", stalled: {diagnosis_summary(record.stall.diagnosis)}" if record.stall and record.stalled else ""
+        state = "orphaned (its supervisor is gone)" if self.orphaned else record.outcome.value
+        return f"{state} after {format_duration(record.duration)} (ranks {ranks}){stalled}"
+
+    def __repr__(self) -> str:
+        record = self.record
+        return (f"<ddpnb detached run {self.name} of {record.function or 'a function'} on "
+                f"{ranks_text(record.world_size)} ({record.backend}): {self.status}; .wait() .result() .stop()>")
+
+    def _ipython_display_(self) -> None:
+        """The live dashboard: the whole history replayed, then live (text where widgets cannot show)."""
+        from IPython.display import display
+
+        try:
+            from ddpnb.views.dashboard import Dashboard
+
+            Dashboard(self, foreground=False)  # type: ignore[arg-type]
+        except ImportError:
+            display({"text/plain": repr(self)}, raw=True)
+
+    def wait(self, timeout: float | None = None) -> RunRecord:
+        """Block until the run has ended (or `timeout` passes, or its supervisor is found gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen, looked = 0, time.monotonic()
+        try:
+            while not self.done:
+                if self._failed is not None:
+                    raise self._failed
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                seen = self.watch(seen, TICK if left is None else min(TICK, left))
+                self.notify()
+                if time.monotonic() - looked > ORPHAN_CHECK:
+                    looked = time.monotonic()
+                    if self.orphaned:
+                        break
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+        finally:
+            self.notify(ending=True)
+        return self.record
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value, kept by the supervisor in the run directory; raises `WorkerError` if the run
+        did not succeed, TimeoutError if it has not ended within `timeout` (it goes on)."""
+        if timeout is not None and not is_seconds(timeout, zero=True):
+            raise ValueError(f"timeout is a number of seconds to wait, 0 or more, not {timeout!r}.")
+        self.wait(timeout)
+        if not self.done:
+            if self.orphaned:
+                raise RuntimeError(f"the run's supervisor is gone and the run's end was never written: its result is "
+                                   f"lost (its logs: {self.run_dir}; why: {self.run_dir / files.LOG})")
+            raise TimeoutError(f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
+                               "it, .stop() ends it.")
+        if self.record.outcome is not Outcome.SUCCEEDED:
+            raise WorkerError(self.record, hint=hints.hint(self.record), summary_above=self.summary_above)
+        return self._kept()
+
+    def _kept(self) -> Any:
+        path, error = self.run_dir / files.RESULT, self.run_dir / files.RESULT_ERROR
+        deadline = time.monotonic() + RESULT_WAIT
+        while not path.exists() and not error.exists() and files.supervised(self.run_dir) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        if error.exists():
+            raise RuntimeError(f"rank 0 returned a value the supervisor could not keep: {error.read_text()}")
+        raise RuntimeError(f"rank 0's value is not in {self.run_dir} (cleaned, or the supervisor died before "
+                           f"keeping it: {self.run_dir / files.LOG})")
+
+    def stop(self, outcome: Outcome = Outcome.STOPPED, note: str = "stopped by the user") -> None:
+        """Stop every rank (through the supervisor) and wait until all are gone."""
+        del outcome, note  # the supervisor says why: stopped by the user
+        if self.done:
+            return
+        files.ask(self.run_dir, "stop")
+        self.wait(5.0)
+
+    def stacks(self, wait: float = 10.0) -> dict[int, str]:
+        """Every running rank's Python stack now, asked of the supervisor; `{}` once the run has ended."""
+        if self.done:
+            return {}
+        return files.ask(self.run_dir, "stacks", timeout=wait + 5)
+
+    def leave(self) -> None:
+        """Stop following the journal (the run goes on)."""
+        self._leave.set()
+
+    # --- what views read ---------------------------------------------------------------------------------------
+    def watch(self, seen: int, timeout: float) -> int:
+        return self._replay.watch(seen, timeout)
+
+    def lines_since(self, seen: int) -> tuple[list[OutputLine], int, int]:
+        return self._replay.lines_since(seen)
+
+    def subscribe(self, callback: Callable[[], None], *, news: bool = True) -> None:
+        self._views.subscribe(callback, news)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._views.unsubscribe(callback)
+
+    def notify(self, ending: bool = False) -> None:
+        for view, exc in self._views.notify(ending, ended=self.done):
+            self.record.view_errors.append(f"drawing the {view}: {type(exc).__name__}: {exc}")
+
+    def answer(self, prompt: Any, line: str) -> bool:
+        return False  # a detached run takes no debugger answers
+
+    def not_waiting(self, rank: int) -> str:
+        return "a detached run takes no debugger answers"
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One detached run in the runs directory, as `ddpnb.runs()` lists it."""
+
+    name: str
+    path: Path
+    function: str
+    world_size: int
+    state: str  # 'running', 'orphaned' (its supervisor is gone, the end never written) or the outcome
+    progress: str  # the supervisor's status line while it runs; how it ended after
+
+    def attach(self) -> DetachedRun:
+        return attach(self.path)
+
+    def __repr__(self) -> str:
+        return f"<ddpnb detached run {self.name}: {self.function} on {ranks_text(self.world_size)}, {self.state}; " \
+               f"{self.progress}; .attach()>"
+
+
+def listed() -> list[Listed]:
+    """This user's detached runs in the runs directory, oldest first."""
+    found = []
+    for path in sorted(rundir.runs_root().iterdir()):
+        about = files.marker(path)
+        if about is None:
+            continue
+        found.append(Listed(path.name, path, about.get("function", ""), about.get("world_size", 0), *_state(path)))
+    return found
+
+
+def _state(path: Path) -> tuple[str, str]:
+    end = files.ended(path)
+    if end is not None:
+        return end["outcome"], f"ended after {format_duration(end['duration'])}" + \
+            (f": {end['note']}" if end.get("note") else "")
+    if files.supervised(path):
+        try:
+            return "running", files.ask(path, "status", timeout=5)
+        except RuntimeError as exc:
+            return "running", str(exc)
+    return "orphaned", f"its supervisor is gone and its end was never written; its logs are in {path}"
+
+
+def attach(which: str | os.PathLike[str] = "last") -> DetachedRun:
+    """The handle of a detached run: 'last' (the newest), its name (`ddpnb.runs()` lists them), or its run
+    directory's path."""
+    path = find(which)
+    owner = path.stat().st_uid
+    if owner != os.getuid():
+        raise PermissionError(f"{path} is another user's run (uid {owner}): only its owner may attach to it.")
+    return DetachedRun(path)
+
+
+def find(which: str | os.PathLike[str]) -> Path:
+    if not isinstance(which, (str, os.PathLike)):
+        raise TypeError(f"attach takes 'last', a run's name or its run directory, not {type(which).__name__}")
+    runs = listed()
+    if str(which) == "last":
+        if not runs:
+            raise LookupError(f"there is no detached run in {rundir.runs_root()}: launch one with "
+                              "ddpnb.launch(fn, detach=True) or %%ddp --detach.")
+        return runs[-1].path
+    path = Path(which).expanduser()
+    if path.is_dir() and (path / files.MARKER).exists():
+        return path
+    named = rundir.runs_root() / str(which)
+    if os.sep not in str(which) and named.is_dir() and (named / files.MARKER).exists():
+        return named
+    there = "; ".join(f"{run.name} ({run.state})" for run in runs) or "none"
+    raise LookupError(f"no detached run {str(which)!r} in {rundir.runs_root()}. The detached runs there are: {there}. "
+                      "Pass one of these names, 'last', or a run directory.")

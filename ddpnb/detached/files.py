@@ -1,0 +1,108 @@
+"""What a detached run keeps in its run directory besides what every run does, and the client of its door.
+
+Every file is the user's alone (0600 in the 0700 run directory). The secret is written there and nowhere else:
+never in an environment or a command line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+MARKER = "detached"  # JSON: what the run is (function, ranks, engine, supervisor PID, ddpnb version)
+SECRET = "secret"  # the run's secret: bytes a viewer proves at the door
+DOOR = "door"  # JSON: the door's host and port
+ALIVE = "supervisor.lock"  # held (flock) by the supervisor for its whole life
+LOG = "supervisor.log"  # the supervisor's stdout and stderr: what it refused, what went wrong
+RESULT = "result.pickle"  # rank 0's value, kept until the run directory is cleaned
+RESULT_ERROR = "result.error"  # why rank 0's value could not be kept
+ENDED = "ended.json"  # the outcome, written when the run has ended and everything is written
+ASK_WAIT = 30.0  # seconds a command across the gap may take (stacks: a few; a stop: the engine's grace)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A viewer's command at the door, once the secret is proven: 'status', 'stacks' or 'stop'."""
+
+    what: str
+
+
+def private_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all (a reader never sees half), readable by this user only."""
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def hold_alive(run_dir: Path) -> int:
+    """The supervisor's lock: held until it exits, however it exits (SIGKILL included)."""
+    fd = os.open(run_dir / ALIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def supervised(run_dir: Path) -> bool:
+    """Whether the run's supervisor is alive (it holds its lock)."""
+    try:
+        fd = os.open(run_dir / ALIVE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def marker(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ended(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / ENDED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ask(run_dir: Path, what: str, timeout: float = ASK_WAIT) -> Any:
+    """Send a command to the run's supervisor through its door, proving the secret; its answer. RuntimeError
+    where the supervisor is gone or said it could not."""
+    try:
+        secret = (run_dir / SECRET).read_bytes()
+        where = json.loads((run_dir / DOOR).read_text())
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"the run in {run_dir} takes no commands: its door is not there ({exc})") from None
+    try:
+        with Client((where["host"], where["port"]), authkey=secret) as conn:
+            conn.send_bytes(pickle.dumps(Ask(what)))
+            if not conn.poll(timeout):
+                raise RuntimeError(f"the run's supervisor did not answer {what!r} within {timeout:g} s")
+            status, value = pickle.loads(conn.recv_bytes())
+    except (OSError, EOFError) as exc:
+        raise RuntimeError(f"the run's supervisor cannot be reached ({type(exc).__name__}: {exc}): "
+                           f"{'it is gone' if not supervised(run_dir) else 'see ' + str(run_dir / LOG)}") from None
+    if status != "ok":
+        raise RuntimeError(f"the run's supervisor could not {what}: {value}")
+    return value

@@ -1,0 +1,225 @@
+"""The owner of a detached run: a process of its own session, forked from the kernel's forkserver (torch is
+imported there already), that runs the run's `Lifecycle` with the journal on, as the kernel does for an ordinary
+run, until the run ends and everything is written.
+
+It forks its ranks from a forkserver of its own, forked from itself before it starts any thread (a process with
+threads must not fork); the ranks' lifeline is the supervisor, so its death ends them as the kernel's ends an
+ordinary run's. Commands across the gap (status, stacks, stop) come through a door (`remote.door`) that lets in
+only a connection proving the run's secret; a stranger is refused and logged in the supervisor's log.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import pickle
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from ddpnb import engines
+from ddpnb.core.journal import entries
+from ddpnb.core.policy import RestartPolicy
+from ddpnb.core.record import Outcome
+from ddpnb.core.run import Run, RunSetup
+from ddpnb.core.spec import LaunchError, WorkerSpec
+from ddpnb.detached import files
+from ddpnb.node import forkserver, orphans
+from ddpnb.node.rank import PROCESS_PREFIX
+from ddpnb.remote.door import Door
+
+START_WAIT = 120.0  # seconds the kernel waits for the supervisor to have started every rank
+
+
+@dataclass(frozen=True)
+class DetachedPlan:
+    """What the kernel checked and planned for a detached run: all the supervisor needs to own it."""
+
+    spec: WorkerSpec
+    devices: list[str]
+    engine: str
+    engine_options: Any
+    function: str
+    max_restarts: int
+    stall: float | None
+    notes: list[str]
+
+
+def start(plan: DetachedPlan) -> int:
+    """Fork the supervisor from the kernel's forkserver and wait until it has started every rank; its PID.
+    Raises LaunchError with the supervisor's own words where it could not start the run."""
+    payload = cloudpickle.dumps(plan)  # the args may hold objects defined in the notebook
+    context = forkserver.context()
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(target=supervise, args=(payload, writer), name=f"{PROCESS_PREFIX}supervisor",
+                              daemon=False)
+    process.start()
+    writer.close()
+    # the kernel never joins it: at the kernel's exit multiprocessing would wait for the run to end
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+    try:
+        if not reader.poll(START_WAIT):
+            os.kill(process.pid, signal.SIGKILL)
+            raise LaunchError(f"the detached run's supervisor did not start its ranks within {START_WAIT:g} s: see "
+                              f"{Path(plan.spec.run_dir) / files.LOG}")
+        said, value = reader.recv()
+    except EOFError:
+        raise LaunchError(f"the detached run's supervisor died while starting: see "
+                          f"{Path(plan.spec.run_dir) / files.LOG}") from None
+    finally:
+        reader.close()
+    if said != "started":
+        raise LaunchError(value)
+    return value
+
+
+def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> None:
+    """multiprocessing target, in the process forked for the run: own it until it ends."""
+    os.setsid()  # out of the kernel's session and process group: what ends the kernel does not reach it
+    plan: DetachedPlan = pickle.loads(payload)
+    run_dir = Path(plan.spec.run_dir)
+    _log_to(run_dir / files.LOG)
+    _own_forkserver()  # first: no thread runs yet
+    alive = files.hold_alive(run_dir)
+    files.private_write(run_dir / files.MARKER, json.dumps({
+        "function": plan.function, "world_size": plan.spec.world_size, "engine": plan.engine, "pid": os.getpid(),
+        "started": time.time(), "ddpnb": entries.version(), "uid": os.getuid()}).encode())
+    try:
+        run = _owned(plan)
+        door = _open_door(run, run_dir)
+        run.start()
+    except BaseException as exc:  # the kernel says it: the launch failed; raised on, into the log
+        ready.send(("failed", str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {exc}"))
+        raise
+    ready.send(("started", os.getpid()))
+    ready.close()
+    record = run.wait()
+    _keep_result(run, run_dir)
+    files.private_write(run_dir / files.ENDED, json.dumps({
+        "outcome": record.outcome.value, "note": record.note, "duration": record.duration}).encode())
+    door.close()
+    os.close(alive)
+
+
+class _Unattended:
+    """The front end of a run nobody waits on: no prompts (a detached run takes none), no view."""
+
+    def answer_prompts(self, run: Run) -> None:
+        pass
+
+    def debug(self, run: Run, rank: int) -> None:
+        raise RuntimeError("a detached run takes no debugger answers")
+
+    def view_failed(self, view: str, exc: Exception) -> None:
+        print(f"[ddpnb supervisor] the {view} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def _owned(plan: DetachedPlan) -> Run:
+    engine_type = engines.engine_type(plan.engine)
+    run = Run(RunSetup(
+        spec=plan.spec, devices=plan.devices, engine=plan.engine, capabilities=engine_type.capabilities,
+        new_engine=functools.partial(engine_type.create, options=plan.engine_options), front_end=_Unattended(),
+        function=plan.function, policy=RestartPolicy(plan.max_restarts), stall=plan.stall, journal=True))
+    for note in plan.notes:
+        run.record.add_launch_note(note)
+    return run
+
+
+def _keep_result(run: Run, run_dir: Path) -> None:
+    """Rank 0's value into the run directory: the memory file it arrived in goes with this process."""
+    if run.record.outcome is not Outcome.SUCCEEDED:
+        return
+    try:
+        files.private_write(run_dir / files.RESULT, cloudpickle.dumps(run.attempt.result.take()))
+    except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: said where `result()` looks
+        files.private_write(run_dir / files.RESULT_ERROR, f"{type(exc).__name__}: {exc}".encode())
+
+
+def _open_door(run: Run, run_dir: Path) -> Door:
+    secret = secrets.token_bytes(32)
+    fd = os.open(run_dir / files.SECRET, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+
+    def admit(conn: multiprocessing.connection.Connection, ask: files.Ask) -> None:
+        threading.Thread(target=_answer, args=(run, conn, ask), name="ddpnb-detached-ask", daemon=True).start()
+
+    def refuse(peer: Any, exc: BaseException) -> None:
+        print(f"[ddpnb supervisor] {time.strftime('%H:%M:%S')} refused a connection from {peer}: it did not prove "
+              f"the run's secret ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+
+    door = Door("127.0.0.1", secret, admit, refuse, greeting=files.Ask)
+    files.private_write(run_dir / files.DOOR, json.dumps({"host": door.address[0], "port": door.address[1]}).encode())
+    return door
+
+
+def _answer(run: Run, conn: multiprocessing.connection.Connection, ask: files.Ask) -> None:
+    with conn:
+        try:
+            if ask.what == "status":
+                value: Any = run.status
+            elif ask.what == "stacks":
+                value = run.stacks()
+            elif ask.what == "stop":
+                run.stop()
+                value = run.record.outcome.value
+            else:
+                raise ValueError(f"no such command {ask.what!r}: status, stacks or stop")
+            answer = ("ok", value)
+        except Exception as exc:  # noqa: BLE001 - told to the viewer that asked
+            answer = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send_bytes(pickle.dumps(answer))
+        except OSError:  # the viewer went away
+            pass
+
+
+def _log_to(path: Path) -> None:
+    """stdout and stderr into the run directory: the kernel's, inherited, may be gone any moment."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+
+
+def _own_forkserver() -> None:
+    """multiprocessing's forkserver main loop in a child forked from this process (torch is imported here
+    already, so it costs a fork, not an import), made this process's forkserver. The kernel's forkserver is let
+    go of: it ends with the kernel, whatever this run does."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(alive_w)
+            orphans.become_subreaper()  # a dead rank's orphans come here, as to the kernel's forkserver
+            multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
