@@ -50,7 +50,9 @@ class Flood:
             if i < calls:
                 events.message(rank, msg.Metric(rank, i // RANKS, now + i * 1e-4, {"loss": 1.0 / (i + 1), "acc": 0.5}))
             if i < lines:
-                events.output(rank, Stream.STDOUT, f"rank {rank} step {i // RANKS}: loss {1.0 / (i + 1):.5f}\n".encode())
+                events.output(
+                    rank, Stream.STDOUT, f"rank {rank} step {i // RANKS}: loss {1.0 / (i + 1):.5f}\n".encode()
+                )
             if i % 100 == 0:
                 events.tick()
         for rank in range(RANKS):
@@ -81,11 +83,28 @@ class Flood:
 
 def owner(root: Path, points: int, lines: int, journal: bool) -> tuple[float, Path]:
     run_dir = Path(tempfile.mkdtemp(dir=root))
-    spec = WorkerSpec(fn_payload=b"", args=(), call_style=CallStyle.AUTO, world_size=RANKS, backend="gloo",
-                      use_gpus=False, environ={}, run_dir=str(run_dir))
-    run = Run(RunSetup(spec=spec, devices=["cpu"] * RANKS, engine="bench", capabilities=Capabilities(),
-                       new_engine=lambda spec: Flood(points, lines), front_end=CellFrontEnd(), function="bench",
-                       journal=journal))
+    spec = WorkerSpec(
+        fn_payload=b"",
+        args=(),
+        call_style=CallStyle.AUTO,
+        world_size=RANKS,
+        backend="gloo",
+        use_gpus=False,
+        environ={},
+        run_dir=str(run_dir),
+    )
+    run = Run(
+        RunSetup(
+            spec=spec,
+            devices=["cpu"] * RANKS,
+            engine="bench",
+            capabilities=Capabilities(),
+            new_engine=lambda spec: Flood(points, lines),
+            front_end=CellFrontEnd(),
+            function="bench",
+            journal=journal,
+        )
+    )
     began = time.perf_counter()
     run.start()
     run.wait()
@@ -112,12 +131,18 @@ def main() -> None:
         size = (run_dir / "journal").stat().st_size
     events = options.points // 2 + options.lines
     cost = (statistics.median(journaled) - statistics.median(plain)) / events * 1e6
-    print(f"events: {events:,} ({options.points:,} metric points in {options.points // 2:,} messages, "
-          f"{options.lines:,} lines), journal {size / 1e6:.1f} MB")
-    print(f"owner's reader, no journal: {statistics.median(plain):.3f} s; journaled: "
-          f"{statistics.median(journaled):.3f} s ({cost:+.2f} us an event, on the reader thread)")
-    print(f"replay into a record: {statistics.median(replays):.3f} s (median of {options.repeat}; "
-          f"min {min(replays):.3f} s)")
+    print(
+        f"events: {events:,} ({options.points:,} metric points in {options.points // 2:,} messages, "
+        f"{options.lines:,} lines), journal {size / 1e6:.1f} MB"
+    )
+    print(
+        f"owner's reader, no journal: {statistics.median(plain):.3f} s; journaled: "
+        f"{statistics.median(journaled):.3f} s ({cost:+.2f} us an event, on the reader thread)"
+    )
+    print(
+        f"replay into a record: {statistics.median(replays):.3f} s (median of {options.repeat}; "
+        f"min {min(replays):.3f} s)"
+    )
 
 
 if __name__ == "__main__":

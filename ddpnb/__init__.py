@@ -33,15 +33,40 @@ from ddpnb._session import PerRank, Session, SessionBroken, SessionError, curren
 from ddpnb.core.pickling import NotPicklableError
 from ddpnb.core.record import Outcome, RankState, RunRecord
 from ddpnb.core.report import RunInterrupted, WorkerError
-from ddpnb.node.forkserver import PreloadError
 from ddpnb.engines.local.preload import preload
+from ddpnb.node.forkserver import PreloadError
 from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
-    "LaunchError", "LaunchOptions", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
-    "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "attach", "attempt", "current_session",
-    "device", "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "profile", "run", "runs", "save_checkpoint",
-    "session", "spawn",
+    "LaunchError",
+    "LaunchOptions",
+    "NotPicklableError",
+    "Outcome",
+    "PerRank",
+    "PreloadError",
+    "RankState",
+    "RunInterrupted",
+    "RunRecord",
+    "Session",
+    "SessionBroken",
+    "SessionError",
+    "WorkerError",
+    "attach",
+    "attempt",
+    "current_session",
+    "device",
+    "last_run",
+    "launch",
+    "load_checkpoint",
+    "load_ipython_extension",
+    "log",
+    "preload",
+    "profile",
+    "run",
+    "runs",
+    "save_checkpoint",
+    "session",
+    "spawn",
 ]
 __version__ = "0.1.0"
 

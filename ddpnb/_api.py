@@ -21,10 +21,6 @@ from ddpnb.core.journal.frames import JournalError
 from ddpnb.core.policy import RestartPolicy
 from ddpnb.core.record import RunRecord
 from ddpnb.core.run import Run, RunSetup
-from ddpnb.core.stacks import the_callers
-from ddpnb.detached import supervisor
-from ddpnb.detached.attach import DetachedRun, Listed, listed
-from ddpnb.detached.attach import attach as attach_to
 from ddpnb.core.spec import (
     DEFAULT_CPU_RANKS,
     CallStyle,
@@ -35,13 +31,33 @@ from ddpnb.core.spec import (
     enabled,
     local_gpu_count,
 )
+from ddpnb.core.stacks import the_callers
+from ddpnb.detached import supervisor
+from ddpnb.detached.attach import DetachedRun, Listed, listed
+from ddpnb.detached.attach import attach as attach_to
 from ddpnb.rank import context as rank_context
 from ddpnb.rank.main import call_arguments
 from ddpnb.views import tensorboard as board
 from ddpnb.views.frontend import CellFrontEnd
 
-__all__ = ["DEFAULT_CPU_RANKS", "DEFAULT_KEEP", "JournalError", "LaunchError", "LaunchOptions", "attach", "attempt", "device",
-           "last_run", "launch", "log", "profile", "run", "runs", "spawn", "start"]
+__all__ = [
+    "DEFAULT_CPU_RANKS",
+    "DEFAULT_KEEP",
+    "JournalError",
+    "LaunchError",
+    "LaunchOptions",
+    "attach",
+    "attempt",
+    "device",
+    "last_run",
+    "launch",
+    "log",
+    "profile",
+    "run",
+    "runs",
+    "spawn",
+    "start",
+]
 
 _last_record: RunRecord | None = None  # the record only: a finished run's value belongs to the caller
 
@@ -89,13 +105,16 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> No
     """Refuse, before anything starts, a function the ranks could not call as ddpnb calls it."""
     name = function_name(fn)
     if not callable(fn):
-        raise LaunchError(f"{name} is not a function (its type is {type(fn).__name__}): pass the function the ranks "
-                          "should run.")
+        raise LaunchError(
+            f"{name} is not a function (its type is {type(fn).__name__}): pass the function the ranks should run."
+        )
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
         kind = "an async function" if inspect.iscoroutinefunction(fn) else "a generator function"
-        raise LaunchError(f"{name} is {kind}: each rank calls it and takes what it returns, so its body would never "
-                          "run. Define it with a plain `def` (inside, asyncio.run(...) runs async code; return a "
-                          "list instead of yielding).")
+        raise LaunchError(
+            f"{name} is {kind}: each rank calls it and takes what it returns, so its body would never "
+            "run. Define it with a plain `def` (inside, asyncio.run(...) runs async code; return a "
+            "list instead of yielding)."
+        )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or extension callable: the rank will say
@@ -105,15 +124,18 @@ def _check_callable(fn: Any, args: tuple[Any, ...], call_style: CallStyle) -> No
         signature.bind(*call)
     except TypeError as exc:
         shown = ", ".join(map(str, call))
-        rule = ("ddpnb.spawn calls fn(rank, *args), as torch.multiprocessing.spawn does" if call_style is CallStyle.SPAWN else
-                "ranks call fn(), fn(rank) or fn(rank, world_size), by the parameters without defaults, then the "
-                "extra args given")
-        raise LaunchError(f"{name}{signature} cannot be called as each rank would call it, {name}({shown}): {exc}; "
-                          f"{rule}.") from None
+        rule = (
+            "ddpnb.spawn calls fn(rank, *args), as torch.multiprocessing.spawn does"
+            if call_style is CallStyle.SPAWN
+            else "ranks call fn(), fn(rank) or fn(rank, world_size), by the parameters without defaults, then the "
+            "extra args given"
+        )
+        raise LaunchError(
+            f"{name}{signature} cannot be called as each rank would call it, {name}({shown}): {exc}; {rule}."
+        ) from None
 
 
-def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands: bool = False
-          ) -> Run | DetachedRun:
+def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands: bool = False) -> Run | DetachedRun:
     """Start a checked launch, telling the view whether the caller is about to wait (`run`, `%%ddp`) or not
     (`--background`); `commands`: the ranks also take commands over the engine's channel (a session's ranks,
     running `rank.session.serve`)."""
@@ -121,8 +143,10 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     check_platform()
     options, engine_type = launch.options, launch.engine
     if commands and not engine_type.capabilities.commands:
-        raise LaunchError(f"the {options.engine} engine cannot run sessions (it has no command channel to its "
-                          "ranks): use %%ddp / ddpnb.run on it, or a session on the local engine.")
+        raise LaunchError(
+            f"the {options.engine} engine cannot run sessions (it has no command channel to its "
+            "ranks): use %%ddp / ddpnb.run on it, or a session on the local engine."
+        )
     args = tuple(options.args)
     _check_callable(fn, args, CallStyle(options.call_style))
     # the function's (and then the args') big tensors and arrays go where the engine's ranks read them: shared
@@ -135,8 +159,10 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
         try:
             Path(options.checkpoint_dir).expanduser().mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise LaunchError(f"checkpoint_dir {str(options.checkpoint_dir)!r} cannot be created ({exc.strerror}): "
-                              "pass a directory you can write to.") from None
+            raise LaunchError(
+                f"checkpoint_dir {str(options.checkpoint_dir)!r} cannot be created ({exc.strerror}): "
+                "pass a directory you can write to."
+            ) from None
     resumed = launch.resumed
     held = checkpoints.hold(resumed[0]) if resumed else None  # before retention (`rundir.prune`) may delete it
     try:
@@ -155,29 +181,57 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
     # session's command); for a run whose cell returned, its dashboard's console, `.wait()` or `.debug(rank)`
     prompts = engine_type.capabilities.commands and _compat.front_end_takes_input() and not detach
     if options.debug and not prompts:
-        print("[ddpnb] --debug needs a front end that takes input (Jupyter, not nbclient or a script): the run "
-              "goes on without post-mortem prompts.", file=sys.stderr)
+        print(
+            "[ddpnb] --debug needs a front end that takes input (Jupyter, not nbclient or a script): the run "
+            "goes on without post-mortem prompts.",
+            file=sys.stderr,
+        )
     spec = WorkerSpec(
-        fn_payload=payload, args=args, call_style=CallStyle(options.call_style), world_size=planned.world_size,
-        backend=planned.backend, use_gpus=planned.use_gpus, environ=environ, run_dir=str(run_dir),
-        sources=sources, cell_names=cell_names_of(sources), torch_threads=engine_type.torch_threads(planned, environ),
-        timeout=options.timeout, checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
-        resume_dir=str(resumed[0]) if resumed else "", keep_checkpoints=options.keep_checkpoints,
-        prompts=prompts, debug=options.debug and prompts, profile=launch.profile,
+        fn_payload=payload,
+        args=args,
+        call_style=CallStyle(options.call_style),
+        world_size=planned.world_size,
+        backend=planned.backend,
+        use_gpus=planned.use_gpus,
+        environ=environ,
+        run_dir=str(run_dir),
+        sources=sources,
+        cell_names=cell_names_of(sources),
+        torch_threads=engine_type.torch_threads(planned, environ),
+        timeout=options.timeout,
+        checkpoint_dir=str(checkpoints.for_run(run_dir, options.checkpoint_dir)),
+        resume_dir=str(resumed[0]) if resumed else "",
+        keep_checkpoints=options.keep_checkpoints,
+        prompts=prompts,
+        debug=options.debug and prompts,
+        profile=launch.profile,
     )
     devices = [f"cuda:{r}" if planned.use_gpus else "cpu" for r in range(planned.world_size)]
     if detach:
         return _start_detached(fn, launch, spec, devices, held)
-    run = Run(RunSetup(
-        spec=spec, devices=devices, engine=options.engine, capabilities=engine_type.capabilities,
-        new_engine=functools.partial(engine_type.create, options=launch.engine_options), front_end=CellFrontEnd(),
-        function="session" if commands else function_name(fn), policy=RestartPolicy(options.max_restarts),
-        shipment=shipment, stall=launch.stall, commands=commands, journal=enabled(JOURNAL_VAR)))
+    run = Run(
+        RunSetup(
+            spec=spec,
+            devices=devices,
+            engine=options.engine,
+            capabilities=engine_type.capabilities,
+            new_engine=functools.partial(engine_type.create, options=launch.engine_options),
+            front_end=CellFrontEnd(),
+            function="session" if commands else function_name(fn),
+            policy=RestartPolicy(options.max_restarts),
+            shipment=shipment,
+            stall=launch.stall,
+            commands=commands,
+            journal=enabled(JOURNAL_VAR),
+        )
+    )
     run.hold(held)
     run.record.add_launch_note(planned.note)  # before any view: each view's header says them
     if resumed:
-        run.record.add_launch_note(f"resuming from {resumed[0]}: its latest complete checkpoint is step "
-                                   f"{resumed[1]} (ddpnb.load_checkpoint loads it)")
+        run.record.add_launch_note(
+            f"resuming from {resumed[0]}: its latest complete checkpoint is step "
+            f"{resumed[1]} (ddpnb.load_checkpoint loads it)"
+        )
     run.start()
     if shipment is not None:  # every rank has what the pickles refer to: the store keeps it for the next launch
         run.record.data = shipment.commit()
@@ -193,24 +247,36 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
 
         TextView(run, max_lines(), fold=options.fold)
         if not foreground:
-            print("[ddpnb] running in the background: its output shows here when you call .wait() or .result(), "
-                  "which also ask a rank's breakpoint() prompts (or .debug(rank))")
+            print(
+                "[ddpnb] running in the background: its output shows here when you call .wait() or .result(), "
+                "which also ask a rank's breakpoint() prompts (or .debug(rank))"
+            )
     if launch.tensorboard is not None:
         board.TensorBoardWriter(run, launch.tensorboard)
     return run
 
 
-def _start_detached(fn: Callable[..., Any], launch: Launch, spec: WorkerSpec, devices: list[str],
-                    held: int | None) -> DetachedRun:
+def _start_detached(
+    fn: Callable[..., Any], launch: Launch, spec: WorkerSpec, devices: list[str], held: int | None
+) -> DetachedRun:
     """Hand the checked launch to a supervisor of its own (`detached.supervisor`); the viewer's handle on it."""
     options, resumed = launch.options, launch.resumed
     notes = [launch.plan.note, "detached: its supervisor owns it, not this kernel (ddpnb.attach from any kernel)"]
     if resumed:
-        notes.append(f"resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
-                     "(ddpnb.load_checkpoint loads it)")
-    plan = supervisor.DetachedPlan(spec=spec, devices=devices, engine=options.engine, engine_options=launch.engine_options,
-                           function=function_name(fn), max_restarts=options.max_restarts, stall=launch.stall,
-                           notes=[note for note in notes if note])
+        notes.append(
+            f"resuming from {resumed[0]}: its latest complete checkpoint is step {resumed[1]} "
+            "(ddpnb.load_checkpoint loads it)"
+        )
+    plan = supervisor.DetachedPlan(
+        spec=spec,
+        devices=devices,
+        engine=options.engine,
+        engine_options=launch.engine_options,
+        function=function_name(fn),
+        max_restarts=options.max_restarts,
+        stall=launch.stall,
+        notes=[note for note in notes if note],
+    )
     try:
         supervisor.start(plan)
     except BaseException:
@@ -228,8 +294,10 @@ def _start_detached(fn: Callable[..., Any], launch: Launch, spec: WorkerSpec, de
         from ddpnb.views.text import TextView
 
         TextView(handle, max_lines(), fold=options.fold)  # type: ignore[arg-type]
-        print(f"[ddpnb] detached as {handle.name}: it outlives this kernel; its output shows here when you call "
-              ".wait() or .result(); ddpnb.attach('last') from any kernel")
+        print(
+            f"[ddpnb] detached as {handle.name}: it outlives this kernel; its output shows here when you call "
+            ".wait() or .result(); ddpnb.attach('last') from any kernel"
+        )
     return handle
 
 
@@ -251,8 +319,15 @@ def run(fn: Callable[..., Any], /, **options: Any) -> Any:
     return start(fn, LaunchOptions.of(options).check(), foreground=True).result()
 
 
-def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn", **options: Any) -> Run | None:
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+    **options: Any,
+) -> Run | None:
     """Drop-in for `torch.multiprocessing.spawn`: calls `fn(rank, *args)` on `nprocs` ranks.
 
     Unlike mp.spawn it works with functions defined in a notebook and streams their output. Ranks use one
@@ -263,8 +338,9 @@ def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, joi
     """
     del daemon, start_method
     gpus = nprocs if nprocs <= local_gpu_count() else None
-    checked = LaunchOptions.of({**options, "gpus": gpus, "nprocs": None if gpus else nprocs, "args": args,
-                                "call_style": CallStyle.SPAWN}).check()
+    checked = LaunchOptions.of(
+        {**options, "gpus": gpus, "nprocs": None if gpus else nprocs, "args": args, "call_style": CallStyle.SPAWN}
+    ).check()
     handle = start(fn, checked, foreground=join)
     if not join:
         return handle
@@ -299,8 +375,12 @@ def log(step: int | None = None, **scalars: float) -> None:
                 values[name] = float(value)
             except (TypeError, ValueError):
                 shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
-                raise the_callers(TypeError(f"ddpnb.log: {name} must be a number or a one-element tensor, not "
-                                            f"{type(value).__name__}{shape}: {value!r:.80}")) from None
+                raise the_callers(
+                    TypeError(
+                        f"ddpnb.log: {name} must be a number or a one-element tensor, not "
+                        f"{type(value).__name__}{shape}: {value!r:.80}"
+                    )
+                ) from None
         context.send_metric(step, values)
 
 

@@ -37,29 +37,58 @@ from ddpnb.core.spec import DEFAULT_CPU_RANKS, ViewKind
 from ddpnb.core.words import format_duration, size_text
 
 RANK_FLAGS = [  # where and how many ranks run: the flags %ddp_start shares with %%ddp
-    argument("--gpus", metavar="N|all",
-             help="one rank per GPU over NCCL: a number or 'all'. Without it, ranks run on CPU over gloo."),
-    argument("-n", "--nprocs", type=int, metavar="N",
-             help=f"number of CPU ranks over gloo when --gpus is not given (default {DEFAULT_CPU_RANKS})."),
+    argument(
+        "--gpus",
+        metavar="N|all",
+        help="one rank per GPU over NCCL: a number or 'all'. Without it, ranks run on CPU over gloo.",
+    ),
+    argument(
+        "-n",
+        "--nprocs",
+        type=int,
+        metavar="N",
+        help=f"number of CPU ranks over gloo when --gpus is not given (default {DEFAULT_CPU_RANKS}).",
+    ),
     argument("--backend", choices=["nccl", "gloo"], help="override the process-group backend."),
-    argument("--engine", choices=engines.names(), default=engines.DEFAULT,
-             help=f"where the ranks run: one of the registered engines ({', '.join(engines.names())}); "
-                  f"'{engines.DEFAULT}' (default) runs them on this machine. Each engine's own flags follow."),
+    argument(
+        "--engine",
+        choices=engines.names(),
+        default=engines.DEFAULT,
+        help=f"where the ranks run: one of the registered engines ({', '.join(engines.names())}); "
+        f"'{engines.DEFAULT}' (default) runs them on this machine. Each engine's own flags follow.",
+    ),
     # each engine's own options, as the engine describes them (`EngineType.flags`)
-    *(argument(flag.name, metavar=flag.metavar, choices=flag.choices, help=flag.help)
-      for _, engine_flags in engines.flags() for flag in engine_flags),
-    argument("--env", action="append", default=[], metavar="KEY=VALUE",
-             help="set an environment variable in every rank (repeatable)."),
-    argument("--no-fold", action="store_true",
-             help="show every rank's copy of a line the ranks all print (by default it shows once, as "
-                  "[ranks 0-3] ...); the log files have every copy either way."),
-    argument("--stall", metavar="SECONDS",
-             help="when no rank has made progress (output, a metric, a progress tick) for this long, mark the run "
-                  "stalled and say where each rank is; it goes on (default: adapted to the run, at least 60 s; 0: "
-                  "off)."),
-    argument("--oversubscribe", action="store_true",
-             help="start more CPU ranks on this machine than 8 for each CPU the kernel may use (at least 16), which "
-                  "is refused without it (local engine)."),
+    *(
+        argument(flag.name, metavar=flag.metavar, choices=flag.choices, help=flag.help)
+        for _, engine_flags in engines.flags()
+        for flag in engine_flags
+    ),
+    argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set an environment variable in every rank (repeatable).",
+    ),
+    argument(
+        "--no-fold",
+        action="store_true",
+        help="show every rank's copy of a line the ranks all print (by default it shows once, as "
+        "[ranks 0-3] ...); the log files have every copy either way.",
+    ),
+    argument(
+        "--stall",
+        metavar="SECONDS",
+        help="when no rank has made progress (output, a metric, a progress tick) for this long, mark the run "
+        "stalled and say where each rank is; it goes on (default: adapted to the run, at least 60 s; 0: "
+        "off).",
+    ),
+    argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more CPU ranks on this machine than 8 for each CPU the kernel may use (at least 16), which "
+        "is refused without it (local engine).",
+    ),
 ]
 
 
@@ -104,8 +133,11 @@ def did_you_mean(parser: argparse.ArgumentParser, line: str, elsewhere: Mapping[
     for token in arg_split(line):
         flag = token.partition("=")[0]
         # argparse takes any unambiguous prefix of a flag (--time for --timeout): only the others are unknown
-        if flag.startswith("-") and not flag.lstrip("-").replace(".", "").isdigit() \
-                and not any(option.startswith(flag) for option in known):
+        if (
+            flag.startswith("-")
+            and not flag.lstrip("-").replace(".", "").isdigit()
+            and not any(option.startswith(flag) for option in known)
+        ):
             if elsewhere and flag in elsewhere:
                 return f" ({elsewhere[flag]})"
             close = difflib.get_close_matches(flag, offered, n=1)
@@ -148,11 +180,18 @@ def _check_out_and_timeout(out: str | None, timeout: float | None, example: str)
 def _rank_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options the rank flags give (`RANK_FLAGS`): ours, and the chosen engine's own that were given."""
     given = {name: getattr(args, name) for name in ("gpus", "nprocs", "backend", "engine")}
-    given |= {"env": dict(_parse_env(item) for item in args.env), "fold": not args.no_fold, "stall": args.stall,
-              "oversubscribe": args.oversubscribe}
+    given |= {
+        "env": dict(_parse_env(item) for item in args.env),
+        "fold": not args.no_fold,
+        "stall": args.stall,
+        "oversubscribe": args.oversubscribe,
+    }
     for _, engine_flags in engines.flags():  # an engine's flag given with another engine: `options` says so
-        given |= {flag.option: getattr(args, flag.option) for flag in engine_flags
-                  if getattr(args, flag.option, None) is not None}
+        given |= {
+            flag.option: getattr(args, flag.option)
+            for flag in engine_flags
+            if getattr(args, flag.option, None) is not None
+        }
     return given
 
 
@@ -174,44 +213,92 @@ class DDPMagics(Magics):
     @magic_arguments("%%ddp")
     @kwds(formatter_class=_Usage)
     @_rank_flags
-    @argument("--timeout", type=float, metavar="SECONDS",
-              help="stop every rank after this many seconds and show where each one was (default: none).")
-    @argument("-o", "--out", metavar="NAME",
-              help="also bind rank 0's return value to NAME in the notebook (with --background: the run handle).")
-    @argument("--background", action="store_true",
-              help="return the run handle at once and keep the dashboard live while other cells run; "
-                   "the handle has wait(), result(), stop() and status.")
-    @argument("--detach", action="store_true",
-              help="the run is owned by a supervisor process of its own, not this kernel: it goes on if the kernel "
-                   "dies or restarts; the cell returns its handle at once (as --background), and ddpnb.attach('last') "
-                   "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local engine.")
-    @argument("--view", choices=[kind.value for kind in ViewKind],
-              help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
-                   "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).")
-    @argument("--max-restarts", type=int, default=0, metavar="N",
-              help="when a rank fails (an error, a crash, --timeout), stop every rank and start them all again as "
-                   "fresh processes, up to N times (default 0); ddpnb.load_checkpoint then continues from the latest "
-                   "complete checkpoint, and ddpnb.attempt() says which attempt runs.")
-    @argument("--checkpoint-dir", metavar="DIR",
-              help="where ddpnb.save_checkpoint writes, in DIR/<run name> (default: the run directory).")
-    @argument("--keep-checkpoints", type=int, default=DEFAULT_KEEP, metavar="K",
-              help=f"complete checkpoints kept per run; older ones are deleted (default {DEFAULT_KEEP}).")
-    @argument("--resume", metavar="last|DIR",
-              help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
-                   "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).")
-    @argument("--tensorboard", metavar="DIR",
-              help="write every rank's ddpnb.log metrics as TensorBoard event files in DIR/<run name>/rank<N> while "
-                   "the run goes (pip install tensorboard); tensorboard --logdir DIR shows them.")
-    @argument("--debug", action="store_true",
-              help="when a rank raises, open a post-mortem prompt (pdb) at the raising line first, in the cell's "
-                   "input box; leaving it (q or c) ends the run with the usual report.")
-    @argument("--profile", nargs="?", const=True, default=None, metavar="STEPS",
-              help="profile these steps (counted by ddpnb.log(step=...)) with torch.profiler on every rank, e.g. "
-                   "--profile 5-7 (alone: steps 3-5); the cell then says where each rank's step time went and which "
-                   "rank the others waited for, and the run directory holds one merged trace (profile/"
-                   "trace.json.gz, for Perfetto or chrome://tracing). See docs/profiling.md.")
-    @argument("--fn", metavar="NAME",
-              help="the function to run (default: the function the cell defines that nothing else in it uses).")
+    @argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop every rank after this many seconds and show where each one was (default: none).",
+    )
+    @argument(
+        "-o",
+        "--out",
+        metavar="NAME",
+        help="also bind rank 0's return value to NAME in the notebook (with --background: the run handle).",
+    )
+    @argument(
+        "--background",
+        action="store_true",
+        help="return the run handle at once and keep the dashboard live while other cells run; "
+        "the handle has wait(), result(), stop() and status.",
+    )
+    @argument(
+        "--detach",
+        action="store_true",
+        help="the run is owned by a supervisor process of its own, not this kernel: it goes on if the kernel "
+        "dies or restarts; the cell returns its handle at once (as --background), and ddpnb.attach('last') "
+        "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local engine.",
+    )
+    @argument(
+        "--view",
+        choices=[kind.value for kind in ViewKind],
+        help="'widget' (the live dashboard), 'text' ([rank N] lines), 'none', or 'auto' (default: "
+        "$DDPNB_VIEW, else the dashboard in a Jupyter kernel and text elsewhere).",
+    )
+    @argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a rank fails (an error, a crash, --timeout), stop every rank and start them all again as "
+        "fresh processes, up to N times (default 0); ddpnb.load_checkpoint then continues from the latest "
+        "complete checkpoint, and ddpnb.attempt() says which attempt runs.",
+    )
+    @argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where ddpnb.save_checkpoint writes, in DIR/<run name> (default: the run directory).",
+    )
+    @argument(
+        "--keep-checkpoints",
+        type=int,
+        default=DEFAULT_KEEP,
+        metavar="K",
+        help=f"complete checkpoints kept per run; older ones are deleted (default {DEFAULT_KEEP}).",
+    )
+    @argument(
+        "--resume",
+        metavar="last|DIR",
+        help="start from the latest complete checkpoint of an earlier run that stopped or failed: 'last' (the "
+        "newest run with one), or its run directory (ddpnb.load_checkpoint loads it).",
+    )
+    @argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write every rank's ddpnb.log metrics as TensorBoard event files in DIR/<run name>/rank<N> while "
+        "the run goes (pip install tensorboard); tensorboard --logdir DIR shows them.",
+    )
+    @argument(
+        "--debug",
+        action="store_true",
+        help="when a rank raises, open a post-mortem prompt (pdb) at the raising line first, in the cell's "
+        "input box; leaving it (q or c) ends the run with the usual report.",
+    )
+    @argument(
+        "--profile",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="STEPS",
+        help="profile these steps (counted by ddpnb.log(step=...)) with torch.profiler on every rank, e.g. "
+        "--profile 5-7 (alone: steps 3-5); the cell then says where each rank's step time went and which "
+        "rank the others waited for, and the run directory holds one merged trace (profile/"
+        "trace.json.gz, for Perfetto or chrome://tracing). See docs/profiling.md.",
+    )
+    @argument(
+        "--fn",
+        metavar="NAME",
+        help="the function to run (default: the function the cell defines that nothing else in it uses).",
+    )
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> object:
         """Run the cell's function on every rank in fresh worker processes; show their output; return rank 0's
@@ -232,10 +319,19 @@ class DDPMagics(Magics):
         _check_out_and_timeout(args.out, args.timeout, "weights")
         if args.nprocs is not None and args.nprocs < 1:
             raise UsageError(f"--nprocs must be at least 1, not {args.nprocs}. Example: %%ddp -n 2")
-        launch = _checked(args, timeout=args.timeout, view=args.view, max_restarts=args.max_restarts,
-                          checkpoint_dir=args.checkpoint_dir, keep_checkpoints=args.keep_checkpoints,
-                          resume=args.resume, tensorboard=args.tensorboard,
-                          debug=args.debug, profile=args.profile, detach=args.detach)  # before the cell runs
+        launch = _checked(
+            args,
+            timeout=args.timeout,
+            view=args.view,
+            max_restarts=args.max_restarts,
+            checkpoint_dir=args.checkpoint_dir,
+            keep_checkpoints=args.keep_checkpoints,
+            resume=args.resume,
+            tensorboard=args.tensorboard,
+            debug=args.debug,
+            profile=args.profile,
+            detach=args.detach,
+        )  # before the cell runs
         if not cell and not args.fn:
             raise UsageError("%ddp (one %) runs a function defined earlier: name it, e.g. %ddp -n 2 --fn train.")
         try:
@@ -257,8 +353,10 @@ class DDPMagics(Magics):
             if args.out:
                 self.shell.user_ns[args.out] = run
             else:
-                print(f"[ddpnb] detached as {run.name}: ddpnb.attach({run.name!r}) or %ddp_attach {run.name} from "
-                      f"any kernel; its handle here is {self._keep_as_output(run)}")
+                print(
+                    f"[ddpnb] detached as {run.name}: ddpnb.attach({run.name!r}) or %ddp_attach {run.name} from "
+                    f"any kernel; its handle here is {self._keep_as_output(run)}"
+                )
             return None
         self._cell_runs[key] = run
         if args.background:
@@ -295,8 +393,7 @@ class DDPMagics(Magics):
             return
         started = earlier.record.started
         earlier.stop(Outcome.STOPPED, "stopped because its cell was run again")
-        print(f"[ddpnb] stopped the earlier run of this cell (started {format_duration(time.time() - started)} "
-              "ago)")
+        print(f"[ddpnb] stopped the earlier run of this cell (started {format_duration(time.time() - started)} ago)")
 
     def _keep_as_output(self, value: object) -> str:
         """Make `value` the cell's value (`_`, `Out[N]`) without displaying it; say where it is."""
@@ -315,8 +412,9 @@ class DDPMagics(Magics):
         except SyntaxError as exc:
             show_syntax_error(self.shell, filename, exc)
             raise _SyntaxShown from None
-        if pick and not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign)
-                            for node in tree.body):
+        if pick and not any(
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Assign | ast.AnnAssign) for node in tree.body
+        ):
             raise UsageError(NO_FUNCTION)  # before the cell runs: nothing it does happens twice
         exec(compile(tree, filename, "exec"), self.shell.user_ns)  # noqa: S102 - the user's own cell
         return _the_function(tree, self.shell.user_ns) if pick else None
@@ -364,15 +462,21 @@ def state_dict_summary(value: object) -> str | None:
     """'state dict: 62 tensors, 11.2 M parameters (float32), 42.7 MiB' for a non-empty mapping whose values are
     all tensors (a model's state_dict()); None for any other value."""
     torch = sys.modules.get("torch")
-    if torch is None or not isinstance(value, Mapping) or not value \
-            or not all(isinstance(tensor, torch.Tensor) for tensor in value.values()):
+    if (
+        torch is None
+        or not isinstance(value, Mapping)
+        or not value
+        or not all(isinstance(tensor, torch.Tensor) for tensor in value.values())
+    ):
         return None
     tensors = list(value.values())
     count = sum(tensor.numel() for tensor in tensors)
     size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     dtypes = ", ".join(sorted({str(tensor.dtype).removeprefix("torch.") for tensor in tensors}))
-    return (f"state dict: {len(tensors)} tensor{'s' * (len(tensors) != 1)}, {_count(count)} parameters ({dtypes}), "
-            f"{size_text(size)}")
+    return (
+        f"state dict: {len(tensors)} tensor{'s' * (len(tensors) != 1)}, {_count(count)} parameters ({dtypes}), "
+        f"{size_text(size)}"
+    )
 
 
 def _count(number: int) -> str:
@@ -382,8 +486,10 @@ def _count(number: int) -> str:
     return str(number)
 
 
-NO_FUNCTION = ("this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"
-               "or name an existing one with --fn NAME.")
+NO_FUNCTION = (
+    "this %%ddp cell defines no function. Define one, e.g.\n    def train(rank, world_size): ...\n"
+    "or name an existing one with --fn NAME."
+)
 
 
 def _the_function(tree: ast.Module, namespace: dict[str, object]) -> str:
@@ -402,15 +508,23 @@ def _the_function(tree: ast.Module, namespace: dict[str, object]) -> str:
                     defined[target.id] = index
     if not defined:
         raise UsageError(NO_FUNCTION)
-    used = {name: {i for i, node in enumerate(tree.body) for sub in ast.walk(node)
-                   if isinstance(sub, ast.Name) and sub.id == name and isinstance(sub.ctx, ast.Load)}
-            for name in defined}
+    used = {
+        name: {
+            i
+            for i, node in enumerate(tree.body)
+            for sub in ast.walk(node)
+            if isinstance(sub, ast.Name) and sub.id == name and isinstance(sub.ctx, ast.Load)
+        }
+        for name in defined
+    }
     unused = [name for name, index in sorted(defined.items(), key=lambda item: item[1]) if not used[name] - {index}]
     if len(unused) > 1:
         names = " and ".join(f"`{name}`" for name in unused)
-        raise UsageError(f"this cell defines {names}, and none of them uses another: which one should every rank "
-                         f"run? Add it to the %%ddp line, e.g. --fn {unused[-1]}. The cell's definitions are in "
-                         "place, so `%ddp --fn NAME` with the same flags runs one now.")
+        raise UsageError(
+            f"this cell defines {names}, and none of them uses another: which one should every rank "
+            f"run? Add it to the %%ddp line, e.g. --fn {unused[-1]}. The cell's definitions are in "
+            "place, so `%ddp --fn NAME` with the same flags runs one now."
+        )
     return unused[0] if unused else max(defined, key=defined.__getitem__)
 
 
@@ -467,8 +581,9 @@ class SessionMagics(Magics):
     @kwds(formatter_class=_Usage)
     @argument("ranks", nargs="?", default=None, help="the ranks to run on: 0, 0,2 or 1-3 (default: every rank).")
     @argument("-o", "--out", metavar="NAME", help="also bind the per-rank values to NAME in the notebook.")
-    @argument("--timeout", type=float, metavar="SECONDS",
-              help="interrupt the cell on every rank after this many seconds.")
+    @argument(
+        "--timeout", type=float, metavar="SECONDS", help="interrupt the cell on every rank after this many seconds."
+    )
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> object:
         """Run the cell on the session's ranks; its last expression's value comes back, one per rank. The line
@@ -476,8 +591,9 @@ class SessionMagics(Magics):
         __tracebackhide__ = True
         session = _session.current_session()
         if session is None:
-            raise UsageError("no session is running: start one with %ddp_start -n 2 (or --gpus N), then run %%ranks "
-                             "cells.")
+            raise UsageError(
+                "no session is running: start one with %ddp_start -n 2 (or --gpus N), then run %%ranks cells."
+            )
         if cell is None:  # the line form: the whole line is the expression, on every rank (line 1, the magic's)
             code, selected, out, timeout = self.shell.transform_cell(line), None, None, None
         else:
@@ -537,9 +653,11 @@ class SessionMagics(Magics):
         if session is None:
             raise UsageError("no session to stop: none was started in this kernel (%ddp_start -n 2 starts one).")
         if session.state is _session.SessionState.STOPPED:  # a second %ddp_stop, or the ranks ended on their own
-            print(f"[ddpnb] no session to stop: this kernel's session had ended already "
-                  f"({session.stopped_by or 'stopped'}); %ddp_restart starts it again with its flags, %ddp_start "
-                  "with new ones")
+            print(
+                f"[ddpnb] no session to stop: this kernel's session had ended already "
+                f"({session.stopped_by or 'stopped'}); %ddp_restart starts it again with its flags, %ddp_start "
+                "with new ones"
+            )
             return
         session.stop()
 
@@ -568,13 +686,20 @@ def point_debug_at_the_ranks(ipython: Any) -> None:
 
 def _debug_pointer(error: BaseException) -> str:
     if isinstance(error, _session.SessionError):
-        return ("[ddpnb] The error came from the session's ranks, whose namespaces are intact: `%ddp_debug RANK` "
-                "opens pdb post-mortem where that rank's cell raised (`%ddp_debug 0`). %debug here would open "
-                "ddpnb's own frames in the kernel.")
+        return (
+            "[ddpnb] The error came from the session's ranks, whose namespaces are intact: `%ddp_debug RANK` "
+            "opens pdb post-mortem where that rank's cell raised (`%ddp_debug 0`). %debug here would open "
+            "ddpnb's own frames in the kernel."
+        )
     first = error.record.first_failure if isinstance(error, WorkerError) else None
     who = f"rank {first.rank}'s process" if first is not None else "the ranks' processes"
-    kept = ("; its locals where it raised are kept in `ddpnb.last_run().first_failure.frames`"
-            if first is not None and first.frames else "")
-    return (f"[ddpnb] The error came from {who}, which has ended{kept}. To debug it on the rank, run the cell "
-            "again with `%%ddp --debug`: the rank that raises opens pdb post-mortem at the raising line, in this "
-            "cell's input box. %debug here would open ddpnb's own frames in the kernel.")
+    kept = (
+        "; its locals where it raised are kept in `ddpnb.last_run().first_failure.frames`"
+        if first is not None and first.frames
+        else ""
+    )
+    return (
+        f"[ddpnb] The error came from {who}, which has ended{kept}. To debug it on the rank, run the cell "
+        "again with `%%ddp --debug`: the rank that raises opens pdb post-mortem at the raising line, in this "
+        "cell's input box. %debug here would open ddpnb's own frames in the kernel."
+    )

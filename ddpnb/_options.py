@@ -18,8 +18,8 @@ from typing import Any
 
 from ddpnb import engines
 from ddpnb.core import checkpoints
-from ddpnb.core.profile import profile_steps
 from ddpnb.core.engine import EngineType
+from ddpnb.core.profile import profile_steps
 from ddpnb.core.spec import (
     CallStyle,
     LaunchError,
@@ -92,15 +92,19 @@ class LaunchOptions:
         rest = {key: value for key, value in given.items() if key not in taken}
         for key in rest:
             if key in ours:  # ours, but not for this caller
-                raise LaunchError(f"{key} is not an option here; this takes {', '.join(sorted(taken))} and the "
-                                  "engine's own options.")
+                raise LaunchError(
+                    f"{key} is not an option here; this takes {', '.join(sorted(taken))} and the engine's own options."
+                )
         engine = str(own.get("engine") or engines.DEFAULT)
         known = sorted(ours | {name for other in engines.names() for name in _engine_option_names(other)})
         for key in rest:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
-                raise LaunchError(f"there is no option {key!r}" + (f" (did you mean {close[0]}?)" if close else "")
-                                  + ": see help(ddpnb.LaunchOptions).")
+                raise LaunchError(
+                    f"there is no option {key!r}"
+                    + (f" (did you mean {close[0]}?)" if close else "")
+                    + ": see help(ddpnb.LaunchOptions)."
+                )
         return cls(**{**own, "engine": engine}, engine_options=rest)
 
     def check(self) -> Launch:
@@ -109,8 +113,10 @@ class LaunchOptions:
         if self.timeout is not None and not is_seconds(self.timeout):
             raise LaunchError(f"timeout must be a positive number of seconds, not {self.timeout!r}.")
         if isinstance(self.args, (str, bytes)) or not isinstance(self.args, Sequence):
-            raise LaunchError(f"args must be a tuple of the function's extra arguments, not {self.args!r}: for one, "
-                              f"args=({self.args!r},).")
+            raise LaunchError(
+                f"args must be a tuple of the function's extra arguments, not {self.args!r}: for one, "
+                f"args=({self.args!r},)."
+            )
         _check_whole(self.max_restarts, "max_restarts", 0)
         _check_whole(self.keep_checkpoints, "keep_checkpoints", 1)
         for name in ("fold", "debug", "oversubscribe", "detach"):
@@ -128,15 +134,26 @@ class LaunchOptions:
         if engine_type.capabilities.ranks_here:
             bound_local_ranks(planned, self.oversubscribe)
         elif self.oversubscribe:
-            raise LaunchError(f"oversubscribe (--oversubscribe) is for ranks on this machine, not on the {self.engine} "
-                              "engine's, whose cluster places them: leave it out.")
+            raise LaunchError(
+                f"oversubscribe (--oversubscribe) is for ranks on this machine, not on the {self.engine} "
+                "engine's, whose cluster places them: leave it out."
+            )
         view = choose_view(self.view)
         if view is ViewKind.TEXT:
             max_lines()
         resumed = checkpoints.resume_source(self.resume) if self.resume is not None else None
         board_dir = board.check(self.tensorboard) if self.tensorboard is not None else None
-        return Launch(self, engine_type, engine_options, planned, view, stall, resumed, board_dir,
-                      profile=profile_steps(self.profile))
+        return Launch(
+            self,
+            engine_type,
+            engine_options,
+            planned,
+            view,
+            stall,
+            resumed,
+            board_dir,
+            profile=profile_steps(self.profile),
+        )
 
 
 @dataclass(frozen=True)
@@ -164,14 +181,20 @@ def _engine_option_names(name: str) -> list[str]:
 def _check_detach(options: LaunchOptions) -> None:
     """What a detached run cannot do (yet), refused saying why."""
     if options.engine != engines.DEFAULT:
-        raise LaunchError(f"detach (--detach) runs on the local engine for now, not on {options.engine!r}: Slurm and "
-                          "Ray detached runs come next (docs/detached.md). Leave out detach, or the engine.")
+        raise LaunchError(
+            f"detach (--detach) runs on the local engine for now, not on {options.engine!r}: Slurm and "
+            "Ray detached runs come next (docs/detached.md). Leave out detach, or the engine."
+        )
     if options.debug:
-        raise LaunchError("detach (--detach) and debug (--debug) do not go together: a detached run's prompts would "
-                          "have no front end to ask in once the kernel is gone. Leave out one of them.")
+        raise LaunchError(
+            "detach (--detach) and debug (--debug) do not go together: a detached run's prompts would "
+            "have no front end to ask in once the kernel is gone. Leave out one of them."
+        )
     if options.tensorboard is not None:
-        raise LaunchError("detach (--detach) and tensorboard do not go together yet: the event files are written by "
-                          "the kernel's view of a run. Leave out tensorboard, or detach.")
+        raise LaunchError(
+            "detach (--detach) and tensorboard do not go together yet: the event files are written by "
+            "the kernel's view of a run. Leave out tensorboard, or detach."
+        )
 
 
 def _check_whole(value: object, name: str, least: int) -> None:
@@ -189,8 +212,10 @@ def max_lines() -> int:
     except ValueError:
         lines = -1
     if lines < 0:
-        raise LaunchError(f"{MAX_LINES_VAR} must be a number of lines (0 or more), not {value!r}: set it to one, "
-                          f"or unset it for the default ({DEFAULT_MAX_LINES}).")
+        raise LaunchError(
+            f"{MAX_LINES_VAR} must be a number of lines (0 or more), not {value!r}: set it to one, "
+            f"or unset it for the default ({DEFAULT_MAX_LINES})."
+        )
     return lines
 
 

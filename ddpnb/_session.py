@@ -115,8 +115,10 @@ class Session:
     def _start(self) -> None:
         self.run = _api.start(serve, self._launch, foreground=False, commands=True)
         record = self.run.record
-        self._say(f"session of {ranks_text(record.world_size)} ({record.engine}, {record.backend}, "
-                  f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}")
+        self._say(
+            f"session of {ranks_text(record.world_size)} ({record.engine}, {record.backend}, "
+            f"{', '.join(sorted({r.device for r in record.ranks}))}); logs in {record.run_dir}"
+        )
         self.state, self.stopped_by = SessionState.READY, ""
         # a name every rank's namespace has, as the notebook's does (a module travels by name)
         self._command(msg.CommandKind.PUSH, None, START_WAIT, values={"ddpnb": sys.modules["ddpnb"]})
@@ -146,8 +148,10 @@ class Session:
             if not run.done:
                 run.stop(Outcome.STOPPED, "the session was stopped")
             size = run.record.world_size
-            self._say(f"session stopped: its {ranks_text(size)} {'has' if size == 1 else 'have'} ended, and their "
-                      "namespaces with them")
+            self._say(
+                f"session stopped: its {ranks_text(size)} {'has' if size == 1 else 'have'} ended, and their "
+                "namespaces with them"
+            )
         self.state = SessionState.STOPPED
 
     def __enter__(self) -> Session:  # noqa: PYI034 - Python 3.10 has no typing.Self
@@ -162,16 +166,24 @@ class Session:
         return f"<ddpnb session of {ranks}: {self.state.value}{why}>"
 
     # --- commands ------------------------------------------------------------------------------------------------------
-    def execute(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
-                filename: str = "") -> PerRank | None:
+    def execute(
+        self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None, filename: str = ""
+    ) -> PerRank | None:
         """Run `code` in each selected rank's namespace (every rank by default); the value of its last
         expression on each rank, or None when it has none. Output streams here as it is printed."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a string of Python, not {type(code).__name__}: e.g. s.execute('x = 1').")
         ast.parse(code, filename or "<session cell>")  # a syntax error is shown as Python shows it, and not sent
         lines = tuple(code.splitlines(keepends=True))
-        values = self._command(msg.CommandKind.EXECUTE, ranks, timeout, code=code, filename=filename, lines=lines,
-                               cell_name=cell_name(filename))
+        values = self._command(
+            msg.CommandKind.EXECUTE,
+            ranks,
+            timeout,
+            code=code,
+            filename=filename,
+            lines=lines,
+            cell_name=cell_name(filename),
+        )
         return None if all(value is None for value in values) else values
 
     def debug(self, rank: int = 0) -> None:
@@ -183,8 +195,10 @@ class Session:
         """Bind names in every rank's namespace: `s.push(lr=0.1, data=tensor)`."""
         bad = [name for name in values if not name.isidentifier() or keyword.iskeyword(name)]
         if bad:
-            raise ValueError(f"push binds Python names, and {', '.join(map(repr, bad))} "
-                             f"{'is not one' if len(bad) == 1 else 'are not'}: e.g. s.push(lr=0.1).")
+            raise ValueError(
+                f"push binds Python names, and {', '.join(map(repr, bad))} "
+                f"{'is not one' if len(bad) == 1 else 'are not'}: e.g. s.push(lr=0.1)."
+            )
         self._command(msg.CommandKind.PUSH, None, None, values=values)
 
     def pull(self, *names: str, ranks: Iterable[int] | None = None) -> PerRank:
@@ -196,8 +210,9 @@ class Session:
     def call(self, fn: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None, **kwargs: Any) -> PerRank:
         """`fn(*args, **kwargs)` on each selected rank; what each returned."""
         if not callable(fn):
-            raise TypeError(f"call runs a function on the ranks, and {type(fn).__name__} is not one: "
-                            "s.call(fn, *args).")
+            raise TypeError(
+                f"call runs a function on the ranks, and {type(fn).__name__} is not one: s.call(fn, *args)."
+            )
         return self._command(msg.CommandKind.CALL, ranks, None, call=(fn, args, kwargs))
 
     def _next(self) -> int:
@@ -207,24 +222,34 @@ class Session:
     def _selected(self, ranks: Iterable[int] | None) -> list[int]:
         if ranks is None:
             return list(range(self.world_size))
-        given = [ranks] if isinstance(ranks, int) else \
-            list(ranks) if isinstance(ranks, Iterable) and not isinstance(ranks, str | bytes) else None
+        given = (
+            [ranks]
+            if isinstance(ranks, int)
+            else list(ranks)
+            if isinstance(ranks, Iterable) and not isinstance(ranks, str | bytes)
+            else None
+        )
         if given is None or not all(isinstance(rank, int) and not isinstance(rank, bool) for rank in given):
             raise ValueError(f"ranks takes rank numbers, e.g. ranks=[0, 2] (in %%ranks: 0,2 or 1-3), not {ranks!r}.")
         chosen = sorted(set(given))
         bad = [rank for rank in chosen if not 0 <= rank < self.world_size]
         if not chosen or bad:
-            raise ValueError(f"ranks must be between 0 and {self.world_size - 1} in this session of {self.world_size} "
-                             f"ranks, not {bad or 'none'}.")
+            raise ValueError(
+                f"ranks must be between 0 and {self.world_size - 1} in this session of {self.world_size} "
+                f"ranks, not {bad or 'none'}."
+            )
         return chosen
 
-    def _command(self, kind: msg.CommandKind, ranks: Iterable[int] | None, timeout: float | None,
-                 **fields: Any) -> PerRank:
+    def _command(
+        self, kind: msg.CommandKind, ranks: Iterable[int] | None, timeout: float | None, **fields: Any
+    ) -> PerRank:
         if self.state is not SessionState.READY or self.run is None or self.run.done:
             advice = "%ddp_restart (or .restart())" if self.run is not None else "%ddp_start (or ddpnb.session())"
             why = f" ({self.stopped_by})" if self.stopped_by else ""
-            raise SessionBroken(f"the session is {self.state.value}{why}",
-                                f"ddpnb: this session is {self.state.value}{why}: start fresh ranks with {advice}.")
+            raise SessionBroken(
+                f"the session is {self.state.value}{why}",
+                f"ddpnb: this session is {self.state.value}{why}: start fresh ranks with {advice}.",
+            )
         run, channel = self.run, self.run.channel
         assert channel is not None
         selected = self._selected(ranks)
@@ -289,11 +314,11 @@ class Session:
         failed = {rank: reply for rank, reply in answers.items() if reply.exc_type}
         if failed:
             self._raise(failed, selected)
-        return PerRank(selected, [None if answers[r].payload is None else pickle.loads(answers[r].payload)
-                                  for r in selected])
+        return PerRank(
+            selected, [None if answers[r].payload is None else pickle.loads(answers[r].payload) for r in selected]
+        )
 
-    def _show_output(self, run: Run, new: list[OutputLine], skipped: int, folder: Folder,
-                     final: bool = False) -> None:
+    def _show_output(self, run: Run, new: list[OutputLine], skipped: int, folder: Folder, final: bool = False) -> None:
         """Write a command's new lines (`Run.lines_since`), folded across its ranks, and a stall once it is found."""
         if skipped:
             print(f"[ddpnb] {skipped} lines not shown here; every line is in the logs: {run.record.run_dir}")
@@ -313,8 +338,10 @@ class Session:
     def _raise(self, failed: dict[int, msg.Reply], selected: list[int]) -> None:
         first = failed[min(failed)]
         interrupted = all(reply.exc_type == "KeyboardInterrupt" for reply in failed.values())
-        parts = [f"ddpnb: {'interrupted on' if interrupted else 'failed on'} {_named(failed)} of {len(selected)}: "
-                 f"{first.exc_type}: {first.message}".rstrip(": ")]
+        parts = [
+            f"ddpnb: {'interrupted on' if interrupted else 'failed on'} {_named(failed)} of {len(selected)}: "
+            f"{first.exc_type}: {first.message}".rstrip(": ")
+        ]
         parts += _tracebacks(failed)
         meaning = known_cause(f"{first.exc_type}: {first.message}", first.traceback)
         if meaning:
@@ -332,17 +359,24 @@ class Session:
         lines = []
         if failed:  # the root cause first, as a run's error leads with the rank that failed first
             first = failed[min(failed)]
-            lines.append(f"ddpnb: rank {min(failed)} of {len(selected)} failed first: {first.exc_type}: "
-                         f"{first.message}".rstrip(": "))
-        lines.append(f"{'' if failed else 'ddpnb: '}{_named(stuck)} did not come back ({why}), so the session was "
-                     "stopped: a process group with a rank stuck in it cannot be trusted.")
+            lines.append(
+                f"ddpnb: rank {min(failed)} of {len(selected)} failed first: {first.exc_type}: {first.message}".rstrip(
+                    ": "
+                )
+            )
+        lines.append(
+            f"{'' if failed else 'ddpnb: '}{_named(stuck)} did not come back ({why}), so the session was "
+            "stopped: a process group with a rank stuck in it cannot be trusted."
+        )
         for rank in stuck:
             lines.append(f"  rank {rank} is stuck {cell_names(where(stacks.get(rank, '')))}")
         lines += _tracebacks(failed)
         self.run.stop(Outcome.STOPPED, f"{_named(stuck)} stuck")
         self.state, self.stopped_by = SessionState.STOPPED, f"{_named(stuck)} stuck"
-        lines.append(f"\nNo rank is left running. %ddp_restart (or .restart()) starts {self.world_size} fresh ranks "
-                     "with the same flags; their namespaces start empty.")
+        lines.append(
+            f"\nNo rank is left running. %ddp_restart (or .restart()) starts {self.world_size} fresh ranks "
+            "with the same flags; their namespaces start empty."
+        )
         short = f"rank {min(failed)}: {failed[min(failed)].exc_type}" if failed else f"{_named(stuck)} stuck"
         raise SessionBroken(short, "\n".join(lines)) from None
 
@@ -351,11 +385,17 @@ class Session:
         record = run.record
         if record.first_failure is None and all(r.state is RankState.FINISHED for r in record.ranks):
             self.stopped_by = "the ranks left"
-            raise SessionBroken("the ranks left", "ddpnb: the session's ranks left (sys.exit in a cell?); "
-                                "%ddp_restart (or .restart()) starts fresh ones.")
+            raise SessionBroken(
+                "the ranks left",
+                "ddpnb: the session's ranks left (sys.exit in a cell?); "
+                "%ddp_restart (or .restart()) starts fresh ones.",
+            )
         report = WorkerError(record).report()
-        raise SessionBroken("a rank died", f"{report}\n\nThe session ended with it; no rank is left running. "
-                            "%ddp_restart (or .restart()) starts fresh ranks with the same flags.")
+        raise SessionBroken(
+            "a rank died",
+            f"{report}\n\nThe session ended with it; no rank is left running. "
+            "%ddp_restart (or .restart()) starts fresh ranks with the same flags.",
+        )
 
     def _say(self, text: str) -> None:
         print(f"[ddpnb] {text}")
@@ -399,8 +439,10 @@ def start_for_magics(**options: Any) -> Session:
     """`%ddp_start`: one session per kernel."""
     global _current
     if _current is not None and _current.state is SessionState.READY:
-        raise _api.LaunchError(f"a session of {ranks_text(_current.world_size)} is already running in this kernel: "
-                               "%ddp_restart gives fresh ranks with its flags, %ddp_stop ends it (then %ddp_start "
-                               "with new flags).")
+        raise _api.LaunchError(
+            f"a session of {ranks_text(_current.world_size)} is already running in this kernel: "
+            "%ddp_restart gives fresh ranks with its flags, %ddp_stop ends it (then %ddp_start "
+            "with new flags)."
+        )
     _current = Session(**options)
     return _current

@@ -110,7 +110,12 @@ MUTANTS = [
     Mutant(
         "own-error-read-after-the-stop-is-a-consequence",
         "ddpnb/core/attempt.py",
-        (('or message.time >= self._stopping.get(rank, float("inf"))', "or rank in self._stopping"),),
+        (
+            (
+                '        knock_on = is_knock_on(message.exc_type, message.message) or message.time >= self._stopping.get(\n            rank, float("inf")\n        )\n',
+                "        knock_on = is_knock_on(message.exc_type, message.message) or rank in self._stopping\n",
+            ),
+        ),
         (FAULTS + "test_the_same_error_on_every_rank_is_listed_as_also_failed_not_as_a_consequence",),
     ),
     Mutant(
@@ -368,7 +373,7 @@ MUTANTS = [
     Mutant(
         "stall-never-resumes",
         "ddpnb/core/attempt.py",
-        (("            self.record.stall.resumed = time.time()\n", "            pass\n"),),
+        (("            self.record.stall.resumed = self.clock()\n", "            pass\n"),),
         (STALL_MARKED,),
     ),
     # --- the slurm engine (test_slurm.py: a real two-node Slurm) -----------------------------------------------------
@@ -454,7 +459,12 @@ MUTANTS = [
     Mutant(
         "queue-wait-counts-toward-the-timeout",
         "ddpnb/core/attempt.py",
-        (("held=bool(self.broker.waiting) or self.is_queued())", "held=bool(self.broker.waiting))"),),
+        (
+            (
+                "            held=bool(self.broker.waiting) or self.is_queued(),\n",
+                "            held=bool(self.broker.waiting),\n",
+            ),
+        ),
         (SLURM + "test_outside_an_allocation_a_background_run_queues_with_no_clock_running_and_stop_cancels_its_job",),
     ),
     Mutant(
@@ -687,8 +697,8 @@ MUTANTS = [
         "ddpnb/views/frontend.py",
         (
             (
-                '        if not sent:\n            print(f"[ddpnb] {line!r} was not sent',
-                '        if False:\n            print(f"[ddpnb] {line!r} was not sent',
+                "        sent = run.answer(prompt, line)\n        if not sent:\n            print(\n",
+                "        sent = run.answer(prompt, line)\n        if False:\n            print(\n",
             ),
         ),
         (DEBUGGER + "test_a_line_typed_at_a_prompt_the_run_ended_meanwhile_is_not_sent_and_that_is_said",),

@@ -52,8 +52,9 @@ class Kernel:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def execute(self, code: str, timeout: float = 120, cell_id: str | None = None,
-                answer: Callable[[str], str] | None = None) -> Execution:
+    def execute(
+        self, code: str, timeout: float = 120, cell_id: str | None = None, answer: Callable[[str], str] | None = None
+    ) -> Execution:
         """`cell_id`: the cell's ID in the request's metadata, as JupyterLab sends it (jupyter_client does not).
         `answer`: the front end takes input, as JupyterLab's does: each prompt the cell asks on the stdin channel
         (`input_request`) is answered with `answer(prompt)`, and kept in `Execution.prompts`; without it the
@@ -61,9 +62,18 @@ class Kernel:
         if cell_id is None:
             msg_id = self.client.execute(code, allow_stdin=answer is not None)
         else:
-            request = self.client.session.msg("execute_request", {
-                "code": code, "silent": False, "store_history": True, "user_expressions": {},
-                "allow_stdin": False, "stop_on_error": True}, metadata={"cellId": cell_id})
+            request = self.client.session.msg(
+                "execute_request",
+                {
+                    "code": code,
+                    "silent": False,
+                    "store_history": True,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                    "stop_on_error": True,
+                },
+                metadata={"cellId": cell_id},
+            )
             self.client.shell_channel.send(request)
             msg_id = request["header"]["msg_id"]
         result = Execution()
@@ -78,8 +88,9 @@ class Kernel:
                     result.prompts.append(request["content"]["prompt"])
                     self.client.input(answer(request["content"]["prompt"]))
             try:
-                msg = self.client.get_iopub_msg(timeout=0.05 if answer is not None
-                                                else max(0.1, deadline - time.monotonic()))
+                msg = self.client.get_iopub_msg(
+                    timeout=0.05 if answer is not None else max(0.1, deadline - time.monotonic())
+                )
             except queue.Empty:
                 if time.monotonic() < deadline:
                     continue
@@ -118,7 +129,7 @@ class Kernel:
 
 # a rank's function for a kernel cell: a child in a session of its own and a double-forked daemon, their PIDs
 # written to `where`; then it returns, raises (rank 1, once every rank wrote) or sleeps, as `how` says
-STARTS_CHILDREN = '''
+STARTS_CHILDREN = """
 def starts_children(rank, world_size, how, where):
     import os, subprocess, time
     own_session = subprocess.Popen(["sleep", "600"], start_new_session=True)
@@ -145,7 +156,7 @@ def starts_children(rank, world_size, how, where):
 def children_started(where):
     return [int(pid) for name in sorted(os.listdir(where)) if not name.endswith("partial")
             for pid in open(os.path.join(where, name)).read().split()]
-'''
+"""
 
 
 @contextmanager
@@ -242,5 +253,8 @@ def dashboards(nb: Any) -> list[str]:
             found += html_below(child.removeprefix("IPY_MODEL_"))
         return found
 
-    return ["\n".join(html_below(model_id)) for model_id, model in state.items()
-            if "ddpnb" in model["state"].get("_dom_classes", [])]
+    return [
+        "\n".join(html_below(model_id))
+        for model_id, model in state.items()
+        if "ddpnb" in model["state"].get("_dom_classes", [])
+    ]

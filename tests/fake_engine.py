@@ -117,7 +117,9 @@ def returned(rank: int, value: Any = None, after: float = 0.0) -> Send:
 
 
 def failed(rank: int, exc_type: str, message: str, traceback: str = "", after: float = 0.0) -> Send:
-    traceback = traceback or f"Traceback (most recent call last):\n  File \"<cell>\", line 1, in fn\n{exc_type}: {message}"
+    traceback = (
+        traceback or f'Traceback (most recent call last):\n  File "<cell>", line 1, in fn\n{exc_type}: {message}'
+    )
     return Send(rank, msg.Failed(rank, time.time(), exc_type, message, traceback), after=after)
 
 
@@ -178,8 +180,9 @@ class FakeType:
     flags: ClassVar[list[Flag]] = []
 
     def check(self, options: FakeOptions) -> None:
-        scripts = [options.script] if isinstance(options.script, Script) or options.script is None \
-            else list(options.script)
+        scripts = (
+            [options.script] if isinstance(options.script, Script) or options.script is None else list(options.script)
+        )
         if not scripts or not all(script is None or isinstance(script, Script) for script in scripts):
             raise LaunchError(f"script must be a Script or a list of them (one per attempt), not {options.script!r}")
 
@@ -255,15 +258,23 @@ class FakeEngine:
             message = step.message
             events.message(step.rank, replace(message, time=time.time()) if hasattr(message, "time") else message)
         elif isinstance(step, Print):
-            events.output(step.rank, step.stream, (step.text if step.text.endswith("\n") else step.text + "\n")
-                          .encode())
+            events.output(
+                step.rank, step.stream, (step.text if step.text.endswith("\n") else step.text + "\n").encode()
+            )
         elif isinstance(step, Exit):
             self._end(events, step.rank, step.code, cause=step.cause, traceback=step.traceback)
         elif isinstance(step, Queue):
             events.queued(step.what, step.state)
 
-    def _end(self, events: RunEvents, rank: int, code: int | None, stopped: bool = False, cause: str = "",
-             traceback: str = "") -> None:
+    def _end(
+        self,
+        events: RunEvents,
+        rank: int,
+        code: int | None,
+        stopped: bool = False,
+        cause: str = "",
+        traceback: str = "",
+    ) -> None:
         self._alive.discard(rank)
         self._terminating.discard(rank)
         self._killing.discard(rank)

@@ -25,7 +25,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = 300
 
-TRAIN = f'''
+TRAIN = f"""
 import json
 import ddpnb
 
@@ -44,7 +44,7 @@ def train(rank, world_size):
         print(f"rank {{rank}} step {{step}}", flush=True)
         time.sleep(0.02)
     return {{"rank": rank, "total": total.item(), "weights": torch.arange(4.0) * total}}
-'''
+"""
 
 
 def _steps_logged(run_dir: Path) -> int:
@@ -79,7 +79,9 @@ def test_a_detached_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_att
         assert _steps_logged(run_dir) < STEPS  # the run was cut mid-way from its kernel, not after
         second = Kernel(env={"DDPNB_VIEW": "none"})
         try:
-            attached = second.execute(TRAIN + """
+            attached = second.execute(
+                TRAIN
+                + """
 import torch
 handle = ddpnb.attach("last")
 value = handle.result()
@@ -94,7 +96,9 @@ print(json.dumps({
             and torch.equal(value["weights"], plain["weights"]),
     "ranks": [rank.pid for rank in record.ranks],
     "states": [str(run.state) for run in ddpnb.runs()],
-}))""", timeout=180)
+}))""",
+                timeout=180,
+            )
             assert attached.error is None, attached.error
             seen = json.loads(attached.stdout.strip().splitlines()[-1])
         finally:

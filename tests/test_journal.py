@@ -186,14 +186,20 @@ def differences(owner, replayed, where="record") -> list[str]:
     if dataclasses.is_dataclass(owner) and not isinstance(owner, type):
         if type(owner) is not type(replayed):
             return [f"{where}: {type(owner).__name__} != {type(replayed).__name__}"]
-        return [d for f in dataclasses.fields(owner)
-                for d in differences(getattr(owner, f.name), getattr(replayed, f.name), f"{where}.{f.name}")]
+        return [
+            d
+            for f in dataclasses.fields(owner)
+            for d in differences(getattr(owner, f.name), getattr(replayed, f.name), f"{where}.{f.name}")
+        ]
     if isinstance(owner, dict) and isinstance(replayed, dict):
         if owner.keys() != replayed.keys():
             return [f"{where}: keys {sorted(owner)} != {sorted(replayed)}"]
         return [d for key in owner for d in differences(owner[key], replayed[key], f"{where}[{key!r}]")]
-    if isinstance(owner, (list, tuple, deque)) and isinstance(replayed, (list, tuple, deque)) \
-            and not hasattr(owner, "_fields"):
+    if (
+        isinstance(owner, (list, tuple, deque))
+        and isinstance(replayed, (list, tuple, deque))
+        and not hasattr(owner, "_fields")
+    ):
         if len(owner) != len(replayed):
             return [f"{where}: {len(owner)} items != {len(replayed)}"]
         return [d for i, (a, b) in enumerate(zip(owner, replayed)) for d in differences(a, b, f"{where}[{i}]")]
@@ -225,12 +231,22 @@ def _same_as_replayed(handle) -> Replay:
 @pytest.mark.fast
 def test_a_fake_run_with_a_failure_and_a_restart_replays_into_the_owners_record(monkeypatch):
     _journaled(monkeypatch)
-    steps = [step for s in range(50) for step in (metric(0, s, loss=1 / (s + 1), acc=s / 50), metric(1, s, loss=2.0),
-                                                   Print(0, f"step {s}"), Print(1, f"rank 1 at {s}\n", Stream.STDERR))]
-    attempt_0 = Script([started(0), started(1), *steps, Print(0, "half a line"), failed(1, "ValueError", "bad batch"),
-                        Exit(1, 1)])
-    attempt_1 = Script([started(0), started(1), *steps[:40], returned(0, {"loss": 0.5}), returned(1), Exit(0, 0),
-                        Exit(1, 0)])
+    steps = [
+        step
+        for s in range(50)
+        for step in (
+            metric(0, s, loss=1 / (s + 1), acc=s / 50),
+            metric(1, s, loss=2.0),
+            Print(0, f"step {s}"),
+            Print(1, f"rank 1 at {s}\n", Stream.STDERR),
+        )
+    ]
+    attempt_0 = Script(
+        [started(0), started(1), *steps, Print(0, "half a line"), failed(1, "ValueError", "bad batch"), Exit(1, 1)]
+    )
+    attempt_1 = Script(
+        [started(0), started(1), *steps[:40], returned(0, {"loss": 0.5}), returned(1), Exit(0, 0), Exit(1, 0)]
+    )
     handle = _fake([attempt_0, attempt_1], max_restarts=1)
     assert handle.result() == {"loss": 0.5}
     replayed = _same_as_replayed(handle)
@@ -246,9 +262,13 @@ def test_a_fake_run_with_a_failure_and_a_restart_replays_into_the_owners_record(
 def test_a_stop_and_a_stall_are_the_owners_in_the_replay_not_decided_again(monkeypatch):
     _journaled(monkeypatch)
     gate = threading.Event()
-    story = Script([started(0), started(1), metric(0, 1, loss=1.0), Print(1, "waiting"), Gate(gate)],
-                   stacks={0: "File \"<cell>\", line 3, in train\n  dist.all_reduce(t)\n",
-                           1: "File \"<cell>\", line 5, in train\n  time.sleep(100)\n"})
+    story = Script(
+        [started(0), started(1), metric(0, 1, loss=1.0), Print(1, "waiting"), Gate(gate)],
+        stacks={
+            0: 'File "<cell>", line 3, in train\n  dist.all_reduce(t)\n',
+            1: 'File "<cell>", line 5, in train\n  time.sleep(100)\n',
+        },
+    )
     handle = _fake(story, stall=0.3)
     wait_for(lambda: handle.record.stalled, "the stall doctor to find the run stalled")
     handle.stop()
@@ -262,8 +282,10 @@ def test_a_stop_and_a_stall_are_the_owners_in_the_replay_not_decided_again(monke
 def test_a_timed_out_run_replays_with_the_owners_stacks(monkeypatch):
     _journaled(monkeypatch)
     gate = threading.Event()
-    story = Script([started(0), started(1), Print(0, "before"), Gate(gate)],
-                   stacks={0: "File \"<cell>\", line 3, in train\n  dist.all_reduce(t)\n", 1: ""})
+    story = Script(
+        [started(0), started(1), Print(0, "before"), Gate(gate)],
+        stacks={0: 'File "<cell>", line 3, in train\n  dist.all_reduce(t)\n', 1: ""},
+    )
     handle = _fake(story, timeout=0.3)
     record = handle.wait()
     assert record.outcome is ddpnb.Outcome.TIMED_OUT and record.at_timeout is not None
@@ -274,8 +296,9 @@ def test_a_timed_out_run_replays_with_the_owners_stacks(monkeypatch):
 @pytest.mark.fast
 def test_a_journal_replays_as_far_as_it_is_whole(monkeypatch):
     _journaled(monkeypatch)
-    story = Script([*finishes(0, "ok"), started(1), *[Print(1, f"line {i}") for i in range(100)], returned(1),
-                    Exit(1, 0)])
+    story = Script(
+        [*finishes(0, "ok"), started(1), *[Print(1, f"line {i}") for i in range(100)], returned(1), Exit(1, 0)]
+    )
     handle = _fake(story)
     handle.result()
     path = handle.record.run_dir / JOURNAL_FILE

@@ -75,8 +75,9 @@ def test_a_real_run_replays_every_step_and_line_and_a_live_follower_sees_the_sam
     for rank in (0, 1):
         assert [p.step for p in record.metrics("loss", rank)] == list(range(STEPS))  # each step exactly once
         lines, _, _ = replayed.lines_since(0)
-        assert [line.text for line in lines if line.rank == rank and line.text.startswith(f"rank {rank} step")] \
-            == [f"rank {rank} step {s}" for s in range(STEPS)]
+        assert [line.text for line in lines if line.rank == rank and line.text.startswith(f"rank {rank} step")] == [
+            f"rank {rank} step {s}" for s in range(STEPS)
+        ]
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
 
 

@@ -48,8 +48,9 @@ def launch(script: Script | list[Script], nprocs: int = 2, **options):
 # --- the run record (from test_core.py) ---------------------------------------------------------------------------
 def test_run_record_keeps_exit_codes_durations_metrics_and_logs():
     logged = [metric(rank, step, loss=1.0 / (step + 1), rank_value=rank) for step in range(5) for rank in range(2)]
-    story = Script([started(0), started(1), *logged, returned(0, "ok"), returned(1), Exit(0, 0, after=0.01),
-                    Exit(1, 0)])
+    story = Script(
+        [started(0), started(1), *logged, returned(0, "ok"), returned(1), Exit(0, 0, after=0.01), Exit(1, 0)]
+    )
     assert launch(story).result() == "ok"
     record = ddpnb.last_run()
     assert record.outcome is ddpnb.Outcome.SUCCEEDED
@@ -79,8 +80,15 @@ def test_views_are_fed_at_most_five_times_a_second_however_output_floods():
 
 
 def test_a_run_waiting_in_the_queue_says_so_with_no_clock_running_then_runs():
-    story = Script([Queue("fake job 7", "pending (Priority)"), Queue("fake job 7", "pending (Resources)", after=0.2),
-                    Queue("fake job 7", "", after=0.2), *finishes(0, "ran"), *finishes(1)])
+    story = Script(
+        [
+            Queue("fake job 7", "pending (Priority)"),
+            Queue("fake job 7", "pending (Resources)", after=0.2),
+            Queue("fake job 7", "", after=0.2),
+            *finishes(0, "ran"),
+            *finishes(1),
+        ]
+    )
     handle = launch(story, timeout=0.3)  # the queue's 0.4 s is not the run's: no timeout
     states = []
     handle.subscribe(lambda: states.append(handle.record.queued and handle.record.queued.state))
@@ -95,8 +103,11 @@ def fails_while_rank_0_ignores_the_stop() -> list[Script]:
     """Attempt 0: rank 0 ignores the stop (the attempt's teardown then lasts until the engine stops harder), and
     rank 1 raises. A later attempt succeeds: a restart shows as success."""
     # rank 1 fails once the caller waits for the run (a cell's wait: what the interrupt reaches)
-    attempt_0 = Script([started(0), started(1), failed(1, "ValueError", "rank 1 fails", after=1.0), Exit(1, 1)],
-                       ignores_stop={0}, stop_after=3.0)
+    attempt_0 = Script(
+        [started(0), started(1), failed(1, "ValueError", "rank 1 fails", after=1.0), Exit(1, 1)],
+        ignores_stop={0},
+        stop_after=3.0,
+    )
     return [attempt_0, every_rank_finishes(2, "restarted")]
 
 
@@ -141,8 +152,17 @@ def test_an_interrupt_during_a_failed_attempts_teardown_never_restarts():
 def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_says_so(capsys):
     """`max_restarts=2` with a rank that always fails: three attempts ran (each rank's own line), the record keeps
     the first two and ends on the third, the logs are one per attempt, and the run says so."""
-    attempts = [Script([started(0), Print(0, f"attempt {a} rank 0"), Print(1, f"attempt {a} rank 1"),
-                        *raises(1, "RuntimeError", f"fails in attempt {a}")]) for a in range(4)]
+    attempts = [
+        Script(
+            [
+                started(0),
+                Print(0, f"attempt {a} rank 0"),
+                Print(1, f"attempt {a} rank 1"),
+                *raises(1, "RuntimeError", f"fails in attempt {a}"),
+            ]
+        )
+        for a in range(4)
+    ]
     with pytest.raises(ddpnb.WorkerError) as failure:
         ddpnb.run(nothing, engine="fake", nprocs=2, max_restarts=2, script=attempts, view="text")
     record = ddpnb.last_run()
@@ -150,11 +170,14 @@ def test_exhausted_restarts_make_exactly_the_budgeted_attempts_and_the_record_sa
     assert [f"attempt {a} rank {r}" in said for a in range(4) for r in range(2)] == [True] * 6 + [False] * 2
     assert (record.max_restarts, record.attempt, [a.number for a in record.attempts]) == (2, 2, [0, 1])
     assert [a.first_failure.summary for a in record.attempts] == [
-        "RuntimeError: fails in attempt 0", "RuntimeError: fails in attempt 1"]
+        "RuntimeError: fails in attempt 0",
+        "RuntimeError: fails in attempt 1",
+    ]
     assert record.first_failure.summary == "RuntimeError: fails in attempt 2"
     assert record.outcome is ddpnb.Outcome.FAILED and "fails in attempt 2" in str(failure.value)
     assert sorted(p.name for p in record.run_dir.glob("rank*.log")) == [
-        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)]
+        f"rank{r}.attempt{a}.log" for r in range(2) for a in range(3)
+    ]
     assert "(restart 1 of 2)" in said and "(restart 2 of 2)" in said and "restart 3" not in said
 
 
@@ -171,10 +194,29 @@ def test_a_record_held_across_a_restart_reads_the_new_attempt_and_keeps_the_old_
     going on after the restart; attempt 0's own record (`record.current` then: its ranks, failures, its wait in
     the queue) is the one filed in `record.attempts`, kept as it ended, and nothing of attempt 1 writes into it."""
     go_on, again = threading.Event(), threading.Event()
-    attempt_0 = Script([Queue("fake job 7", "pending (Priority)"), Queue("fake job 7", ""), started(0), started(1),
-                        metric(0, 0, loss=1.0), Gate(go_on), *raises(1, "ValueError", "rank 1 fails")])
-    attempt_1 = Script([started(0), started(1), metric(0, 0, loss=0.5), Gate(again), returned(0, "again"),
-                        returned(1), Exit(0, 0), Exit(1, 0)])
+    attempt_0 = Script(
+        [
+            Queue("fake job 7", "pending (Priority)"),
+            Queue("fake job 7", ""),
+            started(0),
+            started(1),
+            metric(0, 0, loss=1.0),
+            Gate(go_on),
+            *raises(1, "ValueError", "rank 1 fails"),
+        ]
+    )
+    attempt_1 = Script(
+        [
+            started(0),
+            started(1),
+            metric(0, 0, loss=0.5),
+            Gate(again),
+            returned(0, "again"),
+            returned(1),
+            Exit(0, 0),
+            Exit(1, 0),
+        ]
+    )
     handle = launch([attempt_0, attempt_1], max_restarts=1)
     record = handle.record
     wait_for(lambda: record.ranks[1].state is RankState.RUNNING, "attempt 0's ranks to start")
@@ -203,8 +245,9 @@ def test_a_record_held_across_a_restart_reads_the_new_attempt_and_keeps_the_old_
 # --- the watchdog (from test_stall.py) ------------------------------------------------------------------------------
 def test_stall_zero_never_marks_the_run_stalled():
     """Rank 1 is quiet for 6 s (longer than the adaptive threshold's floor) before both return."""
-    handle = launch(Script([started(0), started(1), returned(0, after=6.0), returned(1), Exit(0, 0), Exit(1, 0)]),
-                    stall=0)
+    handle = launch(
+        Script([started(0), started(1), returned(0, after=6.0), returned(1), Exit(0, 0), Exit(1, 0)]), stall=0
+    )
     seen = False
     while not handle.done:
         seen = seen or handle.record.stall is not None
@@ -214,8 +257,10 @@ def test_stall_zero_never_marks_the_run_stalled():
 
 
 def test_a_timeout_stops_every_rank_and_keeps_where_each_was():
-    stacks = {0: "Stack (most recent call last):\n  File \"train.py\", line 3, in train\n    dist.all_reduce(t)",
-              1: "Stack (most recent call last):\n  File \"train.py\", line 2, in train\n    time.sleep(600)"}
+    stacks = {
+        0: 'Stack (most recent call last):\n  File "train.py", line 3, in train\n    dist.all_reduce(t)',
+        1: 'Stack (most recent call last):\n  File "train.py", line 2, in train\n    time.sleep(600)',
+    }
     handle = launch(Script([started(0), started(1)], stacks=stacks), timeout=0.5, stall=0)
     record = handle.wait()
     assert record.outcome is Outcome.TIMED_OUT
@@ -250,10 +295,14 @@ def test_latest_output_column_shows_the_last_line_that_is_not_the_progress_bar()
     story = []
     for rank in range(2):
         bar = "batches: 100%|##########| 50/50 [00:00<00:00, 9000.00it/s]"
-        story += [started(rank), Print(rank, "before the bar"),
-                  Send(rank, Progress(rank, 1, "batches", 50, 50, "50/50 [00:00<00:00, 9000.00it/s]", closed=True)),
-                  Print(rank, bar, stream=Stream.STDERR),
-                  returned(rank), Exit(rank, 0)]
+        story += [
+            started(rank),
+            Print(rank, "before the bar"),
+            Send(rank, Progress(rank, 1, "batches", 50, 50, "50/50 [00:00<00:00, 9000.00it/s]", closed=True)),
+            Print(rank, bar, stream=Stream.STDERR),
+            returned(rank),
+            Exit(rank, 0),
+        ]
     launch(Script(story)).wait()
     record = ddpnb.last_run()
     for rank in record.ranks:

@@ -14,12 +14,12 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
 from pathlib import Path
+from typing import Any, ClassVar
 
 from ddpnb.core import flight, hints
-from ddpnb.core import profile as profiling
 from ddpnb.core import messages as msg
+from ddpnb.core import profile as profiling
 from ddpnb.core.announce import Announcer
 from ddpnb.core.broker import Broker
 from ddpnb.core.channel import CommandChannel
@@ -65,9 +65,18 @@ class Attempt:
     `record`: this attempt's, written here alone (`learned` hands it back complete); `stop_request`: the run's,
     read each tick; `numbered`: the run may restart, so each attempt's logs and traces have their own names."""
 
-    def __init__(self, spec: WorkerSpec, capabilities: Capabilities, record: AttemptRecord, lines: LineBuffer,
-                 watchdog: Watchdog, announcer: Announcer, channel: CommandChannel | None, stop_request: StopRequest,
-                 numbered: bool) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        capabilities: Capabilities,
+        record: AttemptRecord,
+        lines: LineBuffer,
+        watchdog: Watchdog,
+        announcer: Announcer,
+        channel: CommandChannel | None,
+        stop_request: StopRequest,
+        numbered: bool,
+    ) -> None:
         self.number = record.number
         self.spec = spec
         self.engine: Engine = None  # type: ignore[assignment]  # from `start` or `adopt` on
@@ -91,20 +100,28 @@ class Attempt:
         self.reader_failed = False  # ddpnb's own handling of the ranks raised (`failed_inside`)
         # the prompts and stack requests of other threads (the waiting cell, the console, `Run.stacks`)
         self.broker = Broker(record.ranks, lambda: self._stop[1] if self._stop is not None else None)
-        self.traces = profiling.Traces(profiling.profile_dir(Path(spec.run_dir), self.number, numbered),
-                                       spec.world_size, self.number)
+        self.traces = profiling.Traces(
+            profiling.profile_dir(Path(spec.run_dir), self.number, numbered), spec.world_size, self.number
+        )
 
     # --- lifecycle, driven by the run -------------------------------------------------------------------------
-    def start(self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None,
-              restarts: int) -> None:
+    def start(
+        self, new_engine: Callable[[WorkerSpec], Engine], events: RunEvents, shipment: Shipment | None, restarts: int
+    ) -> None:
         """Open the logs, make the engine and start every rank, reporting to `events` (a relay to this attempt);
         raises with nothing left running (`abandon` then lets go of the logs and the result file)."""
         self.record.started = time.time()
         self._open()
         self._bind(new_engine(self.spec))
-        self.engine.start(events, AttemptStart(result_fd=self.result.fd, shipment=shipment,
-                                               commands=self.channel is not None or self.spec.prompts,
-                                               restarts=restarts))
+        self.engine.start(
+            events,
+            AttemptStart(
+                result_fd=self.result.fd,
+                shipment=shipment,
+                commands=self.channel is not None or self.spec.prompts,
+                restarts=restarts,
+            ),
+        )
         self.record.started = self.record.ranks[0].started  # the duration counts from the first rank's start
         self._running()
 
@@ -161,14 +178,28 @@ class Attempt:
         try:
             profile = self.traces.finish()
         except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:  # a trace torch wrote that we cannot read
-            profile = profiling.Profile(trace=None, rank_traces=dict(self.traces.files),
-                                        steps=profiling.steps_words(self.spec.profile),
-                                        notes=[f"the traces could not be merged ({type(exc).__name__}: {exc}); each "
-                                               "rank's own is in the profile folder"], attempt=self.number)
+            profile = profiling.Profile(
+                trace=None,
+                rank_traces=dict(self.traces.files),
+                steps=profiling.steps_words(self.spec.profile),
+                notes=[
+                    (
+                        f"the traces could not be merged ({type(exc).__name__}: {exc}); each rank's own is in the "
+                        "profile folder"
+                    )
+                ],
+                attempt=self.number,
+            )
         if profile is None and self.spec.profile is not None:  # --profile was asked for: say why there is none
-            profile = profiling.Profile(trace=None, rank_traces={}, steps=profiling.steps_words(self.spec.profile),
-                                        notes=["no rank sent a profile: the attempt ended before any rank finished "
-                                               "the profiled steps or returned"], attempt=self.number)
+            profile = profiling.Profile(
+                trace=None,
+                rank_traces={},
+                steps=profiling.steps_words(self.spec.profile),
+                notes=[
+                    "no rank sent a profile: the attempt ended before any rank finished the profiled steps or returned"
+                ],
+                attempt=self.number,
+            )
         if profile is not None:
             self.record.profile = profile
             self.announcer.mark(turn=True)
@@ -183,8 +214,10 @@ class Attempt:
         its traceback in the record; `end` closes the engine, which stops every rank. No restart follows."""
         self.reader_failed = True
         self.record.internal_errors.append(bug_text("ddpnb's reader failed", exc))
-        self._stop = (Outcome.FAILED, f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every "
-                                      "rank was stopped")
+        self._stop = (
+            Outcome.FAILED,
+            f"ddpnb's reader failed: {type(exc).__name__}: {exc} — a ddpnb bug; every rank was stopped",
+        )
         self.announcer.mark(turn=True)
 
     def outcome(self) -> StopAsk:
@@ -202,8 +235,9 @@ class Attempt:
         return self.record
 
     def snapshot(self) -> AttemptSnapshot:
-        return AttemptSnapshot(self.number, self.outcome()[0], stop_asked=self._request.asked is not None,
-                               reader_failed=self.reader_failed)
+        return AttemptSnapshot(
+            self.number, self.outcome()[0], stop_asked=self._request.asked is not None, reader_failed=self.reader_failed
+        )
 
     def refuse_restart(self) -> None:
         """The engine restarted its ranks itself, but the run ends: stop what it started."""
@@ -304,12 +338,18 @@ class Attempt:
             if what in self._said:
                 return
             self._said.add(what)
-            doing, done = (f"reading rank {rank}'s {what}", f"read rank {rank}'s {what}") if rank is not None \
+            doing, done = (
+                (f"reading rank {rank}'s {what}", f"read rank {rank}'s {what}")
+                if rank is not None
                 else (f"trying to {what}", what)
+            )
             self.record.internal_errors.append(bug_text(doing, exc))
             assert self.logs is not None  # open while the engine reports
-            self.logs.say(rank or 0, f"could not {done} ({type(exc).__name__}: {exc}): a ddpnb bug, please report "
-                                     "it with the run directory; the run goes on")
+            self.logs.say(
+                rank or 0,
+                f"could not {done} ({type(exc).__name__}: {exc}): a ddpnb bug, please report "
+                "it with the run directory; the run goes on",
+            )
 
     def _judge_stragglers(self, at_once: bool = False) -> None:
         with self._aside(None, "judge the stragglers"):
@@ -334,14 +374,16 @@ class Attempt:
             summary = f"{message.exc_type}: {message.message}" if message.message else message.exc_type
         # an error raised after ddpnb began stopping this rank (a SIGTERM handler that raises) is a consequence;
         # one raised before, but read after, is the rank's own
-        knock_on = is_knock_on(message.exc_type, message.message) \
-            or message.time >= self._stopping.get(rank, float("inf"))
+        knock_on = is_knock_on(message.exc_type, message.message) or message.time >= self._stopping.get(
+            rank, float("inf")
+        )
         frames = tuple(FrameLocals(*frame) for frame in message.frames)
         self.record.failures.append(Failure(rank, message.time, summary, message.traceback, knock_on, frames))
         self._begin_stop(Outcome.FAILED, f"rank {rank} raised {message.exc_type}")
 
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
+    def exited(
+        self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "", traceback: str = ""
+    ) -> None:
         record = self.record.ranks[rank]
         self.announcer.mark(turn=True)
         record.exitcode, record.ended = exitcode, record.ended or self.clock()
@@ -374,14 +416,23 @@ class Attempt:
         if asked and self._stop is None:
             self._begin_stop(*asked)
         self._judge_stragglers()
-        alarm = self.watchdog.check(time.monotonic(), self.record.ranks, self.record.stall, self._returned,
-                                    armed=self._stop is None, held=bool(self.broker.waiting) or self.is_queued())
+        alarm = self.watchdog.check(
+            time.monotonic(),
+            self.record.ranks,
+            self.record.stall,
+            self._returned,
+            armed=self._stop is None,
+            held=bool(self.broker.waiting) or self.is_queued(),
+        )
         if alarm is Alarm.TIMEOUT:
             self.record.at_timeout = self.diagnose(keep=True)  # the stacks stay in the record for its report
             self._begin_stop(Outcome.TIMED_OUT, f"stopped after the {self.watchdog.timeout:g} s timeout (--timeout)")
         elif alarm is Alarm.STALL:
-            self.record.stall = Stall(since=self.watchdog.last_progress(),
-                                      threshold=self.watchdog.stall.threshold(), diagnosis=self.diagnose())
+            self.record.stall = Stall(
+                since=self.watchdog.last_progress(),
+                threshold=self.watchdog.stall.threshold(),
+                diagnosis=self.diagnose(),
+            )
             self.announcer.mark(turn=True)
         elif alarm is Alarm.STILL_STALLED and self.record.stall is not None:
             # where each rank is now, for the views' stacks; the flight recorder's summary is the stall's first
@@ -405,8 +456,11 @@ class Attempt:
         if self.state is not AttemptState.RUNNING:  # the engine has ended already (its own account of the ranks)
             return
         self.state = AttemptState.STOPPING
-        going = [r.rank for r in self.record.ranks if r.exitcode is None and r.ended is None
-                 and r.state is not RankState.FAILED]  # a failed rank exits by itself
+        going = [
+            r.rank
+            for r in self.record.ranks
+            if r.exitcode is None and r.ended is None and r.state is not RankState.FAILED
+        ]  # a failed rank exits by itself
         now = self.clock()
         for rank in going:
             self._stopping.setdefault(rank, now)
@@ -435,9 +489,18 @@ class Attempt:
         return [r.rank for r in self.record.ranks if r.state in _RUNNING]
 
     _HANDLERS: ClassVar[dict[type, Callable[[Attempt, int, Any], None]]] = {
-        msg.Metric: _metric, msg.Output: _output, msg.Progress: _progress, msg.GpuMemory: _gpu_memory,
-        msg.StepTimes: _step_times, msg.Hardware: _hardware, msg.Imported: _imported, msg.Started: _started,
-        msg.Returned: _returned_message, msg.Reply: _reply, msg.Failed: _failed, msg.Profiled: _profiled,
+        msg.Metric: _metric,
+        msg.Output: _output,
+        msg.Progress: _progress,
+        msg.GpuMemory: _gpu_memory,
+        msg.StepTimes: _step_times,
+        msg.Hardware: _hardware,
+        msg.Imported: _imported,
+        msg.Started: _started,
+        msg.Returned: _returned_message,
+        msg.Reply: _reply,
+        msg.Failed: _failed,
+        msg.Profiled: _profiled,
         msg.Prompt: _prompt,
     }
 

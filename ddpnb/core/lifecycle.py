@@ -35,17 +35,22 @@ if TYPE_CHECKING:
 
 class Lifecycle:
     """One run's attempts in turn, its record, and what every attempt shares: the output lines, the announcer,
-        the stop asked for, the command channel and the notebook data."""
+    the stop asked for, the command channel and the notebook data."""
 
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup
         self._handle: LiveRun | None = None  # the user's, listed as live from `start` until the end
         spec = setup.spec
-        self.record = RunRecord(run_dir=Path(spec.run_dir), world_size=spec.world_size, backend=spec.backend,
-                                engine=setup.engine, function=setup.function,
-                                max_restarts=setup.policy.max_restarts,
-                                checkpoint_dir=Path(spec.checkpoint_dir) if spec.checkpoint_dir else None,
-                                resumed_from=Path(spec.resume_dir) if spec.resume_dir else None)
+        self.record = RunRecord(
+            run_dir=Path(spec.run_dir),
+            world_size=spec.world_size,
+            backend=spec.backend,
+            engine=setup.engine,
+            function=setup.function,
+            max_restarts=setup.policy.max_restarts,
+            checkpoint_dir=Path(spec.checkpoint_dir) if spec.checkpoint_dir else None,
+            resumed_from=Path(spec.resume_dir) if spec.resume_dir else None,
+        )
         self.shared = setup.shipment
         self.channel = CommandChannel() if setup.commands else None
         self.lines = LineBuffer()
@@ -57,8 +62,11 @@ class Lifecycle:
         self.record.current = self.attempt.record
         relay = CurrentAttempt(self.attempt, self._restarted)
         # a journaled run's engine tells the journal, which tells the attempt (`core.journal`)
-        self.journal = JournalTee(relay, self.record, setup.devices, setup.capabilities, self._journal_broken) \
-            if setup.journal else None
+        self.journal = (
+            JournalTee(relay, self.record, setup.devices, setup.capabilities, self._journal_broken)
+            if setup.journal
+            else None
+        )
         self._relay: CurrentAttempt | JournalTee | None = self.journal or relay
 
     def start(self, handle: LiveRun) -> None:
@@ -70,8 +78,12 @@ class Lifecycle:
         self.locks.insert(0, rundir.lock(run_dir))
         try:
             self.record.started = time.time()
-            self.attempt.start(self.setup.new_engine, self._relay, self.shared,  # type: ignore[arg-type]
-                               self._restarts_left())
+            self.attempt.start(
+                self.setup.new_engine,
+                self._relay,
+                self.shared,  # type: ignore[arg-type]
+                self._restarts_left(),
+            )
             self.record.started = self.attempt.record.started
             live.add(handle)
             rundir.prune()  # only now: a launch refused before its ranks started deletes no earlier run's logs
@@ -136,8 +148,12 @@ class Lifecycle:
             if engine is not None:
                 self.attempt.adopt(engine)
             else:
-                self.attempt.start(self.setup.new_engine, self._relay, self.shared,  # type: ignore[arg-type]
-                                   self._restarts_left())
+                self.attempt.start(
+                    self.setup.new_engine,
+                    self._relay,
+                    self.shared,  # type: ignore[arg-type]
+                    self._restarts_left(),
+                )
         except Exception as exc:  # noqa: BLE001 - the run ends, failed, saying why the restart could not start
             self.attempt.abandon(f"attempt {self.attempt.number} could not start: {type(exc).__name__}: {exc}")
             return False
@@ -157,13 +173,28 @@ class Lifecycle:
         """The attempt `number`, with a record of its own (filed in the run's as `record.current`)."""
         numbered = self.setup.policy.max_restarts > 0  # each attempt's logs and traces under their own names
         paths = log_paths(Path(spec.run_dir), spec.world_size, number, numbered)
-        record = AttemptRecord(number, [RankRecord(rank=r, device=self.setup.devices[r], log_path=paths[r])
-                                        for r in range(spec.world_size)])
+        record = AttemptRecord(
+            number,
+            [RankRecord(rank=r, device=self.setup.devices[r], log_path=paths[r]) for r in range(spec.world_size)],
+        )
         channel = self.channel
-        watchdog = Watchdog(spec.world_size, spec.timeout, self.setup.stall,
-                            paused=channel.idle if channel is not None else lambda: False)
-        return Attempt(spec, self.setup.capabilities, record, self.lines, watchdog, self.announcer, channel,
-                       self.stop_request, numbered)
+        watchdog = Watchdog(
+            spec.world_size,
+            spec.timeout,
+            self.setup.stall,
+            paused=channel.idle if channel is not None else lambda: False,
+        )
+        return Attempt(
+            spec,
+            self.setup.capabilities,
+            record,
+            self.lines,
+            watchdog,
+            self.announcer,
+            channel,
+            self.stop_request,
+            numbered,
+        )
 
     def _restarts_left(self) -> int:
         return self.setup.policy.restarts_left(self.attempt.number, self.stop_request.asked is not None)

@@ -34,8 +34,10 @@ def discard(run: LiveRun) -> None:
 
 def runs(engine: str | None = None) -> list[LiveRun]:
     """The runs still going (of one engine, by name), oldest first."""
-    return sorted((run for run in list(_live) if engine is None or run.record.engine == engine),
-                  key=lambda run: run.record.started)
+    return sorted(
+        (run for run in list(_live) if engine is None or run.record.engine == engine),
+        key=lambda run: run.record.started,
+    )
 
 
 def stop_all() -> None:

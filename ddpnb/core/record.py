@@ -9,16 +9,15 @@ from __future__ import annotations
 import time
 import traceback
 from collections import deque
-from html import escape
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
 from ddpnb.core.spec import Stream
-from ddpnb.core.words import format_duration, ranks_text
-from ddpnb.core.words import Named
+from ddpnb.core.words import Named, format_duration, ranks_text
 
 if TYPE_CHECKING:
     from ddpnb.core.profile import Profile
@@ -104,9 +103,11 @@ class RankRecord:
     def __repr__(self) -> str:  # a short line: the full dataclass repr runs to thousands of characters
         # a copy of the items: the reader thread may add a metric meanwhile
         metrics = ", ".join(f"{name}: {len(points)}" for name, points in list(self.metrics.items()))
-        return (f"<RankRecord rank {self.rank} {self.state.value} exit={self.exitcode} pid={self.pid} "
-                f"device={self.device}{f' node={self.node}' if self.node else ''} lines={self.lines}"
-                f"{f' metrics ({metrics})' if metrics else ''}>")
+        return (
+            f"<RankRecord rank {self.rank} {self.state.value} exit={self.exitcode} pid={self.pid} "
+            f"device={self.device}{f' node={self.node}' if self.node else ''} lines={self.lines}"
+            f"{f' metrics ({metrics})' if metrics else ''}>"
+        )
 
     def _repr_html_(self) -> str:
         last = f"<div>last line: <code>{escape(self.last_line[:200])}</code></div>" if self.last_line else ""
@@ -172,8 +173,10 @@ class AttemptRecord:
 
     def __repr__(self) -> str:
         first = self.first_failure
-        return (f"<Attempt {self.number} {self.outcome.value}"
-                f"{f', rank {first.rank} failed first' if first else ''}, {len(self.ranks)} ranks>")
+        return (
+            f"<Attempt {self.number} {self.outcome.value}"
+            f"{f', rank {first.rank} failed first' if first else ''}, {len(self.ranks)} ranks>"
+        )
 
     def _repr_html_(self) -> str:
         return _record_html(repr(self), self.ranks)
@@ -321,9 +324,11 @@ class RunRecord:
         first = self.first_failure
         bugs = len(self.internal_errors)
         said = f", {bugs} ddpnb error{'s' if bugs > 1 else ''} in .internal_errors" if bugs else ""
-        return (f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
-                f"{f', rank {first.rank} failed first' if first else ''}, {ranks_text(self.world_size)} "
-                f"({self.backend}), attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>")
+        return (
+            f"<RunRecord {self.function or 'run'} on {self.engine}: {self.outcome.value}"
+            f"{f', rank {first.rank} failed first' if first else ''}, {ranks_text(self.world_size)} "
+            f"({self.backend}), attempt {self.attempt}, {self.duration:.1f} s, {self.run_dir}{said}>"
+        )
 
     def _repr_html_(self) -> str:
         """In a notebook: the one line, and a row per rank (where it ran, its state and exit); the rest is in the
@@ -364,7 +369,7 @@ class RunRecord:
         again)."""
         records = [*(a.ranks[rank] for a in self.attempts), self.ranks[rank]]
         if attempt is not None:
-            records = records[attempt:attempt + 1]
+            records = records[attempt : attempt + 1]
         return [point for record in records for point in record.metrics.get(name, [])]
 
     def metrics_frame(self) -> Any:
@@ -375,8 +380,10 @@ class RunRecord:
         try:
             import pandas as pd
         except ImportError:
-            raise ImportError("RunRecord.metrics_frame needs pandas, which ddpnb does not install: "
-                              "pip install pandas (record.metrics(name, rank) gives one series without it)") from None
+            raise ImportError(
+                "RunRecord.metrics_frame needs pandas, which ddpnb does not install: "
+                "pip install pandas (record.metrics(name, rank) gives one series without it)"
+            ) from None
         columns: dict[str, list[Any]] = {"rank": [], "attempt": [], "step": [], "time": [], "name": [], "value": []}
         for attempt, ranks in [*((a.number, a.ranks) for a in self.attempts), (self.attempt, self.ranks)]:
             for rank in ranks:
@@ -391,14 +398,16 @@ class RunRecord:
                     columns["time"] += [at - self.started for at in times]
                     columns["name"] += [name] * len(points)
                     columns["value"] += values
-        return pd.DataFrame({
-            "rank": pd.Series(columns["rank"], dtype="int64"),
-            "attempt": pd.Series(columns["attempt"], dtype="int64"),
-            "step": pd.Series(columns["step"], dtype="Int64"),
-            "time": pd.Series(columns["time"], dtype="float64"),
-            "name": pd.Series(columns["name"], dtype="object"),
-            "value": pd.Series(columns["value"], dtype="float64"),
-        })
+        return pd.DataFrame(
+            {
+                "rank": pd.Series(columns["rank"], dtype="int64"),
+                "attempt": pd.Series(columns["attempt"], dtype="int64"),
+                "step": pd.Series(columns["step"], dtype="Int64"),
+                "time": pd.Series(columns["time"], dtype="float64"),
+                "name": pd.Series(columns["name"], dtype="object"),
+                "value": pd.Series(columns["value"], dtype="float64"),
+            }
+        )
 
 
 def bug_text(doing: str, exc: BaseException) -> str:
@@ -409,7 +418,12 @@ def bug_text(doing: str, exc: BaseException) -> str:
 
 def _record_html(line: str, ranks: list[RankRecord]) -> str:
     """A record's one line, then a short row per rank: a notebook's display of a run or an attempt."""
-    rows = "".join(f"<tr><td>{r.rank}</td><td>{escape(r.node or '')}</td><td>{r.state.value}</td>"
-                   f"<td>{'' if r.exitcode is None else r.exitcode}</td><td>{r.lines}</td></tr>" for r in ranks)
-    return (f"<div class='ddpnb-record'><code>{escape(line)}</code><table><thead><tr><th>rank</th><th>node</th>"
-            f"<th>state</th><th>exit</th><th>lines</th></tr></thead><tbody>{rows}</tbody></table></div>")
+    rows = "".join(
+        f"<tr><td>{r.rank}</td><td>{escape(r.node or '')}</td><td>{r.state.value}</td>"
+        f"<td>{'' if r.exitcode is None else r.exitcode}</td><td>{r.lines}</td></tr>"
+        for r in ranks
+    )
+    return (
+        f"<div class='ddpnb-record'><code>{escape(line)}</code><table><thead><tr><th>rank</th><th>node</th>"
+        f"<th>state</th><th>exit</th><th>lines</th></tr></thead><tbody>{rows}</tbody></table></div>"
+    )

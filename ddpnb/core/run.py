@@ -31,6 +31,7 @@ from ddpnb.core.words import format_duration, ranks_text
 STACKS_WAIT = 10.0  # seconds `Run.stacks()` waits for every rank's stack
 TICK = 1.0  # seconds between two redraws of a view when nothing changed (its clocks move on)
 
+
 class FrontEnd(Protocol):
     """The front end a run was started from, as the run asks it (`views.frontend`): its input box answers the
     ranks' debugger prompts, and it says a view's failure."""
@@ -128,8 +129,10 @@ class Run:
 
     def __repr__(self) -> str:
         record = self.record  # read when shown, so a handle displayed again later says how the run is now
-        return (f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} "
-                f"({record.backend}): {self.status}; .wait() .result() .stop()>")
+        return (
+            f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} "
+            f"({record.backend}): {self.status}; .wait() .result() .stop()>"
+        )
 
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""
@@ -192,8 +195,10 @@ class Run:
             raise ValueError(f"timeout is a number of seconds to wait, 0 or more, not {timeout!r}.")
         self.wait(timeout)
         if not self._done.is_set():
-            raise TimeoutError(f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
-                               "it, .stop() ends it.")
+            raise TimeoutError(
+                f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
+                "it, .stop() ends it."
+            )
         if self.record.outcome is not Outcome.SUCCEEDED:
             raise WorkerError(self.record, hint=hints.hint(self.record), summary_above=self.summary_above)
         return self.attempt.result.take()
@@ -245,8 +250,9 @@ class Run:
         source lines. The run goes on; `{}` once it has ended."""
         if self.done:
             return {}
-        return {rank: cell_names(stack) for rank, stack in
-                self.collect_stacks(self.attempt.running_ranks(), wait).items()}
+        return {
+            rank: cell_names(stack) for rank, stack in self.collect_stacks(self.attempt.running_ranks(), wait).items()
+        }
 
     def collect_stacks(self, ranks: list[int], wait: float) -> dict[int, str]:
         """Each of `ranks`' stacks now, from the user's code down (asked from any thread but the reader's)."""

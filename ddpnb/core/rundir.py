@@ -41,7 +41,9 @@ def new_run_dir() -> Path:
     """A fresh private directory for one run (named by its creation time, so names sort by age)."""
     root = runs_root()
     now = time.time()
-    path = root / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:6]}"
+    path = (
+        root / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}.{int(now % 1 * 1e6):06d}-{uuid.uuid4().hex[:6]}"
+    )
     path.mkdir(mode=0o700)
     return path
 

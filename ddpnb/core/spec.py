@@ -44,8 +44,10 @@ class LaunchError(ValueError):
 def check_platform() -> None:
     """ddpnb needs Linux: its ranks' memory files (`memfd_create`), the kernel's epoll reader and `/proc`."""
     if not sys.platform.startswith("linux"):
-        raise LaunchError(f"ddpnb runs on Linux only (it uses memory files, epoll and /proc), not on {sys.platform}: "
-                          "run the Jupyter kernel in WSL2, a Linux container or a Linux VM.")
+        raise LaunchError(
+            f"ddpnb runs on Linux only (it uses memory files, epoll and /proc), not on {sys.platform}: "
+            "run the Jupyter kernel in WSL2, a Linux container or a Linux VM."
+        )
 
 
 @dataclass
@@ -83,8 +85,10 @@ def stall_seconds(stall: object) -> float | None:
     except (TypeError, ValueError):
         seconds = -1.0
     if not seconds >= 0 or seconds == float("inf"):  # nan too
-        raise LaunchError(f"stall takes a number of seconds without progress after which the run is marked stalled "
-                          f"(0 turns this off; leave it out to adapt to the run), not {stall!r}: e.g. --stall 120.")
+        raise LaunchError(
+            f"stall takes a number of seconds without progress after which the run is marked stalled "
+            f"(0 turns this off; leave it out to adapt to the run), not {stall!r}: e.g. --stall 120."
+        )
     return seconds
 
 
@@ -113,8 +117,9 @@ def is_seconds(value: object, zero: bool = False) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and (value >= 0 if zero else value > 0)
 
 
-def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None,
-         engine: str = "local") -> Plan:
+def plan(
+    gpus: int | str | None, nprocs: int | None, backend: str | None, available: int | None, engine: str = "local"
+) -> Plan:
     """The world size, devices and backend for the flags given; raises LaunchError for impossible ones.
     `available` is the GPUs `engine` can count here, None where its cluster places the ranks."""
     if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
@@ -129,8 +134,10 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, availa
     else:
         if gpus == "all":
             if available is None:
-                raise LaunchError(f"--engine {engine} takes a number of GPUs (--gpus N), not 'all': the ranks go where "
-                                  "the cluster has GPUs, so 'all' has no meaning there.")
+                raise LaunchError(
+                    f"--engine {engine} takes a number of GPUs (--gpus N), not 'all': the ranks go where "
+                    "the cluster has GPUs, so 'all' has no meaning there."
+                )
             if available == 0 and not enabled(CPU_FALLBACK_VAR):
                 raise LaunchError(no_gpus_message("all", available))
             wanted = available or nprocs or DEFAULT_CPU_RANKS
@@ -147,8 +154,10 @@ def plan(gpus: int | str | None, nprocs: int | None, backend: str | None, availa
             world_size, use_gpus = wanted, True
         elif enabled(CPU_FALLBACK_VAR):
             world_size, use_gpus = wanted, False
-            note = (f"{available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
-                    f"({CPU_FALLBACK_VAR} is set)")
+            note = (
+                f"{available} GPU(s) here: running --gpus {gpus} as {wanted} CPU ranks over gloo "
+                f"({CPU_FALLBACK_VAR} is set)"
+            )
         else:
             raise LaunchError(no_gpus_message(gpus, available))
     if backend == "nccl" and not use_gpus:
@@ -170,13 +179,17 @@ def bound_local_ranks(plan: Plan, oversubscribe: bool) -> None:
     ranks, cpus = plan.world_size, usable_cpus()
     limit, named = process_limit()
     if ranks >= limit:
-        raise LaunchError(f"nprocs={ranks} (-n {ranks}) is more processes than this machine allows ({named}), so "
-                          f"the ranks could never all start: pass fewer, e.g. nprocs={cpus} (-n {cpus}), one per CPU.")
+        raise LaunchError(
+            f"nprocs={ranks} (-n {ranks}) is more processes than this machine allows ({named}), so "
+            f"the ranks could never all start: pass fewer, e.g. nprocs={cpus} (-n {cpus}), one per CPU."
+        )
     bound = max(FEWEST_BOUND, RANKS_PER_CPU * cpus)
     if ranks > bound and not oversubscribe:
-        raise LaunchError(f"nprocs={ranks} (-n {ranks}) is more than {RANKS_PER_CPU} ranks for each of the {cpus} "
-                          f"CPUs this kernel may use (at most {bound} here): pass fewer, e.g. nprocs={cpus} (-n "
-                          f"{cpus}), or oversubscribe=True (--oversubscribe) to start {ranks} anyway.")
+        raise LaunchError(
+            f"nprocs={ranks} (-n {ranks}) is more than {RANKS_PER_CPU} ranks for each of the {cpus} "
+            f"CPUs this kernel may use (at most {bound} here): pass fewer, e.g. nprocs={cpus} (-n "
+            f"{cpus}), or oversubscribe=True (--oversubscribe) to start {ranks} anyway."
+        )
 
 
 def usable_cpus() -> int:
@@ -210,18 +223,25 @@ def check_env(env: object) -> None:
         if isinstance(env, str) and "=" in env:
             name, _, value = env.partition("=")
             example = f"{{{name.strip()!r}: {value.strip()!r}}}"
-        raise LaunchError(f"env takes a dict of environment variable names to values, not {env!r}: e.g. "
-                          f"env={example} (in %%ddp: --env NAME=VALUE).")
+        raise LaunchError(
+            f"env takes a dict of environment variable names to values, not {env!r}: e.g. "
+            f"env={example} (in %%ddp: --env NAME=VALUE)."
+        )
     for name, value in env.items():
         if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
-            raise LaunchError(f"env: {name!r} is not an environment variable's name (--env NAME=VALUE): a name is "
-                              "letters, digits and underscores, not starting with a digit, e.g. NCCL_DEBUG.")
+            raise LaunchError(
+                f"env: {name!r} is not an environment variable's name (--env NAME=VALUE): a name is "
+                "letters, digits and underscores, not starting with a digit, e.g. NCCL_DEBUG."
+            )
         if not isinstance(value, str):
-            raise LaunchError(f"env: {name}'s value must be a string, not {type(value).__name__} {value!r}: pass "
-                              f"env={{{name!r}: str({value!r})}}, as the environment holds only strings.")
+            raise LaunchError(
+                f"env: {name}'s value must be a string, not {type(value).__name__} {value!r}: pass "
+                f"env={{{name!r}: str({value!r})}}, as the environment holds only strings."
+            )
         if "\0" in value:
-            raise LaunchError(f"env: {name}'s value {value!r} holds a NUL character, which no environment "
-                              "variable can: leave it out.")
+            raise LaunchError(
+                f"env: {name}'s value {value!r} holds a NUL character, which no environment variable can: leave it out."
+            )
 
 
 def local_gpu_count() -> int:
@@ -235,5 +255,7 @@ def no_gpus_message(gpus: int | str, available: int) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     have = f"{available} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
     fewer = f"use --gpus {available} or fewer, " if available else ""
-    return (f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
-            f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks.")
+    return (
+        f"--gpus {gpus} asks for more GPUs than this machine has: {have}. To go on, {fewer}run on CPU ranks "
+        f"with -n N (gloo), or set {CPU_FALLBACK_VAR}=1 to dry-run --gpus notebooks on CPU ranks."
+    )

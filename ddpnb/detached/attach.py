@@ -47,8 +47,9 @@ class DetachedRun:
             if self._failed is not None:
                 raise self._failed
             if not files.supervised(run_dir) and time.monotonic() > deadline - FIRST_RECORD_WAIT + 2:
-                raise JournalError(f"{run_dir} holds no record of its run: its supervisor is gone (see "
-                                   f"{run_dir / files.LOG})")
+                raise JournalError(
+                    f"{run_dir} holds no record of its run: its supervisor is gone (see {run_dir / files.LOG})"
+                )
             if time.monotonic() > deadline:
                 raise JournalError(f"{run_dir}'s journal said nothing within {FIRST_RECORD_WAIT:g} s")
             time.sleep(0.02)
@@ -93,8 +94,10 @@ class DetachedRun:
 
     def __repr__(self) -> str:
         record = self.record
-        return (f"<ddpnb detached run {self.name} of {record.function or 'a function'} on "
-                f"{ranks_text(record.world_size)} ({record.backend}): {self.status}; .wait() .result() .stop()>")
+        return (
+            f"<ddpnb detached run {self.name} of {record.function or 'a function'} on "
+            f"{ranks_text(record.world_size)} ({record.backend}): {self.status}; .wait() .result() .stop()>"
+        )
 
     def _ipython_display_(self) -> None:
         """The live dashboard: the whole history replayed, then live (text where widgets cannot show)."""
@@ -136,10 +139,14 @@ class DetachedRun:
         self.wait(timeout)
         if not self.done:
             if self.orphaned:
-                raise RuntimeError(f"the run's supervisor is gone and the run's end was never written: its result is "
-                                   f"lost (its logs: {self.run_dir}; why: {self.run_dir / files.LOG})")
-            raise TimeoutError(f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
-                               "it, .stop() ends it.")
+                raise RuntimeError(
+                    f"the run's supervisor is gone and the run's end was never written: its result is "
+                    f"lost (its logs: {self.run_dir}; why: {self.run_dir / files.LOG})"
+                )
+            raise TimeoutError(
+                f"the run has not ended within {timeout:g} s, and goes on: .result() again waits for "
+                "it, .stop() ends it."
+            )
         if self.record.outcome is not Outcome.SUCCEEDED:
             raise WorkerError(self.record, hint=hints.hint(self.record), summary_above=self.summary_above)
         return self._kept()
@@ -147,15 +154,18 @@ class DetachedRun:
     def _kept(self) -> Any:
         path, error = self.run_dir / files.RESULT, self.run_dir / files.RESULT_ERROR
         deadline = time.monotonic() + RESULT_WAIT
-        while not path.exists() and not error.exists() and files.supervised(self.run_dir) \
-                and time.monotonic() < deadline:
+        while (
+            not path.exists() and not error.exists() and files.supervised(self.run_dir) and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         if path.exists():
             return pickle.loads(path.read_bytes())
         if error.exists():
             raise RuntimeError(f"rank 0 returned a value the supervisor could not keep: {error.read_text()}")
-        raise RuntimeError(f"rank 0's value is not in {self.run_dir} (cleaned, or the supervisor died before "
-                           f"keeping it: {self.run_dir / files.LOG})")
+        raise RuntimeError(
+            f"rank 0's value is not in {self.run_dir} (cleaned, or the supervisor died before "
+            f"keeping it: {self.run_dir / files.LOG})"
+        )
 
     def stop(self, outcome: Outcome = Outcome.STOPPED, note: str = "stopped by the user") -> None:
         """Stop every rank (through the supervisor) and wait until all are gone."""
@@ -214,8 +224,10 @@ class Listed:
         return attach(self.path)
 
     def __repr__(self) -> str:
-        return f"<ddpnb detached run {self.name}: {self.function} on {ranks_text(self.world_size)}, {self.state}; " \
-               f"{self.progress}; .attach()>"
+        return (
+            f"<ddpnb detached run {self.name}: {self.function} on {ranks_text(self.world_size)}, {self.state}; "
+            f"{self.progress}; .attach()>"
+        )
 
 
 def listed() -> list[Listed]:
@@ -232,8 +244,9 @@ def listed() -> list[Listed]:
 def _state(path: Path) -> tuple[str, str]:
     end = files.ended(path)
     if end is not None:
-        return end["outcome"], f"ended after {format_duration(end['duration'])}" + \
-            (f": {end['note']}" if end.get("note") else "")
+        return end["outcome"], f"ended after {format_duration(end['duration'])}" + (
+            f": {end['note']}" if end.get("note") else ""
+        )
     if files.supervised(path):
         try:
             return "running", files.ask(path, "status", timeout=5)
@@ -258,8 +271,10 @@ def find(which: str | os.PathLike[str]) -> Path:
     runs = listed()
     if str(which) == "last":
         if not runs:
-            raise LookupError(f"there is no detached run in {rundir.runs_root()}: launch one with "
-                              "ddpnb.launch(fn, detach=True) or %%ddp --detach.")
+            raise LookupError(
+                f"there is no detached run in {rundir.runs_root()}: launch one with "
+                "ddpnb.launch(fn, detach=True) or %%ddp --detach."
+            )
         return runs[-1].path
     path = Path(which).expanduser()
     if path.is_dir() and (path / files.MARKER).exists():
@@ -268,5 +283,7 @@ def find(which: str | os.PathLike[str]) -> Path:
     if os.sep not in str(which) and named.is_dir() and (named / files.MARKER).exists():
         return named
     there = "; ".join(f"{run.name} ({run.state})" for run in runs) or "none"
-    raise LookupError(f"no detached run {str(which)!r} in {rundir.runs_root()}. The detached runs there are: {there}. "
-                      "Pass one of these names, 'last', or a run directory.")
+    raise LookupError(
+        f"no detached run {str(which)!r} in {rundir.runs_root()}. The detached runs there are: {there}. "
+        "Pass one of these names, 'last', or a run directory."
+    )

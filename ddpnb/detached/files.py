@@ -47,7 +47,7 @@ def private_write(path: Path, data: bytes) -> None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def hold_alive(run_dir: Path) -> int:
@@ -101,8 +101,10 @@ def ask(run_dir: Path, what: str, timeout: float = ASK_WAIT) -> Any:
                 raise RuntimeError(f"the run's supervisor did not answer {what!r} within {timeout:g} s")
             status, value = pickle.loads(conn.recv_bytes())
     except (OSError, EOFError) as exc:
-        raise RuntimeError(f"the run's supervisor cannot be reached ({type(exc).__name__}: {exc}): "
-                           f"{'it is gone' if not supervised(run_dir) else 'see ' + str(run_dir / LOG)}") from None
+        raise RuntimeError(
+            f"the run's supervisor cannot be reached ({type(exc).__name__}: {exc}): "
+            f"{'it is gone' if not supervised(run_dir) else 'see ' + str(run_dir / LOG)}"
+        ) from None
     if status != "ok":
         raise RuntimeError(f"the run's supervisor could not {what}: {value}")
     return value

@@ -63,8 +63,9 @@ def start(plan: DetachedPlan) -> int:
     payload = cloudpickle.dumps(plan)  # the args may hold objects defined in the notebook
     context = forkserver.context()
     reader, writer = context.Pipe(duplex=False)
-    process = context.Process(target=supervise, args=(payload, writer), name=f"{PROCESS_PREFIX}supervisor",
-                              daemon=False)
+    process = context.Process(
+        target=supervise, args=(payload, writer), name=f"{PROCESS_PREFIX}supervisor", daemon=False
+    )
     process.start()
     writer.close()
     # the kernel never joins it: at the kernel's exit multiprocessing would wait for the run to end
@@ -72,12 +73,15 @@ def start(plan: DetachedPlan) -> int:
     try:
         if not reader.poll(START_WAIT):
             os.kill(process.pid, signal.SIGKILL)
-            raise LaunchError(f"the detached run's supervisor did not start its ranks within {START_WAIT:g} s: see "
-                              f"{Path(plan.spec.run_dir) / files.LOG}")
+            raise LaunchError(
+                f"the detached run's supervisor did not start its ranks within {START_WAIT:g} s: see "
+                f"{Path(plan.spec.run_dir) / files.LOG}"
+            )
         said, value = reader.recv()
     except EOFError:
-        raise LaunchError(f"the detached run's supervisor died while starting: see "
-                          f"{Path(plan.spec.run_dir) / files.LOG}") from None
+        raise LaunchError(
+            f"the detached run's supervisor died while starting: see {Path(plan.spec.run_dir) / files.LOG}"
+        ) from None
     finally:
         reader.close()
     if said != "started":
@@ -93,9 +97,20 @@ def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> N
     _log_to(run_dir / files.LOG)
     _own_forkserver()  # first: no thread runs yet
     alive = files.hold_alive(run_dir)
-    files.private_write(run_dir / files.MARKER, json.dumps({
-        "function": plan.function, "world_size": plan.spec.world_size, "engine": plan.engine, "pid": os.getpid(),
-        "started": time.time(), "ddpnb": entries.version(), "uid": os.getuid()}).encode())
+    files.private_write(
+        run_dir / files.MARKER,
+        json.dumps(
+            {
+                "function": plan.function,
+                "world_size": plan.spec.world_size,
+                "engine": plan.engine,
+                "pid": os.getpid(),
+                "started": time.time(),
+                "ddpnb": entries.version(),
+                "uid": os.getuid(),
+            }
+        ).encode(),
+    )
     try:
         run = _owned(plan)
         door = _open_door(run, run_dir)
@@ -107,8 +122,10 @@ def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> N
     ready.close()
     record = run.wait()
     _keep_result(run, run_dir)
-    files.private_write(run_dir / files.ENDED, json.dumps({
-        "outcome": record.outcome.value, "note": record.note, "duration": record.duration}).encode())
+    files.private_write(
+        run_dir / files.ENDED,
+        json.dumps({"outcome": record.outcome.value, "note": record.note, "duration": record.duration}).encode(),
+    )
     door.close()
     os.close(alive)
 
@@ -128,10 +145,20 @@ class _Unattended:
 
 def _owned(plan: DetachedPlan) -> Run:
     engine_type = engines.engine_type(plan.engine)
-    run = Run(RunSetup(
-        spec=plan.spec, devices=plan.devices, engine=plan.engine, capabilities=engine_type.capabilities,
-        new_engine=functools.partial(engine_type.create, options=plan.engine_options), front_end=_Unattended(),
-        function=plan.function, policy=RestartPolicy(plan.max_restarts), stall=plan.stall, journal=True))
+    run = Run(
+        RunSetup(
+            spec=plan.spec,
+            devices=plan.devices,
+            engine=plan.engine,
+            capabilities=engine_type.capabilities,
+            new_engine=functools.partial(engine_type.create, options=plan.engine_options),
+            front_end=_Unattended(),
+            function=plan.function,
+            policy=RestartPolicy(plan.max_restarts),
+            stall=plan.stall,
+            journal=True,
+        )
+    )
     for note in plan.notes:
         run.record.add_launch_note(note)
     return run
@@ -159,8 +186,12 @@ def _open_door(run: Run, run_dir: Path) -> Door:
         threading.Thread(target=_answer, args=(run, conn, ask), name="ddpnb-detached-ask", daemon=True).start()
 
     def refuse(peer: Any, exc: BaseException) -> None:
-        print(f"[ddpnb supervisor] {time.strftime('%H:%M:%S')} refused a connection from {peer}: it did not prove "
-              f"the run's secret ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        print(
+            f"[ddpnb supervisor] {time.strftime('%H:%M:%S')} refused a connection from {peer}: it did not prove "
+            f"the run's secret ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     door = Door("127.0.0.1", secret, admit, refuse, greeting=files.Ask)
     files.private_write(run_dir / files.DOOR, json.dumps({"host": door.address[0], "port": door.address[1]}).encode())

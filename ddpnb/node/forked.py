@@ -62,9 +62,16 @@ class ForkedRanks:
         os.set_blocking(self._wake_w, False)
 
     # --- start -------------------------------------------------------------------------------------------------
-    def start(self, events: RunEvents, context: multiprocessing.context.BaseContext, spec_payload: bytes,
-              data: dict[int, tuple[int, ...]], store_socket: socket.socket | None, result_fd: int | None,
-              commands: bool) -> None:
+    def start(
+        self,
+        events: RunEvents,
+        context: multiprocessing.context.BaseContext,
+        spec_payload: bytes,
+        data: dict[int, tuple[int, ...]],
+        store_socket: socket.socket | None,
+        result_fd: int | None,
+        commands: bool,
+    ) -> None:
         """Fork every seat's rank from `context` (the forkserver's; its caller holds `forkserver.lock`). Rank 0
         gets `store_socket`, for its TCPStore, and `result_fd`; every rank maps `data`'s memory files."""
         self._events = events
@@ -72,8 +79,7 @@ class ForkedRanks:
         try:
             shared = {segment: tuple(map(FdForChild, files)) for segment, files in data.items()}
             for rank in self.seats:
-                self._start_rank(context, rank, spec_payload, shared,
-                                 *((store_socket, result_fd) if rank == 0 else ()))
+                self._start_rank(context, rank, spec_payload, shared, *((store_socket, result_fd) if rank == 0 else ()))
         except BaseException:  # a rank could not start: the ones that did must not outlive this call
             self.close()
             raise
@@ -81,8 +87,15 @@ class ForkedRanks:
             if store_socket is not None:
                 store_socket.close()  # rank 0 has its own copy now
 
-    def _start_rank(self, context: Any, rank: int, spec_payload: bytes, data: dict[int, tuple[FdForChild, ...]],
-                    store_socket: socket.socket | None = None, result_fd: int | None = None) -> None:
+    def _start_rank(
+        self,
+        context: Any,
+        rank: int,
+        spec_payload: bytes,
+        data: dict[int, tuple[FdForChild, ...]],
+        store_socket: socket.socket | None = None,
+        result_fd: int | None = None,
+    ) -> None:
         """Fork one rank, with its pipes: stdout, stderr and the message channel (rank to kernel), and a lifeline
         the kernel never writes to, whose EOF tells the rank's watchdog that the kernel is gone."""
         assert self._events is not None
@@ -103,9 +116,21 @@ class ForkedRanks:
             _enlarge_pipe(commands_w.fileno())  # a command (or a debugger's answer) never waits for a busy rank
             self._commands[rank] = commands_w
         proc = context.Process(
-            target=entry, args=(self.seats[rank], channel_w, lifeline_r, out_w, err_w, spec_payload, data,
-                                store_socket, result, commands_r),
-            name=f"{PROCESS_PREFIX}rank{rank}", daemon=False,
+            target=entry,
+            args=(
+                self.seats[rank],
+                channel_w,
+                lifeline_r,
+                out_w,
+                err_w,
+                spec_payload,
+                data,
+                store_socket,
+                result,
+                commands_r,
+            ),
+            name=f"{PROCESS_PREFIX}rank{rank}",
+            daemon=False,
         )
         try:
             proc.start()
@@ -147,8 +172,10 @@ class ForkedRanks:
                 woken = time.monotonic()
                 if woken - last_wake < COALESCE and not hurry and self._exits == len(self._procs) and events.quiet():
                     # let more arrive, so a burst is one read; a rank that exits ends the pause at once
-                    multiprocessing.connection.wait([*(proc.sentinel for proc in self._procs.values()), self._wake_r],
-                                                    timeout=COALESCE - (woken - last_wake))
+                    multiprocessing.connection.wait(
+                        [*(proc.sentinel for proc in self._procs.values()), self._wake_r],
+                        timeout=COALESCE - (woken - last_wake),
+                    )
                 last_wake, self._wake_bytes = time.monotonic(), 0
                 timeout = 0.1
                 while ready := self._selector.select(timeout):  # until nothing is left to read

@@ -26,8 +26,16 @@ from ddpnb.node.rank import PROCESS_PREFIX
 
 # the shield first (the kernel's interrupt must not kill the forkserver mid-import); tqdm is optional (a failed
 # preload import is skipped): preloaded, the rank's progress hook costs nothing
-PRELOAD = ["ddpnb.node.shield", "torch", "torch.distributed", "torch.nn", "torch.utils.data", "cloudpickle",
-           "tqdm", "ddpnb.node.rank"]
+PRELOAD = [
+    "ddpnb.node.shield",
+    "torch",
+    "torch.distributed",
+    "torch.nn",
+    "torch.utils.data",
+    "cloudpickle",
+    "tqdm",
+    "ddpnb.node.rank",
+]
 # held while the forkserver starts, restarts, or has ranks forked from it, or its adopted orphans are ended
 # (reentrant: a start that fails ends its ranks, and their orphans, while it holds it)
 lock = threading.RLock()
@@ -64,6 +72,7 @@ def _keep_main_module_out_of_ranks() -> None:
     main module's name or path with each new process (`spawn.get_preparation_data`, called with the process's
     name); the wrapper leaves them out for ddpnb's processes and changes nothing for any other.
     """
+
     def wrap(original: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
         @functools.wraps(original)
         def preparation_data(name: str) -> dict[str, Any]:
@@ -96,14 +105,18 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
         if not modules:
             return list(_preloaded)
         if busy():  # a run's ranks were forked from the forkserver: killing it would lose their exit codes
-            raise PreloadError("ddpnb.preload restarts the process ranks are forked from: wait for the running run "
-                               "to end (or .stop() it), then call it again.")
+            raise PreloadError(
+                "ddpnb.preload restarts the process ranks are forked from: wait for the running run "
+                "to end (or .stop() it), then call it again."
+            )
         server = _compat.forkserver_pid()
         others = orphans.children(server) if server else []
         if others:
-            raise PreloadError(f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
-                               f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
-                               "stop them, then call it again.")
+            raise PreloadError(
+                f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
+                f"are still running (PIDs {', '.join(map(str, others))}: a forkserver pool of yours?); "
+                "stop them, then call it again."
+            )
         baseline = max(1, len(threads(server))) if server else 1  # what ranks start from today is the yardstick
         before = list(_preloaded)
         _preloaded.extend(name for name in modules if name not in before and name not in PRELOAD)
@@ -115,9 +128,12 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
         try:
             trouble = _check(started, modules, baseline)
         except (OSError, EOFError):  # the forkserver died: an import raised something other than ImportError
-            trouble = (f"the forkserver was still importing them after {IMPORT_WAIT:g} s" if deadline.finished.is_set()
-                       else "the forkserver died while importing them: an import raised an error (run "
-                       f"`import {next(iter(modules))}` in a cell to see it)")
+            trouble = (
+                f"the forkserver was still importing them after {IMPORT_WAIT:g} s"
+                if deadline.finished.is_set()
+                else "the forkserver died while importing them: an import raised an error (run "
+                f"`import {next(iter(modules))}` in a cell to see it)"
+            )
         except BaseException:  # interrupted: the next launch starts the forkserver it had before
             _preloaded[:] = before
             _stop()
@@ -128,8 +144,10 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
             _preloaded[:] = before
             _stop()
             context_held()  # back to what it was, started now rather than at the next launch
-            raise PreloadError(f"ddpnb.preload({', '.join(map(repr, modules))}): {trouble}. Nothing was added; "
-                               "ranks import these modules themselves, as before.")
+            raise PreloadError(
+                f"ddpnb.preload({', '.join(map(repr, modules))}): {trouble}. Nothing was added; "
+                "ranks import these modules themselves, as before."
+            )
         return list(_preloaded)
 
 
@@ -176,8 +194,12 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
     nothing. Starting that process waits for the forkserver to finish importing (it forks after the imports)."""
     reader, writer = multiprocessing.Pipe(duplex=False)
     packages = {name.partition(".")[0] for name in modules}
-    probe = started.Process(target=report_state, args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
-                            name=f"{PROCESS_PREFIX}preload-check", daemon=True)
+    probe = started.Process(
+        target=report_state,
+        args=(writer, [*modules, *packages], GPU_DRIVER_FILES),
+        name=f"{PROCESS_PREFIX}preload-check",
+        daemon=True,
+    )
     probe.start()
     writer.close()
     try:
@@ -192,20 +214,28 @@ def _check(started: multiprocessing.context.BaseContext, modules: dict[str, str 
             probe.join()
     missing = [name for name in modules if name not in found]
     if missing:
-        return (f"{', '.join(missing)} could not be imported there (ImportError): the forkserver is a fresh Python "
-                "started in this kernel's working directory, with its PYTHONPATH, which does not see sys.path "
-                "changes made in the kernel")
+        return (
+            f"{', '.join(missing)} could not be imported there (ImportError): the forkserver is a fresh Python "
+            "started in this kernel's working directory, with its PYTHONPATH, which does not see sys.path "
+            "changes made in the kernel"
+        )
     for name, origin in modules.items():  # origin: where the kernel finds the top-level package
         there = found.get(name.partition(".")[0])
         if origin and there and os.path.realpath(origin) != os.path.realpath(there):
-            return (f"the forkserver imported {name} from {there}, but this kernel imports it from {origin} "
-                    "(a sys.path change in the kernel?): ranks would run the other copy")
+            return (
+                f"the forkserver imported {name} from {there}, but this kernel imports it from {origin} "
+                "(a sys.path change in the kernel?): ranks would run the other copy"
+            )
     if cuda:  # first: starting the driver starts threads too, and CUDA is the cause to name
-        return ("importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
-                "after that")
+        return (
+            "importing them initialised CUDA (the GPU driver is open); CUDA does not work in a process forked "
+            "after that"
+        )
     if len(running) > baseline:
-        return (f"importing them started {len(running) - baseline} thread(s) in the forkserver ({', '.join(running)}); "
-                "ranks forked from a process with threads can hang on a lock one of them held")
+        return (
+            f"importing them started {len(running) - baseline} thread(s) in the forkserver ({', '.join(running)}); "
+            "ranks forked from a process with threads can hang on a lock one of them held"
+        )
     return ""
 
 

@@ -57,8 +57,10 @@ class Seat:
 
     @classmethod
     def local(cls, world_size: int, use_gpus: bool, stack_dir: str, master_port: int) -> list[Seat]:
-        return [cls(rank, rank, world_size, stack_dir, master_port=master_port, gpu=rank if use_gpus else None)
-                for rank in range(world_size)]
+        return [
+            cls(rank, rank, world_size, stack_dir, master_port=master_port, gpu=rank if use_gpus else None)
+            for rank in range(world_size)
+        ]
 
 
 class FdForChild:
@@ -120,15 +122,24 @@ class PipeLink:
             os.write(self.fd, header)
             view = memoryview(data)  # a big value: written in place, not copied into a frame first
             while view:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
 
 
 _store_fd: int | None = None  # rank 0: the kernel's bound 127.0.0.1 socket its TCPStore listens on
 
 
-def entry(seat: Seat, channel: Connection, lifeline: Connection, out: Connection, err: Connection,
-          spec_payload: bytes, data: dict[int, tuple[int, ...]], store_socket: socket.socket | None = None,
-          result_fd: int | None = None, commands: Connection | None = None) -> None:
+def entry(
+    seat: Seat,
+    channel: Connection,
+    lifeline: Connection,
+    out: Connection,
+    err: Connection,
+    spec_payload: bytes,
+    data: dict[int, tuple[int, ...]],
+    store_socket: socket.socket | None = None,
+    result_fd: int | None = None,
+    commands: Connection | None = None,
+) -> None:
     """multiprocessing target: runs once per rank. `channel` carries messages to the kernel; `lifeline` is a pipe
     the kernel never writes to, so it reads EOF only when the kernel is gone. `spec_payload` is the cloudpickled
     `WorkerSpec`, unpickled after the output is redirected, so that a failure to rebuild it is reported like any
@@ -152,8 +163,13 @@ def entry(seat: Seat, channel: Connection, lifeline: Connection, out: Connection
     code = 0
     try:
         mapped.attach(data)
-        run_function(context, spec_payload, lambda rank, spec: _setup(seat, spec),
-                     lambda context, spec: _join_group(seat, context, spec), result_fd)
+        run_function(
+            context,
+            spec_payload,
+            lambda rank, spec: _setup(seat, spec),
+            lambda context, spec: _join_group(seat, context, spec),
+            result_fd,
+        )
         group.leave_store(context)
     except SystemExit as exc:  # sys.exit(n) inside the function: exit as asked (the kernel reports it)
         code = exit_code(exc)
@@ -192,10 +208,14 @@ def _join_group(seat: Seat, context: ctx.RankContext, spec: WorkerSpec) -> None:
 
     # rank 0 listens on the socket the kernel (or its node's host) bound: 127.0.0.1 for a one-machine run, its
     # node's address for a run across nodes; never every interface, never a raced port
-    context.store = dist.TCPStore(seat.master_addr, seat.master_port, spec.world_size, is_master=context.rank == 0,
-                                  master_listen_fd=_store_fd if context.rank == 0 else None)
+    context.store = dist.TCPStore(
+        seat.master_addr,
+        seat.master_port,
+        spec.world_size,
+        is_master=context.rank == 0,
+        master_listen_fd=_store_fd if context.rank == 0 else None,
+    )
     group.new_group(spec.backend)
-
 
 
 def _omp_num_threads() -> int | None:
@@ -219,10 +239,12 @@ def _redirect_output(out: Connection, err: Connection) -> None:
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  line_buffering=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  line_buffering=True)
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
 
 
 def _watch_kernel(lifeline: Connection) -> None:

@@ -58,8 +58,9 @@ class Door:
                 if self._closed:
                     sock.close()
                     return
-                check = self._checking[sock] = threading.Thread(target=self._check, args=(sock, peer),
-                                                                  name="ddpnb-door-check", daemon=True)
+                check = self._checking[sock] = threading.Thread(
+                    target=self._check, args=(sock, peer), name="ddpnb-door-check", daemon=True
+                )
             check.start()
 
     def _check(self, sock: socket.socket, peer: Any) -> None:

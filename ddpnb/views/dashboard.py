@@ -26,12 +26,12 @@ from ddpnb.views.fold import FoldedLine, Folder
 from ddpnb.views.html import (
     MANY_RANKS,
     MAX_LINE_CHARS,
+    RestartMark,
     any_line_html,
     error_html,
     header_html,
     line_html,
     log_html,
-    RestartMark,
     log_location,
     log_note,
     metrics_signature,
@@ -91,7 +91,8 @@ class Dashboard:
         # a line cut for the panel (or a restart's mark), its HTML
         self._all: deque[tuple[FoldedLine | RestartMark, str]] = deque(maxlen=LOG_LINES)
         self._per_rank: list[deque[tuple[OutputLine | RestartMark, str]]] = [
-            deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)]  # as printed
+            deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)
+        ]  # as printed
         self._folder = Folder(self.record.world_size, enabled=fold)
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
@@ -99,16 +100,28 @@ class Dashboard:
 
         self.header = widgets.HTML(layout=widgets.Layout(flex="1 1 auto"))
         self.stop_button = widgets.Button(
-            description="Stop", icon="stop", disabled=foreground,
-            tooltip=("Interrupt the kernel (■) to stop: this cell is waiting for the run" if foreground
-                     else "Stop every rank of this run"),
-            layout=widgets.Layout(width="auto", height="26px"))
+            description="Stop",
+            icon="stop",
+            disabled=foreground,
+            tooltip=(
+                "Interrupt the kernel (■) to stop: this cell is waiting for the run"
+                if foreground
+                else "Stop every rank of this run"
+            ),
+            layout=widgets.Layout(width="auto", height="26px"),
+        )
         self.stop_button.on_click(self._on_stop)
         self.stacks_button = widgets.Button(
-            description="Stacks", icon="list", disabled=foreground,
-            tooltip=("Interrupt the kernel, or run with --background, to ask: this cell is waiting for the run"
-                     if foreground else "Show where every rank is now (its Python stack)"),
-            layout=widgets.Layout(width="auto", height="26px"))
+            description="Stacks",
+            icon="list",
+            disabled=foreground,
+            tooltip=(
+                "Interrupt the kernel, or run with --background, to ask: this cell is waiting for the run"
+                if foreground
+                else "Show where every rank is now (its Python stack)"
+            ),
+            layout=widgets.Layout(width="auto", height="26px"),
+        )
         self.stacks_button.on_click(self._on_stacks)
         self.stacks = widgets.HTML(layout=widgets.Layout(display="none"))
         self.stall = widgets.HTML()
@@ -126,25 +139,43 @@ class Dashboard:
         self.log_picker.observe(self._on_pick, names="value")
         self.log = widgets.HTML()
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))
-        log_bar = widgets.HBox([widgets.HTML(section_html("output")), self.log_picker],
-                               # grid_gap: ipywidgets has no `gap`; CSS's `grid-gap` is its alias, for flex too
-                               layout=widgets.Layout(align_items="center", grid_gap="10px"))
+        log_bar = widgets.HBox(
+            [widgets.HTML(section_html("output")), self.log_picker],
+            # grid_gap: ipywidgets has no `gap`; CSS's `grid-gap` is its alias, for flex too
+            layout=widgets.Layout(align_items="center", grid_gap="10px"),
+        )
         self.widget = widgets.VBox(
-            [widgets.HTML(STYLE), widgets.HBox([self.header, self.stacks_button, self.stop_button],
-                                               layout=widgets.Layout(align_items="center")),
-             self.ranks, self.stall, self.stall_stacks, *([self.console.widget] if self.console else []),
-             self.error, self.plots, log_bar, self.log, self.stacks],
-            layout=widgets.Layout(padding="2px 4px"))
+            [
+                widgets.HTML(STYLE),
+                widgets.HBox(
+                    [self.header, self.stacks_button, self.stop_button], layout=widgets.Layout(align_items="center")
+                ),
+                self.ranks,
+                self.stall,
+                self.stall_stacks,
+                *([self.console.widget] if self.console else []),
+                self.error,
+                self.plots,
+                log_bar,
+                self.log,
+                self.stacks,
+            ],
+            layout=widgets.Layout(padding="2px 4px"),
+        )
         self.widget.add_class("ddpnb")
         self._render()
         bundle = self.widget._repr_mimebundle_()
         # what a saved notebook keeps of a run that had not ended (the summary takes the widget's place when it
         # ends), and what a page without the kernel's widgets shows of it: GitHub, nbviewer, nbconvert
-        saved = (f"{self.record.function} on {ranks_text(self.record.world_size)}: still running when this notebook "
-                 "was saved (its live dashboard needs the kernel that ran it). Logs: ")
+        saved = (
+            f"{self.record.function} on {ranks_text(self.record.world_size)}: still running when this notebook "
+            "was saved (its live dashboard needs the kernel that ran it). Logs: "
+        )
         bundle["text/plain"] = f"[ddpnb] {saved}{self.record.run_dir}"
-        bundle["text/html"] = (f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '
-                               f'{html.escape(saved)}<code>{html.escape(str(self.record.run_dir))}</code></div>')
+        bundle["text/html"] = (
+            f'<div class="ddpnb-saved-live" style="opacity:0.7;font-size:12px">ddpnb: '
+            f"{html.escape(saved)}<code>{html.escape(str(self.record.run_dir))}</code></div>"
+        )
         # outside IPython (a script forcing view="widget", a benchmark) the widget is drawn but shown nowhere
         self._display = display(bundle, raw=True, display_id=True) if get_ipython() is not None else None
         run.subscribe(self._on_wait, news=False)
@@ -176,9 +207,15 @@ class Dashboard:
             try:
                 self._render(run)
                 if self._display is not None:
-                    self._display.update({"text/html": summary_html(self.record, [line for line, _ in self._all],
-                                                                       full_traceback=not self.foreground),
-                                          "text/plain": summary_text(self.record)}, raw=True)
+                    self._display.update(
+                        {
+                            "text/html": summary_html(
+                                self.record, [line for line, _ in self._all], full_traceback=not self.foreground
+                            ),
+                            "text/plain": summary_text(self.record),
+                        },
+                        raw=True,
+                    )
                     if self.foreground and run is not None:  # its error, raised right below, leaves them out
                         run.summary_above = True
             finally:  # the summary shows now, which needs no widget: none stays in the kernel's registry
@@ -203,8 +240,9 @@ class Dashboard:
                 self._stall_seen = shown
                 self.stall_stacks.value = stall_stacks_html(record)
             signature = metrics_signature(record)
-            if signature != self._metrics_seen and (time.monotonic() - self._plotted >= PLOT_INTERVAL
-                                                    or self._finished):  # the final state is drawn whole
+            if signature != self._metrics_seen and (
+                time.monotonic() - self._plotted >= PLOT_INTERVAL or self._finished
+            ):  # the final state is drawn whole
                 self._metrics_seen, self._plotted = signature, time.monotonic()
                 self.plots.value = plots_html(record)
             if self._lines_changed:
@@ -223,7 +261,7 @@ class Dashboard:
         new = [line._replace(text=line.text[:MAX_LINE_CHARS]) for line in new]
         now = time.monotonic()
         # a restart's mark goes where it happened, as the text view's line
-        for lines, attempt in split_at_restarts(new, self.record.attempts[self._restarts_shown:], self._seen):
+        for lines, attempt in split_at_restarts(new, self.record.attempts[self._restarts_shown :], self._seen):
             self._add(lines, self._folder.add(lines, now) + (self._folder.flush() if attempt or done else []))
             if attempt is not None:
                 self._restarts_shown += 1

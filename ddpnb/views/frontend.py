@@ -33,11 +33,17 @@ class CellFrontEnd:
         waiting = run.attempt.broker.waiting.get(rank)
         if waiting is None:
             at = sorted(run.attempt.broker.waiting)
-            print(f"[ddpnb] rank {rank} is not at a debugger prompt"
-                  + (f"; {named(at)} {'is' if len(at) == 1 else 'are'}: .debug({at[0]})" if at else "") + ".")
+            print(
+                f"[ddpnb] rank {rank} is not at a debugger prompt"
+                + (f"; {named(at)} {'is' if len(at) == 1 else 'are'}: .debug({at[0]})" if at else "")
+                + "."
+            )
             return
-        print(f"[ddpnb] rank {rank}'s debugger, until it goes on (c) or quits (q); Ctrl-C returns here with the "
-              "rank still waiting", flush=True)
+        print(
+            f"[ddpnb] rank {rank}'s debugger, until it goes on (c) or quits (q); Ctrl-C returns here with the "
+            "rank still waiting",
+            flush=True,
+        )
         seen = 0
         while not run.done:
             prompt = run.attempt.broker.waiting.get(rank)
@@ -51,8 +57,12 @@ class CellFrontEnd:
                 return
 
     def view_failed(self, view: str, exc: Exception) -> None:
-        print(f"[ddpnb] the {view} could not draw ({type(exc).__name__}: {exc}): a ddpnb bug, please report it with "
-              "the run directory; the run and its result are unaffected", file=sys.stderr, flush=True)
+        print(
+            f"[ddpnb] the {view} could not draw ({type(exc).__name__}: {exc}): a ddpnb bug, please report it with "
+            "the run directory; the run and its result are unaffected",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @staticmethod
     def _ask(run: Run, prompt: msg.Prompt) -> tuple[str, bool]:
@@ -66,11 +76,15 @@ class CellFrontEnd:
             line = input(f"(rank {prompt.rank}) {ask}")
         except (EOFError, NotImplementedError):  # no more input, or this cell's front end takes none (IPython's
             # StdinNotImplementedError): the rank goes on
-            print(f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.",
-                  file=sys.stderr)
+            print(
+                f"[ddpnb] rank {prompt.rank}'s debugger prompt cannot be answered here: it continues.", file=sys.stderr
+            )
             line = "c"
         sent = run.answer(prompt, line)
         if not sent:
-            print(f"[ddpnb] {line!r} was not sent: rank {prompt.rank} no longer waits at that prompt: "
-                  f"{run.not_waiting(prompt.rank)}", flush=True)
+            print(
+                f"[ddpnb] {line!r} was not sent: rank {prompt.rank} no longer waits at that prompt: "
+                f"{run.not_waiting(prompt.rank)}",
+                flush=True,
+            )
         return line, sent

@@ -89,9 +89,27 @@ def schema() -> str:
     cannot read each other's journals, whatever their version numbers say."""
     from ddpnb.core import failures, profile, record, spec
 
-    classes = [*msg.KINDS.values(), spec.WorkerSpec, failures.Failure, failures.FrameLocals, profile.Profile,
-               *(getattr(record, name) for name in ("RunRecord", "RankRecord", "AttemptRecord", "Diagnosis",
-                                                    "RankWhere", "Stall", "Queued", "DataSent", "Point"))]
+    classes = [
+        *msg.KINDS.values(),
+        spec.WorkerSpec,
+        failures.Failure,
+        failures.FrameLocals,
+        profile.Profile,
+        *(
+            getattr(record, name)
+            for name in (
+                "RunRecord",
+                "RankRecord",
+                "AttemptRecord",
+                "Diagnosis",
+                "RankWhere",
+                "Stall",
+                "Queued",
+                "DataSent",
+                "Point",
+            )
+        ),
+    ]
     described = []
     for kind in classes:
         fields = [f.name for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else list(kind._fields)
@@ -112,4 +130,5 @@ def check(header: dict[str, Any], path: Path) -> None:
     raise JournalError(
         f"{path} was written by ddpnb {wrote} (journal format {header.get('format')}, schema {header.get('schema')}); "
         f"this is ddpnb {version()} (format {FORMAT}, schema {schema()}), which cannot read it: attach from a kernel "
-        f"with ddpnb {wrote} installed (pip install ddpnb=={wrote}); its rank logs are plain text in {path.parent}.")
+        f"with ddpnb {wrote} installed (pip install ddpnb=={wrote}); its rank logs are plain text in {path.parent}."
+    )

@@ -58,7 +58,7 @@ def parse(data: bytes | memoryview, start: int, payloads: list[bytes]) -> tuple[
             body = start + head
             if end - body < size:
                 return start, "cut short"
-            payload = bytes(view[body:body + size])
+            payload = bytes(view[body : body + size])
             if crc32(payload) != checksum:
                 return start, "corrupt"
             payloads.append(payload)
@@ -77,7 +77,7 @@ def _header(data: bytes, path: Path) -> tuple[dict[str, Any], int]:
             raise _NotYet(f"{path} has no header yet: its run has written nothing so far")
         raise JournalError(f"{path} is not a ddpnb journal (it does not begin with {MAGIC!r})")
     payloads: list[bytes] = []
-    stop, why = parse(data[:len(MAGIC) + FRAME.size + _header_size(data)], len(MAGIC), payloads)
+    stop, why = parse(data[: len(MAGIC) + FRAME.size + _header_size(data)], len(MAGIC), payloads)
     if not payloads:
         if why == "cut short":
             raise _NotYet(f"{path}'s header is cut short: the journal cannot be read")
@@ -118,8 +118,9 @@ class Writer:
 
     def due(self) -> bool:
         """Whether the batch should be written now (big enough, or old enough)."""
-        return bool(self._pending) and (len(self._pending) >= FLUSH_BYTES
-                                        or time.monotonic() - self._flushed >= FLUSH_EVERY)
+        return bool(self._pending) and (
+            len(self._pending) >= FLUSH_BYTES or time.monotonic() - self._flushed >= FLUSH_EVERY
+        )
 
     def flush(self) -> None:
         self._flushed = time.monotonic()
@@ -158,8 +159,10 @@ class Reader:
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            raise JournalError(f"{self.path} does not exist: the run has no journal (only runs with a journal, such "
-                               "as detached ones, can be replayed)") from None
+            raise JournalError(
+                f"{self.path} does not exist: the run has no journal (only runs with a journal, such "
+                "as detached ones, can be replayed)"
+            ) from None
         self.header, self.offset = _header(data, self.path)
         self._data = data
         self.torn: Torn | None = None

@@ -173,8 +173,9 @@ class Replay:
             self._now = self._reads.pop(0)
         return self._now
 
-    def _run(self, fields: dict[str, Any], devices: list[str], spec: WorkerSpec, started: float,
-             announce_every: float) -> None:
+    def _run(
+        self, fields: dict[str, Any], devices: list[str], spec: WorkerSpec, started: float, announce_every: float
+    ) -> None:
         self.record = RunRecord(**fields)
         self.record.started = started
         self._devices = devices
@@ -186,11 +187,13 @@ class Replay:
         `Attempt.start` opens it; its engine is the journal."""
         numbered = self.record.max_restarts > 0
         paths = log_paths(Path(spec.run_dir), spec.world_size, number, numbered)
-        own = AttemptRecord(number, [RankRecord(rank=r, device=self._devices[r], log_path=paths[r])
-                                     for r in range(spec.world_size)])
+        own = AttemptRecord(
+            number, [RankRecord(rank=r, device=self._devices[r], log_path=paths[r]) for r in range(spec.world_size)]
+        )
         watchdog = Watchdog(spec.world_size, timeout=None, stall=0)  # it never alarms: the journal says what did
-        self.attempt = ReplayAttempt(spec, Capabilities(), own, self.lines, watchdog, self.announcer, None,
-                                     self._stop_request, numbered)
+        self.attempt = ReplayAttempt(
+            spec, Capabilities(), own, self.lines, watchdog, self.announcer, None, self._stop_request, numbered
+        )
         self.attempt.clock = self._clock
         self.attempt.begin(started)
         self.record.current = own
@@ -199,8 +202,9 @@ class Replay:
         self._reads = reads
         self.attempt.placed(rank, pid, node)
 
-    def _exited(self, rank: int, exitcode: int | None, stopped: bool, cause: str, traceback: str,
-                reads: list[float]) -> None:
+    def _exited(
+        self, rank: int, exitcode: int | None, stopped: bool, cause: str, traceback: str, reads: list[float]
+    ) -> None:
         self._reads = reads
         self.attempt.exited(rank, exitcode, stopped=stopped, cause=cause, traceback=traceback)
 
@@ -210,8 +214,12 @@ class Replay:
 
     def _notes(self, started: float, attempt_started: float, launch_note: str, data: Any) -> None:
         record = self.record
-        record.started, self.attempt.record.started, record.launch_note, record.data = started, attempt_started, \
-            launch_note, data
+        record.started, self.attempt.record.started, record.launch_note, record.data = (
+            started,
+            attempt_started,
+            launch_note,
+            data,
+        )
         self.announcer.mark()
 
     def _stop(self, outcome: Outcome, note: str, reads: list[float]) -> None:
@@ -244,8 +252,9 @@ class Replay:
         # the owner's attempt's, which this attempt's own reading reproduced, and more
         self.attempt.record.internal_errors = errors
 
-    def _end_attempt(self, reads: list[float], ending: tuple[Any, ...], account: tuple[Any, ...],
-                     abandoned: bool = False) -> AttemptRecord:
+    def _end_attempt(
+        self, reads: list[float], ending: tuple[Any, ...], account: tuple[Any, ...], abandoned: bool = False
+    ) -> AttemptRecord:
         """The attempt's end as the owner's, then its record as the owner's `learned` filed it."""
         self._reads = reads
         _, outcome, note, started, ended, last_line = account
@@ -262,8 +271,13 @@ class Replay:
         self._stragglers(held)
         return own
 
-    def _next(self, reads: list[float], ending: tuple[Any, ...], account: tuple[Any, ...],
-              begins: tuple[int, WorkerSpec, float]) -> None:
+    def _next(
+        self,
+        reads: list[float],
+        ending: tuple[Any, ...],
+        account: tuple[Any, ...],
+        begins: tuple[int, WorkerSpec, float],
+    ) -> None:
         """As `Lifecycle._next_attempt`, with the owner's account of the attempt that ended."""
         learned = self._end_attempt(reads, ending, account)
         self.attempt.result.close()
@@ -271,8 +285,7 @@ class Replay:
         self._new_attempt(*begins)
         self.announcer.now()
 
-    def _end(self, reads: list[float], ending: tuple[Any, ...], account: tuple[Any, ...], end: tuple[Any, ...]
-             ) -> None:
+    def _end(self, reads: list[float], ending: tuple[Any, ...], account: tuple[Any, ...], end: tuple[Any, ...]) -> None:
         """As `Lifecycle._conclude`, with the owner's outcome."""
         abandoned, outcome, note, started, ended = end
         self._end_attempt(reads, ending, account, abandoned)
@@ -283,9 +296,18 @@ class Replay:
         self.announcer.now()
 
     _HANDLERS: ClassVar[dict[Entry, Callable[..., None]]] = {
-        Entry.RUN: _run, Entry.PLACED: _placed, Entry.EXITED: _exited, Entry.QUEUED: _queued, Entry.NOTES: _notes,
-        Entry.STOP: _stop, Entry.AT_TIMEOUT: _at_timeout, Entry.STALL: _stall, Entry.STRAGGLERS: _stragglers,
-        Entry.ERRORS: _errors, Entry.NEXT: _next, Entry.END: _end,
+        Entry.RUN: _run,
+        Entry.PLACED: _placed,
+        Entry.EXITED: _exited,
+        Entry.QUEUED: _queued,
+        Entry.NOTES: _notes,
+        Entry.STOP: _stop,
+        Entry.AT_TIMEOUT: _at_timeout,
+        Entry.STALL: _stall,
+        Entry.STRAGGLERS: _stragglers,
+        Entry.ERRORS: _errors,
+        Entry.NEXT: _next,
+        Entry.END: _end,
     }
 
 
@@ -303,4 +325,3 @@ def replay(path: Path | str) -> RunRecord:
     if replayed.record is None:
         raise JournalError(f"{journal_path(path)} holds no record of a run yet")
     return replayed.record
-

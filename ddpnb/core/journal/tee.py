@@ -38,8 +38,14 @@ class JournalTee:
     `restarted`; the lifecycle calls `concluded` when the run has ended (or `discard` when it never started).
     `broken`: told once, in words, that the journal could not be written (the lifecycle puts it in the record)."""
 
-    def __init__(self, relay: CurrentAttempt, record: RunRecord, devices: list[str], capabilities: Capabilities,
-                 broken: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        relay: CurrentAttempt,
+        record: RunRecord,
+        devices: list[str],
+        capabilities: Capabilities,
+        broken: Callable[[str], None],
+    ) -> None:
         self.relay = relay
         self.record = record
         self._broken = broken
@@ -79,8 +85,9 @@ class JournalTee:
         finally:
             self.writer.append(entries.output(rank, stream, reads, data))
 
-    def exited(self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "",
-               traceback: str = "") -> None:
+    def exited(
+        self, rank: int, exitcode: int | None, *, stopped: bool = False, cause: str = "", traceback: str = ""
+    ) -> None:
         self._begin()
         reads = self._reads = []
         try:
@@ -121,8 +128,13 @@ class JournalTee:
         """The attempt that ended is in the record's `attempts`; `attempt` begins (`Lifecycle._next_attempt`)."""
         self._begin()
         ended = self.record.attempts[-1]
-        self._other(Entry.NEXT, self._reads, self._ending(ended), _account(ended),
-                    (attempt.number, spec_for_views(attempt.spec), attempt.record.started))
+        self._other(
+            Entry.NEXT,
+            self._reads,
+            self._ending(ended),
+            _account(ended),
+            (attempt.number, spec_for_views(attempt.spec), attempt.record.started),
+        )
         self._reads = []
         self.relay.retarget(attempt)
         self._bind(attempt)
@@ -134,8 +146,13 @@ class JournalTee:
         attempt, record = self.relay.attempt, self.record
         # an attempt whose start failed (`Attempt.abandon`) never served its ranks: no tick came from its engine
         abandoned = attempt.number > 0 and not self._ticked
-        self._other(Entry.END, self._reads, self._ending(attempt.record), _account(attempt.record),
-                    (abandoned, record.outcome, record.note, record.started, record.ended))
+        self._other(
+            Entry.END,
+            self._reads,
+            self._ending(attempt.record),
+            _account(attempt.record),
+            (abandoned, record.outcome, record.note, record.started, record.ended),
+        )
         self.writer.close()
         self._tell()
 
@@ -168,10 +185,27 @@ class JournalTee:
             return
         self._begun = True
         record, attempt = self.record, self.relay.attempt
-        fields = {name: getattr(record, name) for name in ("run_dir", "world_size", "backend", "engine", "function",
-                                                           "max_restarts", "checkpoint_dir", "resumed_from")}
-        self._other(Entry.RUN, fields, list(self._devices), spec_for_views(attempt.spec), attempt.record.started,
-                    self._announce_every)
+        fields = {
+            name: getattr(record, name)
+            for name in (
+                "run_dir",
+                "world_size",
+                "backend",
+                "engine",
+                "function",
+                "max_restarts",
+                "checkpoint_dir",
+                "resumed_from",
+            )
+        }
+        self._other(
+            Entry.RUN,
+            fields,
+            list(self._devices),
+            spec_for_views(attempt.spec),
+            attempt.record.started,
+            self._announce_every,
+        )
 
     def _observe(self, attempt: Attempt, stopped: bool, reads: list[float]) -> None:
         """What the tick decided, in the order the attempt decides it."""
@@ -203,8 +237,12 @@ class JournalTee:
         """What an attempt's end decided besides its ranks' events: its profile, the last radar verdict, ddpnb's
         own errors and what the launch added to the run's record."""
         record = self.record
-        return (ended.profile, tuple(r.holds_others for r in ended.ranks), list(ended.internal_errors),
-                (record.launch_note, record.data))
+        return (
+            ended.profile,
+            tuple(r.holds_others for r in ended.ranks),
+            list(ended.internal_errors),
+            (record.launch_note, record.data),
+        )
 
     def _other(self, kind: Entry, *fields: Any) -> None:
         self.writer.append(entries.other(kind, *fields))
@@ -217,12 +255,13 @@ class JournalTee:
         """A journal that could not be written is told once (`broken`: the record says it); the run goes on."""
         if self.writer.failed is not None and not self._said:
             self._said = True
-            self._broken(f"the run's journal stops at {self.writer.written} bytes: writing {self.writer.path} failed "
-                         f"({type(self.writer.failed).__name__}: {self.writer.failed}); the run goes on, its rank logs "
-                         "with it, but it cannot be attached to or replayed past that point")
+            self._broken(
+                f"the run's journal stops at {self.writer.written} bytes: writing {self.writer.path} failed "
+                f"({type(self.writer.failed).__name__}: {self.writer.failed}); the run goes on, its rank logs "
+                "with it, but it cannot be attached to or replayed past that point"
+            )
 
 
 def _account(ended: AttemptRecord) -> tuple[Any, ...]:
     """How an attempt ended, as its owner's `learned` filed it."""
     return ended.number, ended.outcome, ended.note, ended.started, ended.ended, ended.last_line
-

@@ -10,11 +10,10 @@ from typing import Any, ClassVar
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, WorkerSpec, local_gpu_count
-from ddpnb.node.shared import MemoryShipment
 from ddpnb.node import forkserver
 from ddpnb.node.forked import COALESCE, STACK_WAIT, STOP_GRACE, ForkedRanks, bind_store_socket
 from ddpnb.node.rank import Seat
-
+from ddpnb.node.shared import MemoryShipment
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,13 @@ class LocalType:
 
     name: ClassVar[str] = "local"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        shares_memory=True, shares_run_dir=True, commands=True, announce_every=COALESCE,
-        stop_wait=STOP_GRACE + STACK_WAIT + 5, ranks_here=True)
+        shares_memory=True,
+        shares_run_dir=True,
+        commands=True,
+        announce_every=COALESCE,
+        stop_wait=STOP_GRACE + STACK_WAIT + 5,
+        ranks_here=True,
+    )
     Options: ClassVar[type] = LocalOptions
     flags: ClassVar[list[Flag]] = []
 
@@ -36,9 +40,11 @@ class LocalType:
         try:  # ranks start in the kernel's working directory, as every multiprocessing child does
             os.getcwd()
         except FileNotFoundError:
-            raise LaunchError("this kernel's working directory no longer exists (deleted, or moved?), and ranks start "
-                              "in it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the "
-                              "cell again.") from None
+            raise LaunchError(
+                "this kernel's working directory no longer exists (deleted, or moved?), and ranks start "
+                "in it: change to one that exists (os.chdir(...), or %cd in a notebook), then run the "
+                "cell again."
+            ) from None
 
     def shipment(self) -> MemoryShipment:
         return MemoryShipment()
@@ -84,8 +90,9 @@ class LocalEngine:
         data = start.shipment.fds() if isinstance(start.shipment, MemoryShipment) else {}
         # under the forkserver's lock until every rank is forked: `preload` must not restart the forkserver meanwhile
         with forkserver.lock:
-            self._ranks.start(events, forkserver.context_held(), spec_payload, data, store_socket, start.result_fd,
-                              start.commands)
+            self._ranks.start(
+                events, forkserver.context_held(), spec_payload, data, store_socket, start.result_fd, start.commands
+            )
 
     def serve(self) -> None:
         self._forked.serve()
