@@ -216,7 +216,7 @@ def start(fn: Callable[..., Any], launch: Launch, *, foreground: bool, commands:
             engine=options.engine,
             capabilities=engine_type.capabilities,
             new_engine=functools.partial(engine_type.create, options=launch.engine_options),
-            front_end=CellFrontEnd(),
+            front_end=CellFrontEnd(launch.view, options.fold),
             function="session" if commands else function_name(fn),
             policy=RestartPolicy(options.max_restarts),
             shipment=shipment,

@@ -34,13 +34,15 @@ TICK = 1.0  # seconds between two redraws of a view when nothing changed (its cl
 
 class FrontEnd(Protocol):
     """The front end a run was started from, as the run asks it (`views.frontend`): its input box answers the
-    ranks' debugger prompts, and it says a view's failure."""
+    ranks' debugger prompts, it says a view's failure, and it shows the run where its handle is displayed."""
 
     def answer_prompts(self, run: Run) -> None: ...
 
     def debug(self, run: Run, rank: int) -> None: ...
 
     def view_failed(self, view: str, exc: Exception) -> None: ...
+
+    def show(self, run: Run) -> None: ...
 
 
 @dataclass
@@ -133,6 +135,11 @@ class Run:
             f"<ddpnb run of {record.function or 'a function'} on {ranks_text(record.world_size)} "
             f"({record.backend}): {self.status}; .wait() .result() .stop()>"
         )
+
+    def _ipython_display_(self) -> None:
+        """The handle displayed in a cell, a later one too: the front end's view of the run (its live dashboard
+        again while it goes on, where the launch drew one)."""
+        self.setup.front_end.show(self)
 
     def wait(self, timeout: float | None = None) -> RunRecord:
         """Block until every rank has ended (or `timeout` passes); Ctrl-C stops the run and re-raises."""

@@ -139,6 +139,9 @@ class _Unattended:
     def debug(self, run: Run, rank: int) -> None:
         raise RuntimeError("a detached run takes no debugger answers")
 
+    def show(self, run: Run) -> None:
+        pass  # nobody displays the supervisor's handle: viewers attach
+
     def view_failed(self, view: str, exc: Exception) -> None:
         print(f"[ddpnb supervisor] the {view} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 

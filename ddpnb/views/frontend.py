@@ -1,6 +1,7 @@
 """The front end a run was started from, as the run asks it (`core.run.FrontEnd`): the cell's input box answers
 the ranks' debugger prompts (the thread of the cell that waits for the run, a session's command, or a later
-cell's `Run.debug`: each holds the kernel's stdin), and its stderr hears a view's failure. The dashboard's console
+cell's `Run.debug`: each holds the kernel's stdin), its stderr hears a view's failure, and a cell that displays the
+run's handle shows the run. The dashboard's console
 answers the same prompts for a cell that has returned (`views.console`); whichever answer comes first is sent."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from ddpnb.core import messages as msg
 from ddpnb.core.cellnames import pdb_cell_names
 from ddpnb.core.report import named
+from ddpnb.core.spec import ViewKind
 
 if TYPE_CHECKING:
     from ddpnb.core.run import Run
@@ -20,7 +22,12 @@ TICK = 1.0  # seconds `debug` waits for a rank's next prompt before it looks aga
 
 
 class CellFrontEnd:
-    """`input()` and `print()` of the cell that runs: a Jupyter cell's input box and output, or a terminal's."""
+    """`input()` and `print()` of the cell that runs: a Jupyter cell's input box and output, or a terminal's.
+    `view`, `fold`: the view the launch drew, which a cell displaying the handle draws again."""
+
+    def __init__(self, view: ViewKind = ViewKind.TEXT, fold: bool = True) -> None:
+        self.view = view
+        self.fold = fold
 
     def answer_prompts(self, run: Run) -> None:
         """Each rank's debugger prompt in turn, asked in the input box; a Ctrl-C there interrupts the caller's wait
@@ -63,6 +70,19 @@ class CellFrontEnd:
             file=sys.stderr,
             flush=True,
         )
+
+    def show(self, run: Run) -> None:
+        """The run's live dashboard, drawn anew in the cell that displays its handle while the run goes on (the
+        launch's cell may be gone: a browser reload, a closed tab); where the launch drew none, or the run has
+        ended, its one-line status."""
+        from IPython.display import display
+
+        if self.view is ViewKind.WIDGET and not run.done:
+            from ddpnb.views.dashboard import Dashboard
+
+            Dashboard(run, foreground=False, fold=self.fold)
+        else:
+            display({"text/plain": repr(run)}, raw=True)
 
     @staticmethod
     def _ask(run: Run, prompt: msg.Prompt) -> tuple[str, bool]:
