@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -194,3 +196,163 @@ def test_detach_refuses_what_it_cannot_do_saying_why():
 
 def quick(rank, world_size):
     return rank
+
+
+RESTARTED_STEPS = 150
+COUNTS = """
+def counts(rank, world_size, steps):
+    import time
+    import torch
+    import torch.distributed as dist
+    import ddpnb
+
+    total = torch.zeros(1)
+    for step in range(steps):
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        total += one
+        ddpnb.log(step=step, loss=1.0 / (step + 1))
+        print(f"rank {rank} step {step}", flush=True)
+        time.sleep(0.05)
+    return {"rank": rank, "total": total.item()}
+"""
+
+
+def test_a_detached_run_outlives_a_kernel_restart_and_its_result_is_collected_after_it_ended_unwatched(
+    tmp_path_factory,
+):
+    with private_runs_dir(tmp_path_factory) as runs:
+        kernel = Kernel(env={"DDPNB_VIEW": "none"})
+        try:
+            launched = kernel.execute(
+                f"import ddpnb\n{COUNTS}\nhandle = ddpnb.launch(counts, nprocs=2, args=({RESTARTED_STEPS},), "
+                "detach=True)\nprint(handle.name)"
+            )
+            assert launched.error is None, launched.error
+            run_dir = runs / launched.stdout.strip().splitlines()[-1]
+            supervisor = files.marker(run_dir)["pid"]
+            before = kernel.pid
+            while _steps_logged(run_dir) < 10:
+                time.sleep(0.05)
+            # Jupyter's "Restart kernel": a shutdown request with restart, the kernel's atexit handlers run
+            kernel.manager.restart_kernel(now=False)
+            kernel.client.wait_for_ready(timeout=60)
+            assert kernel.pid != before and wait_gone([before], within=10) == []
+            assert files.ended(run_dir) is None and files.supervised(run_dir), _steps_logged(run_dir)  # it goes on
+            deadline = time.monotonic() + 60
+            while files.ended(run_dir) is None:  # it ends with no kernel attached
+                assert time.monotonic() < deadline, (run_dir / files.LOG).read_text()
+                time.sleep(0.1)
+            assert wait_gone([supervisor], within=10) == []
+            collected = kernel.execute(
+                """
+import json, ddpnb
+handle = ddpnb.attach("last")
+value = handle.result()
+lines, lost, _ = handle.lines_since(0)
+print(json.dumps({"name": handle.name, "value": value, "lost": lost, "lines": len(lines),
+                  "steps": [len(handle.record.metrics("loss", rank)) for rank in range(2)]}))"""
+            )
+            assert collected.error is None, collected.error
+            seen = json.loads(collected.stdout.strip().splitlines()[-1])
+        finally:
+            kernel.shutdown()
+        assert seen == {
+            "name": run_dir.name,
+            "value": {"rank": 0, "total": 2.0 * RESTARTED_STEPS},
+            "lost": 0,
+            "lines": 2 * RESTARTED_STEPS,
+            "steps": [RESTARTED_STEPS] * 2,
+        }
+
+
+@pytest.fixture(scope="module")
+def viewers(tmp_path_factory):
+    """Two kernels drawing dashboards (as JupyterLab's do), sharing one runs directory."""
+    with private_runs_dir(tmp_path_factory):
+        with ThreadPoolExecutor(2) as pool:
+            kernels = list(pool.map(lambda _: Kernel(env={"DDPNB_VIEW": "widget"}), range(2)))
+        try:
+            for kernel in kernels:
+                assert kernel.execute("import ddpnb, json, time\n" + SLEEPS).error is None
+            yield kernels
+        finally:
+            for kernel in kernels:
+                kernel.shutdown()
+
+
+SLEEPS = """
+def sleeps(rank, world_size):
+    import time
+    import ddpnb
+
+    for step in range(10_000):
+        ddpnb.log(step=step, beat=1.0)
+        time.sleep(0.05)
+"""
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _displayed_live(kernel: Kernel, cell: str, within: float = 2.0) -> tuple[dict, int]:
+    """Run `cell`, which displays a run's handle: the dashboard it drew (its bundle), and how many updates its
+    widgets got from the kernel in the `within` seconds after the cell returned."""
+    shown = kernel.execute(cell)
+    assert shown.error is None, shown.error
+    bundles = [m["content"]["data"] for m in shown.outputs if m["msg_type"] == "display_data"]
+    assert len(bundles) == 1 and WIDGET in bundles[0], shown.outputs
+    widgets = {m["content"]["comm_id"] for m in shown.outputs if m["msg_type"] == "comm_open"}
+    assert bundles[0][WIDGET]["model_id"] in widgets  # a dashboard of its own, not the launch's
+    updates, deadline = 0, time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            message = kernel.client.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            break
+        content = message["content"]
+        if message["msg_type"] == "comm_msg" and content["comm_id"] in widgets:
+            updates += content["data"].get("method") == "update"
+    return bundles[0], updates
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["launched", "detached"])
+def test_displaying_a_live_runs_handle_in_a_new_cell_draws_its_live_dashboard_again(viewers, detach):
+    kernel, _ = viewers
+    launched = kernel.execute(f"handle = ddpnb.launch(sleeps, nprocs=2, detach={detach})")
+    assert launched.error is None, launched.error
+    try:
+        for _ in range(2):  # a browser reload loses the launch's cell output: each new cell draws one
+            bundle, updates = _displayed_live(kernel, "handle")
+            assert "still running when this notebook was saved" in bundle["text/plain"]
+            assert updates >= 2  # live: its header's clock, the ranks' steps, the curves
+    finally:
+        stopped = kernel.execute("handle.stop(); print(handle.record.outcome.value)")
+    assert stopped.error is None and stopped.stdout.split() == ["stopped"], (stopped.error, stopped.text)
+    ended = kernel.execute("handle")
+    assert ended.error is None
+    if detach:  # an attached run's summary, its whole history (the kernel that attaches may be a new one)
+        assert any(m["msg_type"] == "update_display_data" and "stopped" in str(m["content"]) for m in ended.outputs)
+    else:  # its one-line status: the launch's cell holds its summary
+        assert "stopped" in ended.results[0] and not any(m["msg_type"] == "comm_open" for m in ended.outputs)
+
+
+def test_two_kernels_attached_at_once_both_see_new_steps_arrive_live(viewers):
+    kernels = viewers
+    handle = _detached()
+    follow = f"""
+attached = ddpnb.attach({handle.name!r})
+before = len(attached.record.metrics("beat", 0))
+time.sleep(1.5)
+print(json.dumps([before, len(attached.record.metrics("beat", 0)), attached.done]))"""
+    try:
+        with ThreadPoolExecutor(2) as pool:  # both at once
+            seen = list(pool.map(lambda kernel: kernel.execute(follow), kernels))
+        assert [s.error for s in seen] == [None, None], seen
+        counts = [json.loads(s.stdout.strip().splitlines()[-1]) for s in seen]
+        assert all(after >= before + 10 and not done for before, after, done in counts), counts  # 20 steps/s
+        with ThreadPoolExecutor(2) as pool:
+            drawn = list(pool.map(lambda kernel: _displayed_live(kernel, "attached"), kernels))
+        assert all(updates >= 2 for _, updates in drawn), drawn
+    finally:
+        handle.stop()
+    ends = [kernel.execute("print(attached.wait(10).outcome.value, attached.done)") for kernel in kernels]
+    assert [end.stdout.split() for end in ends] == [["stopped", "True"]] * 2

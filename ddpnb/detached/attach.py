@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpnb._options import choose_view
 from ddpnb.core import hints, rundir
 from ddpnb.core.announce import Subscribers
 from ddpnb.core.journal.frames import JournalError
@@ -20,7 +21,7 @@ from ddpnb.core.journal.replay import Replay
 from ddpnb.core.record import Outcome, OutputLine, RunRecord
 from ddpnb.core.report import WorkerError, diagnosis_summary
 from ddpnb.core.run import TICK
-from ddpnb.core.spec import is_seconds
+from ddpnb.core.spec import ViewKind, is_seconds
 from ddpnb.core.words import format_duration, ranks_text
 from ddpnb.detached import files
 
@@ -43,7 +44,7 @@ class DetachedRun:
         self.summary_above = False
         threading.Thread(target=self._follow, name="ddpnb-attached", daemon=True).start()
         deadline = time.monotonic() + FIRST_RECORD_WAIT
-        while self._replay.record is None:
+        while not self._replay.caught_up.is_set():  # the history first: the handle's record holds it
             if self._failed is not None:
                 raise self._failed
             if not files.supervised(run_dir) and time.monotonic() > deadline - FIRST_RECORD_WAIT + 2:
@@ -53,6 +54,10 @@ class DetachedRun:
             if time.monotonic() > deadline:
                 raise JournalError(f"{run_dir}'s journal said nothing within {FIRST_RECORD_WAIT:g} s")
             time.sleep(0.02)
+        if self._failed is not None:
+            raise self._failed
+        if self._replay.record is None:
+            raise JournalError(f"{run_dir}'s journal holds no whole record: {self._replay.torn or 'it is empty'}")
         self.record: RunRecord = self._replay.record
 
     def _follow(self) -> None:
@@ -100,14 +105,15 @@ class DetachedRun:
         )
 
     def _ipython_display_(self) -> None:
-        """The live dashboard: the whole history replayed, then live (text where widgets cannot show)."""
+        """The live dashboard, drawn anew in each cell that displays the handle: the whole history replayed, then
+        live; its one-line status where this kernel's view is text (`DDPNB_VIEW`, or no widgets)."""
         from IPython.display import display
 
-        try:
+        if choose_view() is ViewKind.WIDGET:
             from ddpnb.views.dashboard import Dashboard
 
             Dashboard(self, foreground=False)  # type: ignore[arg-type]
-        except ImportError:
+        else:
             display({"text/plain": repr(self)}, raw=True)
 
     def wait(self, timeout: float | None = None) -> RunRecord:
@@ -172,7 +178,12 @@ class DetachedRun:
         del outcome, note  # the supervisor says why: stopped by the user
         if self.done:
             return
-        files.ask(self.run_dir, "stop")
+        try:
+            files.ask(self.run_dir, "stop")
+        except RuntimeError:
+            # a supervisor that stopped the run may exit before its answer is sent: the journal says the end
+            if files.supervised(self.run_dir) and files.ended(self.run_dir) is None:
+                raise
         self.wait(5.0)
 
     def stacks(self, wait: float = 10.0) -> dict[int, str]:

@@ -99,6 +99,9 @@ class Replay:
         self.lines = LineBuffer(keep_lines)
         self.announcer = Announcer(Capabilities().announce_every)
         self.torn: Torn | None = None
+        # `follow` has played the journal to its end as it was (its first attempt begun), or stopped: what an
+        # attaching viewer waits for, so that its handle's record holds the history, never half of its first record
+        self.caught_up = threading.Event()
         self._done = threading.Event()
         self._stop_request = StopRequest()  # set from the journal only, to stop as the owner did
         self._devices: list[str] = []
@@ -135,9 +138,12 @@ class Replay:
                     self.torn = follower.torn
                     return
                 if not records:
+                    if self.record is not None:
+                        self.caught_up.set()
                     stop.wait(FOLLOW_EVERY)
         finally:
             follower.close()
+            self.caught_up.set()
             self.announcer.now()
 
     def apply(self, payloads: list[bytes]) -> None:
