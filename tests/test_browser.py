@@ -532,3 +532,64 @@ def test_a_failed_four_rank_runs_summary_fits_the_output_area_and_wraps_between_
         "=== 'break-all').map(e => e.tagName + '.' + e.className)"
     )
     assert styles == []  # a line wraps between words; only a word wider than the line breaks
+
+
+def paced(rank, world_size, gates):
+    """A detached run's training: 30 steps of history before anyone attaches, 15 more once the viewer is there,
+    then it holds until the test has seen them drawn."""
+    import os
+    import time
+
+    import ddpnb
+
+    for step in range(60):
+        while step in (30, 45) and not os.path.exists(f"{gates}/{step}"):
+            time.sleep(0.05)
+        ddpnb.log(step=step, loss=1.0 / (step + 1) + 0.1 * rank)
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+
+
+def test_an_attached_runs_dashboard_shows_its_curves_from_step_0_then_updates_live(lab, page, tmp_path):
+    """Issue 42, acceptance 5: a detached run launched elsewhere, attached from a notebook in JupyterLab: its
+    dashboard draws the history (steps 0-29, logged before the attach), then the steps that come after, live."""
+    import cloudpickle
+
+    import ddpnb
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
+        handle = ddpnb.launch(paced, nprocs=2, args=(str(gates),), view="none", detach=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(handle.record.metrics("loss", 1)) < 30:  # the history: every step before the gate
+            assert time.monotonic() < deadline, handle.status
+            time.sleep(0.05)
+        cells = _open(
+            page, lab, "attached.ipynb", [f"handle = __import__('ddpnb').attach({str(handle.run_dir)!r})\nhandle"]
+        )
+        _run_cell(page, cells.nth(0))
+        output = cells.nth(0).locator(".jp-OutputArea")
+        output.locator(".ddpnb .ddpnb-pill[data-state='running']").wait_for(timeout=60_000)
+        plot = output.locator(".ddpnb .ddpnb-plot[data-metric='loss'] svg")
+        for rank in (0, 1):  # the whole history at once, from step 0
+            plot.locator(f"polyline[data-rank='{rank}'][data-points='30']").wait_for(timeout=30_000)
+        labels = plot.locator("text").all_text_contents()
+        assert "0" in labels and "step" in labels, labels  # the x axis starts at step 0
+        assert output.locator(".ddpnb-line", has_text="step 29").count() >= 1
+        (gates / "30").touch()
+        for rank in (0, 1):  # live: the steps logged after the attach join the same curves
+            plot.locator(f"polyline[data-rank='{rank}'][data-points='45']").wait_for(timeout=30_000)
+        assert output.locator(".ddpnb .ddpnb-pill[data-state='running']").is_visible()  # held at step 45
+        output.locator(".ddpnb-line", has_text="step 44").first.wait_for(timeout=10_000)
+        (gates / "45").touch()
+        summary = output.locator("[data-ddpnb-summary] .ddpnb-pill[data-state='finished']")
+        summary.wait_for(timeout=60_000)
+    finally:
+        for gate in ("30", "45"):
+            (gates / gate).touch()
+        handle.wait(30)
+    assert handle.record.outcome is ddpnb.Outcome.SUCCEEDED
