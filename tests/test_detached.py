@@ -187,6 +187,26 @@ def test_attach_to_what_is_not_there_lists_the_runs_there_are(tmp_path_factory):
         assert again.result() == 0 and again.record.outcome is ddpnb.Outcome.SUCCEEDED
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a run directory another user's takes root (os.chown)")
+def test_a_second_users_attach_is_refused_saying_whose_run_it_is(tmp_path_factory):
+    """The run directory of another user (made so as root, with os.chown: a second user's Python cannot run here,
+    its installation being in root's 0700 home): attaching to it by name or path is refused, and this user's
+    listing does not show it."""
+    with private_runs_dir(tmp_path_factory):
+        handle = _detached(quick)
+        assert handle.result() == 0
+        for path in (handle.run_dir, *handle.run_dir.iterdir()):
+            os.chown(path, 65534, 65534)
+        for which in (handle.name, str(handle.run_dir)):
+            with pytest.raises(
+                PermissionError, match=r"is user 'nobody' \(uid 65534\)'s run: only the user who launched"
+            ):
+                ddpnb.attach(which)
+        assert ddpnb.runs() == []
+        with pytest.raises(LookupError, match="there is no detached run"):
+            ddpnb.attach("last")
+
+
 def test_detach_refuses_what_it_cannot_do_saying_why():
     with pytest.raises(ddpnb.LaunchError, match="local engine for now"):
         ddpnb.launch(quick, detach=True, engine="ray")

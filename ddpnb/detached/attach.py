@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import pwd
 import threading
 import time
 from collections.abc import Callable
@@ -245,6 +246,8 @@ def listed() -> list[Listed]:
     """This user's detached runs in the runs directory, oldest first."""
     found = []
     for path in sorted(rundir.runs_root().iterdir()):
+        if path.stat().st_uid != os.getuid():  # not this user's, whoever put it there
+            continue
         about = files.marker(path)
         if about is None:
             continue
@@ -272,8 +275,18 @@ def attach(which: str | os.PathLike[str] = "last") -> DetachedRun:
     path = find(which)
     owner = path.stat().st_uid
     if owner != os.getuid():
-        raise PermissionError(f"{path} is another user's run (uid {owner}): only its owner may attach to it.")
+        raise PermissionError(
+            f"{path} is {_user(owner)}'s run: only the user who launched a run may attach to it (its journal, "
+            "logs, result and secret are that user's alone). Attach to one of your runs: ddpnb.runs() lists them."
+        )
     return DetachedRun(path)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def find(which: str | os.PathLike[str]) -> Path:
@@ -288,8 +301,8 @@ def find(which: str | os.PathLike[str]) -> Path:
             )
         return runs[-1].path
     path = Path(which).expanduser()
-    if path.is_dir() and (path / files.MARKER).exists():
-        return path
+    if path.is_dir() and (path.stat().st_uid != os.getuid() or (path / files.MARKER).exists()):
+        return path  # another user's (whose insides this user may not even see): refused, saying whose
     named = rundir.runs_root() / str(which)
     if os.sep not in str(which) and named.is_dir() and (named / files.MARKER).exists():
         return named
