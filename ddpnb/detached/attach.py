@@ -54,7 +54,7 @@ class DetachedRun:
                 )
             if time.monotonic() > deadline:
                 raise JournalError(f"{run_dir}'s journal said nothing within {FIRST_RECORD_WAIT:g} s")
-            time.sleep(0.02)
+            self._replay.caught_up.wait(0.02)
         if self._failed is not None:
             raise self._failed
         if self._replay.record is None:
@@ -164,7 +164,7 @@ class DetachedRun:
         while (
             not path.exists() and not error.exists() and files.supervised(self.run_dir) and time.monotonic() < deadline
         ):
-            time.sleep(0.02)
+            time.sleep(0.002)  # the supervisor writes it right after the journal's end: a few ms
         if path.exists():
             return pickle.loads(path.read_bytes())
         if error.exists():
