@@ -270,8 +270,9 @@ import json, ddpnb
 handle = ddpnb.attach("last")
 value = handle.result()
 lines, lost, _ = handle.lines_since(0)
-print(json.dumps({"name": handle.name, "value": value, "lost": lost, "lines": len(lines),
-                  "steps": [len(handle.record.metrics("loss", rank)) for rank in range(2)]}))"""
+print(json.dumps({"name": handle.name, "value": value, "lost": lost,
+                  "lines": [[line.text for line in lines if line.rank == rank] for rank in range(2)],
+                  "steps": [[p.step for p in handle.record.metrics("loss", rank)] for rank in range(2)]}))"""
             )
             assert collected.error is None, collected.error
             seen = json.loads(collected.stdout.strip().splitlines()[-1])
@@ -281,8 +282,8 @@ print(json.dumps({"name": handle.name, "value": value, "lost": lost, "lines": le
             "name": run_dir.name,
             "value": {"rank": 0, "total": 2.0 * RESTARTED_STEPS},
             "lost": 0,
-            "lines": 2 * RESTARTED_STEPS,
-            "steps": [RESTARTED_STEPS] * 2,
+            "lines": [[f"rank {rank} step {step}" for step in range(RESTARTED_STEPS)] for rank in range(2)],
+            "steps": [list(range(RESTARTED_STEPS))] * 2,  # every step exactly once, on each rank
         }
 
 

@@ -64,6 +64,8 @@ def _shown_text(cell) -> str:
     ids=[p.stem for p in NOTEBOOKS],
 )
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    # its runs apart: a detached one (08) would be listed by every later ddpnb.runs() of this user
+    monkeypatch.setenv("DDPNB_RUNS_DIR", str(tmp_path / "runs"))
     run_notebook(path, tmp_path, monkeypatch)
 
 
