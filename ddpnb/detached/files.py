@@ -23,6 +23,9 @@ LOG = "supervisor.log"  # the supervisor's stdout and stderr: what it refused, w
 RESULT = "result.pickle"  # rank 0's value, kept until the run directory is cleaned
 RESULT_ERROR = "result.error"  # why rank 0's value could not be kept
 ENDED = "ended.json"  # the outcome, written when the run has ended and everything is written
+PLAN = "plan.pickle"  # what the kernel checked and planned, for a supervisor its engine starts elsewhere
+STARTED = "started"  # written by such a supervisor once every rank started (its PID)
+FAILED = "failed"  # ...or why it could not start the run
 ASK_WAIT = 30.0  # seconds a command across the gap may take (stacks: a few; a stop: the engine's grace)
 
 
