@@ -66,9 +66,10 @@ C10D_LOGGER = "/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py"
 
 @dataclass(frozen=True)
 class Scenario:
-    """What the simulated ranks do: the `sim` engine's options. Times are seconds after a node's ranks started."""
+    """What the simulated ranks do: the `sim` engine's options. Times are seconds after training began (`start_at`)."""
 
     ranks_per_node: int = 8
+    start_at: float = 0.0  # training begins this long after the launch on every node at once (as after the rendezvous)
     steps_per_second: float = 5.0  # a `Metric` per step per rank (loss, lr)
     lines_per_second: float = 2.0  # output lines per rank
     steps: int = 50  # every rank returns after this many steps (unless it stalled or failed first)
@@ -142,7 +143,10 @@ class SimEngine:
             spread = [min(per, self.world_size - first) for first in range(0, self.world_size, per)]
             invitation = self._conns.listen("127.0.0.1", spread)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            plan = json.dumps({"world_size": self.world_size, **dataclasses.asdict(self.scenario)})
+            # one epoch for every node: the ranks of a DDP run make their steps together
+            plan = json.dumps(
+                {"world_size": self.world_size, "epoch": time.time(), **dataclasses.asdict(self.scenario)}
+            )
             for index in range(len(spread)):
                 host = subprocess.Popen(
                     [sys.executable, "-c", HOST_MAIN, str(index), plan],
@@ -224,7 +228,9 @@ class SimEngine:
 class SimNode:
     """One simulated node's ranks, played a read pass at a time into batches of relay events."""
 
-    def __init__(self, conn: Connection, ranks: list[int], node: int, world_size: int, scenario: Scenario) -> None:
+    def __init__(
+        self, conn: Connection, ranks: list[int], node: int, world_size: int, scenario: Scenario, epoch: float
+    ) -> None:
         self.conn = conn
         self.ranks = ranks
         self.node = node
@@ -233,7 +239,7 @@ class SimNode:
         self.lock = threading.Lock()  # one frame at a time; `running` and `pending`
         self.running = set(ranks)
         self.pending: list[tuple[Any, ...]] = []  # events of this pass: the controls' answers join them
-        self.t0 = time.time()
+        self.t0 = epoch + scenario.start_at  # when training begins
         self.step = 0  # steps every running rank has made (they run in step: DDP)
         self.lines = 0  # lines every running rank printed
         self.hardware_at = 0.0
@@ -276,7 +282,7 @@ class SimNode:
             events += [("message", r, msg.Hardware(r, now, 98.0 + r % 3, 900 << 20)) for r in sorted(self.running)]
         if self._stalled(since):
             return
-        due = min(s.steps, int(since * s.steps_per_second))
+        due = min(s.steps, max(0, int(since * s.steps_per_second)))
         for step in range(self.step + 1, due + 1):
             at = self.t0 + step / s.steps_per_second
             for rank in sorted(self.running):
@@ -289,9 +295,10 @@ class SimNode:
                     arrivals = (("0", step * 2, ns), ("0", step * 2 + 1, ns + 1_000_000))
                     events.append(("message", rank, msg.StepTimes(rank, 4, 0.8, 0.6 - late, step, arrivals)))
         self.step = max(self.step, due)
-        lines = int(since * s.lines_per_second)
-        for _ in range(self.lines, lines):
-            text = f"step {self.step} loss {2.0 / max(1, self.step):.4f}\n".encode()
+        lines = max(0, int(since * s.lines_per_second))
+        if lines > self.lines:  # what a rank printed since the last pass: one read of its pipe
+            steps = [max(1, int(line / s.lines_per_second * s.steps_per_second)) for line in range(self.lines, lines)]
+            text = "".join(f"step {step} loss {2.0 / step:.4f}\n" for step in steps).encode()
             events += [("output", rank, Stream.STDOUT, text) for rank in sorted(self.running)]
         self.lines = lines
         if self.step >= s.steps:
@@ -348,7 +355,7 @@ def _tb(scenario: Scenario) -> str:
 def host_main() -> None:
     """A simulated node's host: `python -c HOST_MAIN NODE_INDEX PLAN`, the invitation on stdin."""
     node, plan = int(sys.argv[1]), json.loads(sys.argv[2])
-    world_size = plan.pop("world_size")
+    world_size, epoch = plan.pop("world_size"), plan.pop("epoch")
     scenario = Scenario(**plan)
     address, secret = wire.read_invitation(0)
     conn = Client(address, family="AF_INET", authkey=secret)
@@ -359,7 +366,7 @@ def host_main() -> None:
         return
     assert kind is wire.Control.SETUP, kind
     wire.close_files(wire.receive_data(conn.fileno(), setup.layout, "sim"))
-    sim = SimNode(conn, [seat.rank for seat in setup.seats], node, world_size, scenario)
+    sim = SimNode(conn, [seat.rank for seat in setup.seats], node, world_size, scenario, epoch)
     threading.Thread(target=sim.obey, name="sim-obey", daemon=True).start()
     try:
         sim.play()
