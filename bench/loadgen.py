@@ -250,13 +250,16 @@ class SimNode:
             self.conn.send_bytes(frame)
 
     def play(self) -> None:
-        with self.lock:
-            self.pending += [("placed", rank, os.getpid()) for rank in self.ranks]
-            self.pending += [("message", rank, msg.Started(rank, "cpu")) for rank in self.ranks]
+        placed = False
         while True:
             time.sleep(PASS)
             with self.lock:
-                self._pass(time.time())
+                if not placed and time.time() >= self.t0:  # forked once every node came, as after a warm-up
+                    placed = True
+                    self.pending += [("placed", rank, os.getpid()) for rank in self.ranks]
+                    self.pending += [("message", rank, msg.Started(rank, "cpu")) for rank in self.ranks]
+                if placed:
+                    self._pass(time.time())
                 batch, self.pending = self.pending, []
                 done = not self.running
             if batch:
