@@ -27,10 +27,18 @@ from ddpnb.rank.checkpoint import load_checkpoint, save_checkpoint
 __all__ = [
     "LaunchError", "LaunchOptions", "NotPicklableError", "Outcome", "PerRank", "PreloadError", "RankState", "RunInterrupted",
     "RunRecord", "Session", "SessionBroken", "SessionError", "WorkerError", "attempt", "current_session", "device",
-    "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "profile", "run", "runs", "save_checkpoint",
+    "export", "last_run", "launch", "load_checkpoint", "load_ipython_extension", "log", "preload", "profile", "run", "runs", "save_checkpoint",
     "session", "spawn",
 ]
 __version__ = "0.1.0"
+
+
+def export(fn: Any, path: Any, /, **options: Any) -> Any:
+    """Write `fn`, with what it uses from the notebook, as a script torchrun or srun runs: see
+    `ddpnb.script.writer.export` and docs/export.md. (`%ddp_export PATH` does it for the last %%ddp cell.)"""
+    from ddpnb.script.writer import export as write_script
+
+    return write_script(fn, path, **options)
 
 
 def load_ipython_extension(ipython: Any) -> None:
