@@ -340,17 +340,17 @@ def _main_text(
         f'        print(f"[{name}] the notebook ran {world_size} ranks; this run has {{world_size}}", file=sys.stderr)',
         "",
     ]
+    needs_device = uses_ddpnb or not own_group  # for the process group's backend, or ddpnb.device()
     if gpus:
         lines += [
             "    # one GPU per rank, as the cell asked (--gpus); CPU ranks over gloo where this machine has none",
             '    local_rank = int(os.environ.get("LOCAL_RANK", "0"))',
             "    if torch.cuda.is_available():",
             "        torch.cuda.set_device(local_rank)",
-            '        device = f"cuda:{local_rank}"',
-            "    else:",
-            '        device = "cpu"',
         ]
-    else:
+        if needs_device:
+            lines += ['    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"']
+    elif needs_device:
         lines += ['    device = "cpu"  # the cell ran CPU ranks over gloo']
     lines += [
         "    # random state: fresh in every rank, as in ddpnb's ranks (a function that seeds itself trains the same)"
@@ -362,6 +362,8 @@ def _main_text(
     else:
         lines += [
             f"    # the process group, ready when {name} starts (env://: MASTER_ADDR and MASTER_PORT)",
+            "    # (its init returns once every rank's connections are up, so no rank leaves while a peer connects)",
+            '    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")',
             f"    dist.init_process_group({backend}, rank=rank, world_size=world_size)",
         ]
     lines += [
@@ -386,6 +388,8 @@ def _main_text(
         "        if rank == 0 and result is not None:",
         '            torch.save(result, os.path.join(run_dir, "result.pt"))',
         f"            print(f\"[{name}] rank 0's result: {{os.path.join(run_dir, 'result.pt')}}\")",
+        "        if dist.is_initialized():  # every rank is done before any takes the group down",
+        "            dist.barrier()",
         "    finally:",
         "        if dist.is_initialized():",
         "            dist.destroy_process_group()",
