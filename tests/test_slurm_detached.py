@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -174,3 +175,50 @@ def test_the_supervisors_end_ends_every_rank_within_10_s_and_runs_says_orphaned(
     assert ddpnb_jobs(cluster, within=10) == []
     assert [(run.name, run.state) for run in ddpnb.runs()] == [(handle.name, "orphaned")]
     assert handle.wait(10) is handle.record and handle.orphaned
+
+
+def test_a_stop_whose_door_cannot_be_reached_cancels_the_batch_job(cluster, login_node):
+    """A kernel that cannot reach the supervisor's door (here: its file names a port nobody listens on, as from a
+    machine the batch host's address does not route to) stops the run with `scancel` of its job instead."""
+    handle = ddpnb.launch(sleeps, engine="slurm", nprocs=2, nodes=2, view="none", detach=True)
+    deadline = time.monotonic() + 60
+    while not all(rank.pid for rank in handle.record.ranks):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ranks, supervisor = [rank.pid for rank in handle.record.ranks], files.marker(handle.run_dir)["pid"]
+    door = json.loads((handle.run_dir / files.DOOR).read_text())
+    with socket.socket() as closed:
+        closed.bind((door["host"], 0))
+        door["port"] = closed.getsockname()[1]  # bound, never listening: a connection there is refused
+        (handle.run_dir / files.DOOR).write_text(json.dumps(door))
+        handle.stop()
+    assert wait_gone([supervisor, *ranks], within=10) == []
+    assert ddpnb_jobs(cluster, within=10) == []
+
+
+def test_inside_an_allocation_the_supervisor_is_a_process_of_the_kernels_node_and_no_job_is_asked_for(
+    cluster, login_node
+):
+    job = cluster.allocate(nodes=2, tasks=2, name="ddpnb-tests")
+    kernel = Kernel(env={"DDPNB_VIEW": "none", "SLURM_JOB_ID": job})
+    try:
+        ran = kernel.execute(
+            TRAIN
+            + """
+handle = ddpnb.launch(train, engine="slurm", nprocs=2, nodes=2, detach=True)
+value = handle.result()
+print(json.dumps({"name": handle.name, "rank": value["rank"],
+                  "nodes": sorted(rank.node for rank in handle.record.ranks),
+                  "ranks": [rank.pid for rank in handle.record.ranks]}))""",
+            timeout=CELL_TIMEOUT,
+        )
+        assert ran.error is None, ran.text
+        seen = json.loads(ran.stdout.strip().splitlines()[-1])
+    finally:
+        kernel.shutdown()
+        cluster.run("scancel", job)
+    run_dir = login_node / seen["name"]
+    assert seen["rank"] == 0 and seen["nodes"] == ["n1", "n2"]
+    assert not (run_dir / detach.JOB).exists()  # no batch job: a process of this node
+    assert files.ended(run_dir)["outcome"] == "succeeded"
+    assert wait_gone([files.marker(run_dir)["pid"], *seen["ranks"]], within=10) == []
