@@ -172,7 +172,12 @@ class DetachedRun:
         del outcome, note  # the supervisor says why: stopped by the user
         if self.done:
             return
-        files.ask(self.run_dir, "stop")
+        try:
+            files.ask(self.run_dir, "stop")
+        except RuntimeError:  # the run ended meanwhile (its answer went with the supervisor), or the door cannot
+            # be reached: then the supervisor is ended by its platform where it can (`scancel`)
+            if files.ended(self.run_dir) is None and not files.end_supervisor(self.run_dir):
+                raise
         self.wait(5.0)
 
     def stacks(self, wait: float = 10.0) -> dict[int, str]:

@@ -68,21 +68,44 @@ def start(plan: DetachedPlan) -> str:
     own words where it could not start the run."""
     engine_type = engines.engine_type(plan.engine)
     home = getattr(engine_type, "supervisor_home", None)
-    if home is None:
+    place = None if home is None else home(plan.engine_options, plan.spec)  # None: this machine's, here
+    if place is None:
         return f"supervisor: process {_fork(plan)} on this machine"
-    return _start_at(home(plan.engine_options), plan)
+    return _start_at(place, plan)
 
 
 def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
     run_dir = Path(plan.spec.run_dir)
     files.private_write(run_dir / files.PLAN, cloudpickle.dumps(plan))  # the args may hold notebook objects
     where = home.start(str(run_dir))
-    deadline = time.monotonic() + START_WAIT
+    files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
+    try:
+        _await_start(home, run_dir, where)
+    except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
+        files.end_supervisor(run_dir)
+        raise
+    return f"supervisor: {where}"
+
+
+def _await_start(home: SupervisorHome, run_dir: Path, where: str) -> None:
+    """Until the supervisor started every rank; while its home waits in a queue, say so (no deadline runs then)."""
+    deadline, said = time.monotonic() + START_WAIT, ""
+    waiting = getattr(home, "waiting", None)
     while not (run_dir / files.STARTED).exists():
         failed = run_dir / files.FAILED
         if failed.exists():
             raise LaunchError(failed.read_text())
-        if home.alive(str(run_dir)) is False:
+        queued = waiting(str(run_dir)) if waiting is not None else ""
+        if queued:
+            if queued != said:
+                print(
+                    f"[ddpnb] the detached run waits in the queue: {queued}; it starts when its job runs, and outlives "
+                    "this kernel from now on (interrupt to cancel it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            said, deadline = queued, time.monotonic() + START_WAIT
+        elif home.alive(str(run_dir)) is False and not (run_dir / files.STARTED).exists():
             raise LaunchError(
                 f"the detached run's supervisor ({where}) ended while starting: see {run_dir / files.LOG}"
             )
@@ -92,12 +115,12 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
                 f"{run_dir / files.LOG}"
             )
         time.sleep(0.05)
-    return f"supervisor: {where}"
 
 
-def main(run_dir: str) -> None:
-    """A supervisor started by its engine's home (`python -m ddpnb.detached.supervisor RUN_DIR`): own the run
-    planned in `run_dir` until it ends; say it started, or why not, in that directory."""
+def main(run_dir: str, facing: str = "") -> None:
+    """A supervisor started by its engine's home (`python -m ddpnb.detached.supervisor RUN_DIR [HOST]`): own the
+    run planned in `run_dir` until it ends; say it started, or why not, in that directory. Its door listens on
+    this machine's address on the route to `facing` (the launching kernel's host), else on its full name."""
     path = Path(run_dir)
     _log_to(path / files.LOG)
     plan: DetachedPlan = pickle.loads((path / files.PLAN).read_bytes())
@@ -105,7 +128,18 @@ def main(run_dir: str) -> None:
     def said(what: str, value: Any) -> None:
         files.private_write(path / (files.STARTED if what == "started" else files.FAILED), str(value).encode())
 
-    _supervise(plan, said, door_host=socket.getfqdn())
+    _supervise(plan, said, door_host=_address_facing(facing) if facing else socket.getfqdn())
+
+
+def _address_facing(host: str) -> str:
+    """This machine's address on the route to `host` (a connected UDP socket sends nothing: it asks the routes)."""
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError:  # the name does not resolve here: this machine's full name then
+        return socket.getfqdn()
 
 
 def _fork(plan: DetachedPlan) -> int:
@@ -317,4 +351,4 @@ def _own_forkserver() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
