@@ -180,10 +180,10 @@ def _engine_option_names(name: str) -> list[str]:
 
 def _check_detach(options: LaunchOptions) -> None:
     """What a detached run cannot do (yet), refused saying why."""
-    if options.engine != engines.DEFAULT:
+    if options.engine not in {engines.DEFAULT, "ray"}:
         raise LaunchError(
-            f"detach (--detach) runs on the local engine for now, not on {options.engine!r}: Slurm and "
-            "Ray detached runs come next (docs/detached.md). Leave out detach, or the engine."
+            f"detach (--detach) runs on the local and ray engines for now, not on {options.engine!r}: Slurm "
+            "detached runs come next (docs/detached.md). Leave out detach, or the engine."
         )
     if options.debug:
         raise LaunchError(
