@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -79,9 +80,15 @@ def left_of_run(name):
 """
 
 
+@dataclass
+class RayCluster:
+    address: str  # the local instance's GCS address
+    runs: Path  # the runs directory of every kernel here
+    holder: Kernel  # the kernel that started the instance (Ray's processes are its children)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """(the instance's address, the runs directory, the PID of the kernel whose children Ray's processes are)."""
     with private_runs_dir(tmp_path_factory) as runs:
         holder = Kernel(env=KERNEL_ENV)
         try:
@@ -91,7 +98,7 @@ def ray_cluster(tmp_path_factory):
                 timeout=CELL_TIMEOUT,
             )
             assert started.error is None, started.error
-            yield started.stdout.split()[-1], runs, holder.pid
+            yield RayCluster(started.stdout.split()[-1], runs, holder)
             holder.execute("ray.shutdown()", timeout=CELL_TIMEOUT)
         finally:
             holder.shutdown()
@@ -145,7 +152,7 @@ def _json(kernel: Kernel, code: str) -> dict:
 
 
 def test_a_detached_ray_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_attaches_by_name(ray_cluster):
-    address, runs, ray_root = ray_cluster
+    address, runs, ray_root = ray_cluster.address, ray_cluster.runs, ray_cluster.holder.pid
     first = _kernel(address)
     launched = first.execute(
         f"%%ddp --engine ray -n 2 --detach --address {address} -o handle\n"
@@ -205,7 +212,7 @@ print(json.dumps({{
 
 
 def test_killing_the_supervisor_actor_ends_its_ranks_within_10_s_and_runs_says_orphaned(ray_cluster):
-    address, runs, ray_root = ray_cluster
+    address, runs, ray_root = ray_cluster.address, ray_cluster.runs, ray_cluster.holder.pid
     kernel = _kernel(address)
     try:
         started = _json(
@@ -235,3 +242,28 @@ print(json.dumps({{"name": handle.name, "ranks": [rank.pid for rank in handle.re
         assert after["left"] == {"actors": [], "groups": [], "alive": False}
     finally:
         kernel.shutdown()
+
+
+def test_detach_on_the_ray_instance_that_ends_with_its_kernel_is_refused_saying_why(ray_cluster):
+    runs_before = sorted(ray_cluster.runs.iterdir())
+    refused = ray_cluster.holder.execute(
+        """
+import ddpnb
+def quick(rank, world_size):
+    return rank
+for address in (None, "local"):  # the kernel's own local instance, by default and by name
+    try:
+        ddpnb.launch(quick, nprocs=2, engine="ray", address=address, detach=True)
+    except ddpnb.LaunchError as exc:
+        print(exc)
+print(ray.util.list_named_actors(all_namespaces=True))
+""",
+        timeout=CELL_TIMEOUT,
+    )
+    assert refused.error is None, refused.error
+    said = refused.stdout.splitlines()
+    assert said[:2] == [said[0]] * 2 and "needs a cluster that outlives this kernel" in said[0], refused.stdout
+    assert "ray start --head" in said[0] and "leave out detach" in said[0]
+    assert "ddpnb-supervisor-" not in said[2]  # no actor was started
+    # a refused launch leaves no run directory behind (the plan written for the supervisor included)
+    assert sorted(ray_cluster.runs.iterdir()) == runs_before
