@@ -265,7 +265,8 @@ def _missing_hint(fit: FitOutcome) -> str:
 
 
 def near_this_kernel() -> Any:
-    """Put the run actor on the kernel's own node when the kernel is on one (the channel stays local)."""
+    """Put an actor (a run actor, a detached run's supervisor) on the kernel's own node when the kernel is on one
+    (its channel, and the run directory, stay local)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
