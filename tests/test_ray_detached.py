@@ -244,6 +244,40 @@ print(json.dumps({{"name": handle.name, "ranks": [rank.pid for rank in handle.re
         kernel.shutdown()
 
 
+def test_a_running_ray_run_is_listed_answers_stacks_and_stops_through_its_door_then_its_actor_leaves(ray_cluster):
+    address, ray_root = ray_cluster.address, ray_cluster.holder.pid
+    kernel = _kernel(address)
+    try:
+        seen = _json(
+            kernel,
+            SLEEPS
+            + f"""
+import json, time
+launched = ddpnb.launch(sleeps, nprocs=2, engine="ray", address={address!r}, detach=True)
+while not all(rank.pid for rank in launched.record.ranks):
+    time.sleep(0.02)
+handle = ddpnb.attach(launched.name)  # another handle, as a later kernel's: commands go through the door
+states = [run.state for run in ddpnb.runs() if getattr(run, "name", None) == handle.name]
+stacks = handle.stacks()
+handle.stop()
+record = handle.wait(60)
+deadline = time.monotonic() + 30
+while left_of_run(handle.name)["alive"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({{"states": states, "stacks": {{rank: "sleeps" in stack for rank, stack in stacks.items()}},
+                  "outcome": record.outcome.value, "ranks": [rank.pid for rank in record.ranks],
+                  "left": left_of_run(handle.name)}}))""",
+        )
+        assert seen["states"] == ["running"]
+        assert seen["stacks"] == {"0": True, "1": True}
+        assert seen["outcome"] == "stopped"
+        assert wait_gone(seen["ranks"], within=10) == []
+        assert seen["left"] == {"actors": [], "groups": [], "alive": False}
+        assert _ray_processes_of_run(ray_root, ("ray::Supervisor", "ray::Host"), within=10) == []
+    finally:
+        kernel.shutdown()
+
+
 def test_detach_on_the_ray_instance_that_ends_with_its_kernel_is_refused_saying_why(ray_cluster):
     runs_before = sorted(ray_cluster.runs.iterdir())
     refused = ray_cluster.holder.execute(
