@@ -237,7 +237,7 @@ class DDPMagics(Magics):
         action="store_true",
         help="the run is owned by a supervisor process of its own, not this kernel: it goes on if the kernel "
         "dies or restarts; the cell returns its handle at once (as --background), and ddpnb.attach('last') "
-        "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local engine.",
+        "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local and Ray engines.",
     )
     @argument(
         "--view",

@@ -183,7 +183,7 @@ def _check_detach(options: LaunchOptions) -> None:
     # the local engine's supervisor is a process of this machine; another engine's lives where it says
     if options.engine != engines.DEFAULT and not hasattr(engines.find(options.engine), "supervisor_home"):
         raise LaunchError(
-            f"detach (--detach) runs on the local and slurm engines, not on {options.engine!r} yet "
+            f"detach (--detach) runs on the local, slurm and ray engines, not on {options.engine!r} yet "
             "(docs/detached.md). Leave out detach, or use one of those engines."
         )
     if options.debug:

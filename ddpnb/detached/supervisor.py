@@ -77,7 +77,11 @@ def start(plan: DetachedPlan) -> str:
 def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
     run_dir = Path(plan.spec.run_dir)
     files.private_write(run_dir / files.PLAN, cloudpickle.dumps(plan))  # the args may hold notebook objects
-    where = home.start(str(run_dir))
+    try:
+        where = home.start(str(run_dir))
+    except BaseException:
+        (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
+        raise
     files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
     try:
         _await_start(home, run_dir, where)
