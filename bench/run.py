@@ -29,7 +29,10 @@
    the profile adds to rank 0's steps.
 12. the kernel over many launches (issue 40): 300 `%%ddp` launches in one kernel, with the dashboard and with the
    text view: the kernel's memory growth per 100 launches after the first 50, and the widgets left.
-13. detached runs (issue 42, bench/detached.py): a kernel attaching to a live run whose journal holds 100,000
+13. many ranks (issue 44): 8, 64, 256 and 1,024 simulated ranks (bench/loadgen.py) against the real kernel side:
+   the kernel's CPU share, the lag from a rank's send to the view, the kernel's memory over the run (10 min at
+   1,024), the text view's lines and the dashboard's size.
+14. detached runs (issue 42, bench/detached.py): a kernel attaching to a live run whose journal holds 100,000
    metric points and 50,000 lines, until its dashboard is shown; a detached launch against an ordinary one.
 
 Every measurement runs in a fresh process (bench/_probes.py plays the notebook kernel), repetitions are
@@ -89,6 +92,8 @@ class Settings:
     ray_sessions: int = 2  # sessions of each engine per round (20 timed round trips each)
     profile_reps: int = 3  # profiled runs per world size
     soak_launches: int = 300  # launches in one kernel, per view
+    scale_seconds: float = 60.0  # simulated training per scale run (section 13) before its stall and failure
+    scale_long: float = 600.0  # ... at the largest N: the kernel's memory over 10 minutes
     detached_reps: int = 20  # ordinary and detached launches, alternated
 
 
@@ -131,6 +136,8 @@ QUICK = Settings(
     ray_sessions=1,
     profile_reps=1,
     soak_launches=150,
+    scale_seconds=20.0,
+    scale_long=60.0,
     detached_reps=8,
 )
 
@@ -1635,7 +1642,82 @@ def bench_soak(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
     )
 
 
-# --- 13. detached runs ------------------------------------------------------------------------------------------
+SCALE_RANKS = (8, 64, 256, 1024)
+SCALE = BENCH / "_scale.py"
+
+
+def bench_scale(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    """Simulated ranks (bench/loadgen.py: a host process per 8 ranks speaking the remote layer's wire) against the
+    real kernel side, one fresh process per N; each trains, then one rank stalls and another fails."""
+    rows = []
+    for ranks in SCALE_RANKS:
+        seconds = settings.scale_long if ranks == SCALE_RANKS[-1] else settings.scale_seconds
+        say(f"scale: {ranks} simulated ranks, {seconds:g} s of training")
+        try:
+            _, out = run_process([sys.executable, str(SCALE), str(ranks), str(seconds)], env, seconds + 600)
+            found = next(json.loads(line[8:]) for line in reversed(out.splitlines()) if line.startswith("@@SCALE "))
+        except (ProbeFailed, StopIteration) as exc:
+            rows.append([str(ranks), f"not measured ({exc or 'no result'})", "", "", "", "", "", ""])
+            continue
+        memory = found["memory"]
+        settled = [rss for at, rss in memory if at >= min(120.0, memory[-1][0] / 2)] or [memory[-1][1]]
+        rows.append(
+            [
+                f"{ranks:,}",
+                f"{found['kernel_cpu_share'] * 100:.0f}%",
+                f"{found['lag_median']:.2f} s / {found['lag_p99']:.2f} s",
+                (
+                    f"{memory[-1][1] / 2**20:.0f} MiB after {memory[-1][0]:.0f} s (from {min(settled) / 2**20:.0f} to "
+                    f"{max(settled) / 2**20:.0f} MiB after the first half)"
+                ),
+                f"{found['stall_report_lines']} + {found['end_lines']}",
+                f"{found['dashboard_bytes'] / 1e3:.0f} kB",
+                f"{found['dashboard_render_s'] * 1000:.0f} ms",
+            ]
+        )
+        if ranks == SCALE_RANKS[-1]:
+            goals.append(
+                _at_most(
+                    "scale (issue 44): the kernel's CPU at 1,024 ranks ≤ 25% of a core",
+                    found["kernel_cpu_share"] * 100,
+                    25,
+                    "%",
+                )
+            )
+            goals.append(
+                _at_most("scale (issue 44): send → view lag at 1,024 ranks (p99) ≤ 1 s", found["lag_p99"], 1, " s")
+            )
+            goals.append(
+                _at_most(
+                    "scale (issue 44): the text view's stall report at 1,024 ranks ≤ 40 lines",
+                    found["stall_report_lines"],
+                    40,
+                    " lines",
+                )
+            )
+    return (
+        "### 13. Many ranks (issue 44): simulated ranks against the real kernel side\n\n"
+        + table(
+            [
+                "ranks",
+                "kernel CPU",
+                "send → view lag (median / p99)",
+                "kernel memory",
+                "text view: stall + end lines",
+                "dashboard HTML",
+                "dashboard redraw (kernel)",
+            ],
+            rows,
+        )
+        + "\n\nbench/loadgen.py: a host process per 8 simulated ranks, admitted through the door and speaking the "
+        "remote layer's wire as a Slurm node's host does; each rank sends a metric per step at 5 steps/s, two lines "
+        "a second, a hardware sample a second and the radar's report every 4 steps; after the training, rank 17 "
+        "stalls (the others wait in all_reduce) and rank 3 fails 12 s later. The kernel's CPU is the probe process's "
+        "(the hosts are processes of their own, on the same cores)."
+    )
+
+
+# --- 14. detached runs ------------------------------------------------------------------------------------------
 def bench_detached(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
     sys.path.insert(0, str(BENCH))
     import detached
@@ -1664,7 +1746,7 @@ def bench_detached(settings: Settings, env: dict[str, str], goals: list[Goal]) -
         ["... to its handle", ms(statistics.median(launched["handed"])), ms(min(launched["handed"])), ""],
     ]
     return (
-        "### 13. Detached runs (issue 42) — a kernel attaching to a live run's journal "
+        "### 14. Detached runs (issue 42) — a kernel attaching to a live run's journal "
         f"({attached['journal_bytes'] / 1e6:.1f} MB: 100,000 metric points, 50,000 lines); a 2-rank gloo "
         "all_reduce launched detached or not, after the first\n\n"
         + table(["", "median", "min", "n"], rows)
@@ -1690,6 +1772,7 @@ SECTIONS = {
     "shutdown": bench_shutdown,
     "profile": bench_profile,
     "soak": bench_soak,
+    "scale": bench_scale,
     "detached": bench_detached,
 }
 

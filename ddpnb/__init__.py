@@ -55,6 +55,7 @@ __all__ = [
     "attempt",
     "current_session",
     "device",
+    "export",
     "last_run",
     "launch",
     "load_checkpoint",
@@ -69,6 +70,14 @@ __all__ = [
     "spawn",
 ]
 __version__ = "0.1.0"
+
+
+def export(fn: Any, path: Any, /, **options: Any) -> Any:
+    """Write `fn`, with what it uses from the notebook, as a script torchrun or srun runs: see
+    `ddpnb.script.writer.export` and docs/export.md. (`%ddp_export PATH` does it for the last %%ddp cell.)"""
+    from ddpnb.script.writer import export as write_script
+
+    return write_script(fn, path, **options)
 
 
 def load_ipython_extension(ipython: Any) -> None:

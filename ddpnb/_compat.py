@@ -122,6 +122,13 @@ def canonical_ray_address(address: str | None) -> str | None:
     return canonicalize_bootstrap_address(address)
 
 
+def ray_in_worker() -> bool:
+    """Whether this process is one of a Ray cluster's workers (an actor or a task), not a driver."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
 def ray_train_v2() -> bool:
     """Whether `TorchTrainer` is Ray Train v2 (the default in recent Ray; RAY_TRAIN_V2_ENABLED=1 in 2.43 and on)."""
     try:

@@ -207,6 +207,7 @@ def _checked(args: argparse.Namespace, **more: Any) -> Launch:
 class DDPMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
+        self._last_cell: tuple[str, Any, LaunchOptions] | None = None  # %ddp_export's: name, function, options
         # the run each cell started last, by cell (`_cell_key`): running the cell again stops it first
         self._cell_runs: weakref.WeakValueDictionary[tuple[str, ...], Run] = weakref.WeakValueDictionary()
 
@@ -236,7 +237,7 @@ class DDPMagics(Magics):
         action="store_true",
         help="the run is owned by a supervisor process of its own, not this kernel: it goes on if the kernel "
         "dies or restarts; the cell returns its handle at once (as --background), and ddpnb.attach('last') "
-        "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local engine.",
+        "or %%ddp_attach NAME from any later kernel shows it again (docs/detached.md). Local and Ray engines.",
     )
     @argument(
         "--view",
@@ -299,6 +300,12 @@ class DDPMagics(Magics):
         metavar="NAME",
         help="the function to run (default: the function the cell defines that nothing else in it uses).",
     )
+    @argument(
+        "--export",
+        metavar="PATH",
+        help="also write the function, with what it uses from the notebook, as a script torchrun or srun "
+        "runs (see %%ddp_export? and docs/export.md); then run the cell as usual.",
+    )
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> object:
         """Run the cell's function on every rank in fresh worker processes; show their output; return rank 0's
@@ -344,6 +351,9 @@ class DDPMagics(Magics):
             raise UsageError(f"--fn {name}: no function of that name in the notebook.")
         if not callable(fn):
             raise UsageError(f"--fn {name}: {name} is not a function (its type is {type(fn).__name__}).")
+        self._last_cell = (name, fn, launch.options)  # what %ddp_export writes
+        if args.export:
+            self.ddp_export(shlex.quote(args.export))
         background = args.background or args.detach  # a detached run's cell never waits: the kernel may go
         try:
             run = _api.start(fn, launch, foreground=not background)
@@ -377,6 +387,56 @@ class DDPMagics(Magics):
             display({"text/plain": f"{summary} (the dict is {self._keep_as_output(result)})"}, raw=True)
             return None
         return result
+
+    @magic_arguments("%ddp_export")
+    @kwds(formatter_class=_Usage)
+    @argument("path", help="the script to write, e.g. train.py")
+    @argument(
+        "--sbatch",
+        action="store_true",
+        help="also write PATH's .sbatch file: srun runs the script with one task per rank, the cell's nodes, "
+        "GPUs and time as #SBATCH lines.",
+    )
+    @argument("--torchrun", action="store_true", help="print the torchrun command line that runs the script.")
+    @argument(
+        "--data",
+        metavar="DIR",
+        help="save the notebook's values that have no source (a tensor, a model) in DIR, which the script "
+        "loads at start (without it, such a value is refused, with the line that uses it).",
+    )
+    @argument(
+        "--fn",
+        metavar="NAME",
+        help="export this function, with %%%%ddp's defaults, instead of the last %%%%ddp cell's.",
+    )
+    @line_magic
+    def ddp_export(self, line: str) -> None:
+        """Write the last %%ddp cell's function, and what it uses from the notebook (imports, functions, classes,
+        constants), as a standalone script that torchrun or srun runs with the cell's ranks: `%ddp_export
+        train.py --sbatch`. See docs/export.md."""
+        from ddpnb.script.sources import ExportError
+        from ddpnb.script.writer import write
+
+        args = _parse(self.ddp_export, line, "See %ddp_export? for every flag, e.g. %ddp_export train.py --sbatch.")
+        if args.fn:
+            fn = self.shell.user_ns.get(args.fn)
+            if not callable(fn):
+                raise UsageError(f"--fn {args.fn}: no function of that name in the notebook.")
+            name, options = args.fn, LaunchOptions()
+        elif getattr(self, "_last_cell", None) is not None:
+            name, fn, options = self._last_cell
+        else:
+            raise UsageError(
+                "%ddp_export writes the last %%ddp cell's function, and no %%ddp cell has run yet: run "
+                "one first, or name a function with --fn NAME."
+            )
+        try:
+            exported = write(
+                fn, args.path, options, name=name, sbatch=args.sbatch, torchrun=args.torchrun, data=args.data
+            )
+        except (ExportError, _api.LaunchError) as exc:
+            raise UsageError(str(exc)) from None
+        print(exported)
 
     def _cell_key(self, line: str, cell: str | None) -> tuple[str, ...]:
         """Which cell this is, so that running it again stops its earlier run: the front end's cell ID where it

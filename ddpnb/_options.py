@@ -180,10 +180,11 @@ def _engine_option_names(name: str) -> list[str]:
 
 def _check_detach(options: LaunchOptions) -> None:
     """What a detached run cannot do (yet), refused saying why."""
-    if options.engine != engines.DEFAULT:
+    # the local engine's supervisor is a process of this machine; another engine's lives where it says
+    if options.engine != engines.DEFAULT and not hasattr(engines.find(options.engine), "supervisor_home"):
         raise LaunchError(
-            f"detach (--detach) runs on the local engine for now, not on {options.engine!r}: Slurm and "
-            "Ray detached runs come next (docs/detached.md). Leave out detach, or the engine."
+            f"detach (--detach) runs on the local, slurm and ray engines, not on {options.engine!r} yet "
+            "(docs/detached.md). Leave out detach, or use one of those engines."
         )
     if options.debug:
         raise LaunchError(

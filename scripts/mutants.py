@@ -43,6 +43,10 @@ COMPLETE_CHECKPOINT = RESTARTS + "test_only_a_step_directory_holding_its_metadat
 CUDA_DEVICE = DATA + "test_a_notebook_cuda_tensor_goes_onto_its_ranks_own_device_once_that_is_set_up"
 SLURM = "tests/test_slurm.py::"
 RAY = "tests/test_ray.py::"
+RAY_DETACHED_SIGKILL = (
+    "tests/test_ray_detached.py::"
+    "test_a_detached_ray_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_attaches_by_name"
+)
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
 NEWCOMER = "tests/test_newcomer.py::"
@@ -527,6 +531,19 @@ MUTANTS = [
             ),
         ),
         (RAY + "test_a_module_preloaded_in_the_kernel_is_in_every_ray_rank_from_the_next_launch",),
+    ),
+    # --- a detached run's supervisor on Ray (test_ray_detached.py: a real local Ray instance) ---------------------
+    Mutant(
+        "ray-supervisor-owned-by-the-kernel",
+        "ddpnb/engines/ray/detach.py",
+        (('                lifetime="detached",  # not the kernel\'s: it stays when the kernel goes\n', ""),),
+        (RAY_DETACHED_SIGKILL,),
+    ),
+    Mutant(
+        "ray-supervisor-stays-after-the-run",
+        "ddpnb/engines/ray/detach.py",
+        (("            ray.actor.exit_actor()\n", "            pass\n"),),
+        (RAY_DETACHED_SIGKILL,),
     ),
     # --- the debugger in the cell and what a failure keeps (issues 28, 29) ----------------------------------------
     Mutant(

@@ -208,8 +208,6 @@ def test_a_second_users_attach_is_refused_saying_whose_run_it_is(tmp_path_factor
 
 
 def test_detach_refuses_what_it_cannot_do_saying_why():
-    with pytest.raises(ddpnb.LaunchError, match="local engine for now"):
-        ddpnb.launch(quick, detach=True, engine="ray")
     with pytest.raises(ddpnb.LaunchError, match="debug"):
         ddpnb.launch(quick, detach=True, debug=True)
 

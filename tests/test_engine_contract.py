@@ -212,9 +212,14 @@ def engine(request) -> Iterator[Contract]:
     yield from SETUPS[request.param]()
 
 
+# bench/loadgen.py's simulated ranks run no function (only what ranks send, for the kernel's load): the promises
+# here are about running one
+NO_FUNCTION = {"sim"}
+
+
 @pytest.mark.fast
 def test_every_registered_engine_is_held_to_the_contract():
-    assert set(engines.names()) == set(SETUPS), "a new engine: add it to this file's ENGINES"
+    assert set(engines.names()) - NO_FUNCTION == set(SETUPS), "a new engine: add it to this file's ENGINES"
 
 
 # --- an observer of the events an engine reports (it changes nothing) ------------------------------------------

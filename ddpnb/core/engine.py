@@ -149,3 +149,26 @@ class EngineType(Protocol):
 
     def create(self, spec: WorkerSpec, options: Any) -> Engine:
         """The engine for one attempt (a fresh one per attempt)."""
+
+    # optional: `supervisor_home(options, spec) -> SupervisorHome | None` where a detached run's supervisor must
+    # live out of this machine's reach (a batch job, a detached actor); without it, or None, a process of its own
+    # on this machine
+
+
+class SupervisorHome(Protocol):
+    """Where an engine keeps a detached run's supervisor (`--detach`), out of the kernel's reach: a Slurm batch job,
+    a detached Ray actor. There it runs `ddpnb.detached.supervisor.main(run_dir)` (`python -m
+    ddpnb.detached.supervisor RUN_DIR`), which reads the plan the kernel wrote into the run directory, owns the run,
+    and says it started (or why not) in that directory, which the kernel must be able to read."""
+
+    def start(self, run_dir: str) -> str:
+        """Start the supervisor for the run in `run_dir`; a line saying where (the job, the actor) for its notes.
+        Raise LaunchError, saying why, where it cannot be started."""
+
+    def alive(self, run_dir: str) -> bool | None:
+        """Whether that supervisor still runs, or waits to (in a queue), as the platform says; None where it
+        cannot tell. The home is pickled into the run directory: any later kernel asks it too."""
+
+    # optional: `waiting(run_dir) -> str`, what it waits for while it cannot start yet ('slurm job 12 pending
+    # (Priority)'; '' once it can): the launch says it and waits with no deadline; and `end(run_dir)`, ending it
+    # by the platform's means (scancel), for a stop whose door cannot be reached and a launch that gave up

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 
+from ddpnb.core import groups
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import Failure, known_cause
 from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, RankRecord, RankState, RankWhere, RunRecord, Stall
+from ddpnb.core.stacks import where as stack_place
 from ddpnb.core.words import describe_exit, format_duration, size_text, sparkline
 
 TABLE_WIDTH = 120  # characters in a row of the summary table: what a notebook's output shows on one line
@@ -17,26 +19,35 @@ LAST_LINE_MIN = 20  # characters of a rank's last line the table keeps, however 
 _RUNNING = (RankState.STARTING, RankState.RUNNING)
 
 
-def summary_table(record: RunRecord) -> str:
+def summary_table(record: RunRecord, ranks: list[int] | None = None) -> str:
     """One row per rank: its state (a failed rank's as its role: 'failed first', 'stopped: peer failed', as the
-    dashboard says it), how it exited, its time, the radar's and hardware's columns, its last line."""
-    radar = radar_columns(record.ranks)
-    states = [state_words(record, r) for r in record.ranks]
+    dashboard says it), how it exited, its time, the radar's and hardware's columns, its last line. From
+    `groups.GROUP_FROM` ranks up, a row per state and the ranks that stand out (`groups.grouped_table`), unless
+    `ranks` asks for those ranks' own rows."""
+    if ranks is None and groups.grouped(record.world_size):
+        return groups.grouped_table(record, lambda r: state_words(record, r), exit_words, straggler_text)
+    shown = record.ranks if ranks is None else [record.ranks[rank] for rank in ranks]
+    radar = radar_columns(shown)
+    states = [state_words(record, r) for r in shown]
     width = max(9, *(len(state) for state in states))
-    # no exit code for a rank that has ended: the engine's close ended it, unreported
-    exits = [describe_exit(r.exitcode) if r.exitcode is not None or r.state in _RUNNING else "" for r in record.ranks]
+    exits = [exit_words(r) for r in shown]
     exit_width = max(4, *(len(text) for text in exits))
     head = f"{'rank':>4}  {'state':<{width}} {'exit':<{exit_width}} {'time':>10}  {radar[0]}"
     # the last line gets what is left of TABLE_WIDTH (a front end wraps a longer row inside its words)
     last = max(LAST_LINE_MIN, TABLE_WIDTH - len(head))
     rows = [f"{head}last line"]
-    for r, state, exit_text, extra in zip(record.ranks, states, exits, radar[1:]):
+    for r, state, exit_text, extra in zip(shown, states, exits, radar[1:]):
         shown = r.last_line if len(r.last_line) <= last else r.last_line[: last - 1] + "…"
         rows.append(
             f"{r.rank:>4}  {state:<{width}} {exit_text:<{exit_width}} "
             f"{format_duration(r.duration):>10}  {extra}{shown}".rstrip()
         )
     return "\n".join(rows)
+
+
+def exit_words(rank: RankRecord) -> str:
+    """How the rank exited; nothing for a rank that has ended unreported (the engine's close ended it)."""
+    return describe_exit(rank.exitcode) if rank.exitcode is not None or rank.state in _RUNNING else ""
 
 
 def state_words(record: RunRecord, rank: RankRecord) -> str:
@@ -139,19 +150,38 @@ def where_phrase(where: RankWhere, plural: bool = False) -> str:
 
 def diagnosis_summary(diagnosis: Diagnosis) -> str:
     """One line, ranks grouped by where they are, those not waiting first: 'rank 1 is in time.sleep (Cell In[4],
-    line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'."""
-    groups: dict[tuple[str, str, str, str, bool], list[int]] = {}
+    line 6); ranks 0, 2 wait in all_reduce (Cell In[4], line 7)'. From `groups.GROUP_FROM` ranks up, at most
+    `groups.MAX_GROUPS` places, the ranks as ranges: 'rank 17 is in time.sleep (...); ranks 0-1023 but 17 wait in
+    all_reduce (...)'."""
+    world = len(diagnosis.ranks)
+    if groups.grouped(world):
+        return "; ".join(_place_words(places, world) for places in groups.place_groups(diagnosis))
+    by_place: dict[tuple[str, str, str, str, bool], list[int]] = {}
     for where in diagnosis.ranks:
-        groups.setdefault((where.ended, where.waits_in, where.call, where.at, where.starting), []).append(where.rank)
+        by_place.setdefault(groups.place_key(where), []).append(where.rank)
     first = {where.rank: where for where in diagnosis.ranks}
-    order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
+    order = sorted(by_place.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0]))
     return "; ".join(f"{named(ranks)} {where_phrase(first[ranks[0]], len(ranks) > 1)}" for _, ranks in order)
+
+
+def _place_words(places: list[RankWhere], world: int) -> str:
+    ranks = [where.rank for where in places]
+    if groups.elsewhere(places):
+        return f"{groups.named(ranks, world)} are elsewhere ({len({groups.place_key(w) for w in places})} places)"
+    return f"{groups.named(ranks, world)} {where_phrase(places[0], len(ranks) > 1)}"
 
 
 def diagnosis_lines(diagnosis: Diagnosis, now: float | None = None) -> list[str]:
     """One line per rank with its time since its last activity, as of `now` (`time.time()`; by default when the
     diagnosis was taken): a stall that goes on counts on, since no rank has had any activity meanwhile."""
     later = 0.0 if now is None else max(0.0, now - diagnosis.taken)
+    world = len(diagnosis.ranks)
+    if groups.grouped(world):  # a line per place, not per rank
+        return [
+            f"{_place_words(places, world)}, {groups.quiet_words(places, later)} since "
+            f"{'their' if len(places) > 1 else 'its'} last activity"
+            for places in groups.place_groups(diagnosis)
+        ]
     return [
         f"rank {w.rank}: {where_phrase(w)}, {format_duration(w.quiet + later)} since its last activity"
         for w in diagnosis.ranks
@@ -170,11 +200,26 @@ def stall_headline(stall: Stall, now: float | None = None) -> str:
 
 def grouped_stacks(stacks: dict[int, str]) -> list[tuple[list[int], str]]:
     """The ranks' stacks with notebook cells named (`Cell In[4], line 7`), each text once for the ranks whose
-    stacks read the same, in rank order: [([0, 2], 'Stack ...'), ([1], 'Stack ...')]."""
+    stacks read the same, in rank order: [([0, 2], 'Stack ...'), ([1], 'Stack ...')]. From `groups.GROUP_FROM`
+    ranks up, one stack (the first rank's) for the ranks at the same place (the collective and the user's line:
+    two ranks' stacks differ in thread ids and library lines), the smallest groups past `groups.MAX_GROUPS`
+    together."""
     same: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    grouping = groups.grouped(len(stacks))
     for rank, text in sorted(stacks.items()):
-        same.setdefault(cell_names(text).rstrip() or "(no stack came)", []).append(rank)
-    return sorted(((ranks, text) for text, ranks in same.items()), key=lambda item: item[0][0])
+        shown = cell_names(text).rstrip() or "(no stack came)"
+        key = stack_place(text) if grouping else shown
+        same.setdefault(key, []).append(rank)
+        texts.setdefault(key, shown)
+    found = sorted(((ranks, texts[key]) for key, ranks in same.items()), key=lambda item: item[0][0])
+    if len(found) > groups.MAX_GROUPS:
+        largest = sorted(found, key=lambda item: len(item[0]), reverse=True)[: groups.MAX_GROUPS - 1]
+        keep = sorted(largest, key=lambda item: item[0][0])
+        kept = {id(ranks) for ranks, _ in keep}
+        rest = sorted(rank for ranks, _ in found if id(ranks) not in kept for rank in ranks)
+        found = [*keep, (rest, f"(elsewhere: {len(found) - len(keep)} places; Run.stacks() has each rank's)")]
+    return found
 
 
 def attempt_line(attempt: AttemptRecord) -> str:
@@ -205,7 +250,9 @@ def log_files(record: RunRecord) -> str:
 
 
 def named(ranks: list[int]) -> str:
-    """'rank 1', 'ranks 0, 2'"""
+    """'rank 1', 'ranks 0, 2'; from `groups.RANGES_FROM` ranks up as ranges: 'ranks 0-16,18-1023'."""
+    if len(ranks) >= groups.RANGES_FROM:
+        return f"ranks {groups.ranges(ranks)}"
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
@@ -265,11 +312,15 @@ class WorkerError(RuntimeError):
             if own:
                 parts.append("\nalso failed:")
                 parts.extend(
-                    f"  rank {f.rank}: " + ("the same error" if f.summary == first.summary else f.summary) for f in own
+                    f"  {ranks}: " + ("the same error" if summary == first.summary else summary)
+                    for ranks, summary in _by_summary(own, record.world_size)
                 )
             if len(own) < len(others):
                 parts.append("\nthen, as a consequence:")
-                parts.extend(f"  rank {f.rank}: {f.summary}" for f in others if f.knock_on)
+                parts.extend(
+                    f"  {ranks}: {summary}"
+                    for ranks, summary in _by_summary([f for f in others if f.knock_on], record.world_size)
+                )
         elif record.outcome is Outcome.STOPPED:
             parts.append(f"ddpnb: {stopped_line(record)}.")
         else:
@@ -280,7 +331,10 @@ class WorkerError(RuntimeError):
                 parts.extend(f"  {line}" for line in record.at_timeout.flight)
         if first is None and record.failures:  # ranks that failed because ddpnb stopped the others
             parts.append("\nthen, as a consequence:")
-            parts.extend(f"  rank {f.rank}: {f.summary}" for f in sorted(record.failures, key=lambda f: f.time))
+            parts.extend(
+                f"  {ranks}: {summary}"
+                for ranks, summary in _by_summary(sorted(record.failures, key=lambda f: f.time), record.world_size)
+            )
         if record.attempts:
             parts.append(
                 f"\nthat was attempt {record.attempt}, the last (--max-restarts {record.max_restarts}); "
@@ -294,7 +348,11 @@ class WorkerError(RuntimeError):
             )
             parts.extend(record.internal_errors)
         stacks = [r for r in record.ranks if r.stack]
-        if stacks:
+        if stacks and groups.grouped(record.world_size):
+            parts.append("\nwhere the ranks were when the run was stopped (one stack for the ranks at one place):")
+            for ranks, text in grouped_stacks({r.rank: r.stack for r in stacks}):
+                parts.append(f"--- {named(ranks)} ---\n{text}")
+        elif stacks:
             parts.append("\nwhere each rank was when the run was stopped:")
             for r in stacks:
                 state = (r.stalled_state or r.state).value
@@ -316,6 +374,16 @@ class WorkerError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         # IPython shows these lines instead of the kernel-side stack, which is ddpnb's, not the user's.
         return self.report().splitlines()
+
+
+def _by_summary(failures: list[Failure], world_size: int) -> list[tuple[str, str]]:
+    """('rank 3', summary) for each failure; from `groups.GROUP_FROM` ranks up, once per summary with its ranks."""
+    if not groups.grouped(world_size):
+        return [(f"rank {f.rank}", f.summary) for f in failures]
+    same: dict[str, list[int]] = {}
+    for failure in failures:
+        same.setdefault(failure.summary, []).append(failure.rank)
+    return [(groups.named(ranks, world_size), summary) for summary, ranks in same.items()]
 
 
 class RunInterrupted(KeyboardInterrupt):

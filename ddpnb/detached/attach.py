@@ -181,9 +181,9 @@ class DetachedRun:
             return
         try:
             files.ask(self.run_dir, "stop")
-        except RuntimeError:
-            # a supervisor that stopped the run may exit before its answer is sent: the journal says the end
-            if files.supervised(self.run_dir) and files.ended(self.run_dir) is None:
+        except RuntimeError:  # the run ended meanwhile (its answer went with the supervisor), or the door cannot
+            # be reached: then the supervisor is ended by its platform where it can (`scancel`)
+            if files.ended(self.run_dir) is None and not files.end_supervisor(self.run_dir):
                 raise
         self.wait(5.0)
 

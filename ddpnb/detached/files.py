@@ -23,6 +23,10 @@ LOG = "supervisor.log"  # the supervisor's stdout and stderr: what it refused, w
 RESULT = "result.pickle"  # rank 0's value, kept until the run directory is cleaned
 RESULT_ERROR = "result.error"  # why rank 0's value could not be kept
 ENDED = "ended.json"  # the outcome, written when the run has ended and everything is written
+PLAN = "plan.pickle"  # what the kernel checked and planned, for a supervisor its engine starts elsewhere
+STARTED = "started"  # written by such a supervisor once every rank started (its PID)
+FAILED = "failed"  # ...or why it could not start the run
+HOME = "home.pickle"  # such a supervisor's home (`core.engine.SupervisorHome`): whether it lives, how to end it
 ASK_WAIT = 30.0  # seconds a command across the gap may take (stacks: a few; a stop: the engine's grace)
 
 
@@ -58,7 +62,15 @@ def hold_alive(run_dir: Path) -> int:
 
 
 def supervised(run_dir: Path) -> bool:
-    """Whether the run's supervisor is alive (it holds its lock)."""
+    """Whether the run's supervisor is alive: it holds its lock, or its home elsewhere says it lives (a batch job
+    still in the queue or running: a lock taken on another machine may not show here, on a shared filesystem)."""
+    if _locked(run_dir):
+        return True
+    where = home(run_dir)
+    return where is not None and where.alive(str(run_dir)) is True
+
+
+def _locked(run_dir: Path) -> bool:
     try:
         fd = os.open(run_dir / ALIVE, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -70,6 +82,25 @@ def supervised(run_dir: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def home(run_dir: Path) -> Any:
+    """The home an engine keeps the run's supervisor in (a `core.engine.SupervisorHome`), or None: this machine."""
+    try:
+        return pickle.loads((run_dir / HOME).read_bytes())
+    except (OSError, pickle.UnpicklingError, ImportError, AttributeError):
+        return None
+
+
+def end_supervisor(run_dir: Path) -> bool:
+    """End the supervisor by its platform's means (`scancel` of its batch job), where its home can; whether it
+    could. For a stop whose door cannot be reached, and a launch that gave up on its supervisor."""
+    where = home(run_dir)
+    end = getattr(where, "end", None)
+    if end is None:
+        return False
+    end(str(run_dir))
+    return True
 
 
 def marker(run_dir: Path) -> dict[str, Any] | None:

@@ -23,9 +23,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -39,6 +40,9 @@ from ddpnb.detached import files
 from ddpnb.node import forkserver, orphans
 from ddpnb.node.rank import PROCESS_PREFIX
 from ddpnb.remote.door import Door
+
+if TYPE_CHECKING:
+    from ddpnb.core.engine import SupervisorHome
 
 START_WAIT = 120.0  # seconds the kernel waits for the supervisor to have started every rank
 
@@ -57,9 +61,93 @@ class DetachedPlan:
     notes: list[str]
 
 
-def start(plan: DetachedPlan) -> int:
-    """Fork the supervisor from the kernel's forkserver and wait until it has started every rank; its PID.
-    Raises LaunchError with the supervisor's own words where it could not start the run."""
+def start(plan: DetachedPlan) -> str:
+    """Start the run's supervisor and wait until it has started every rank; a line saying where it runs. On this
+    machine it is forked from the kernel's forkserver; an engine with a `supervisor_home` (a batch job, a detached
+    actor) starts it there from the plan written into the run directory. Raises LaunchError with the supervisor's
+    own words where it could not start the run."""
+    engine_type = engines.engine_type(plan.engine)
+    home = getattr(engine_type, "supervisor_home", None)
+    place = None if home is None else home(plan.engine_options, plan.spec)  # None: this machine's, here
+    if place is None:
+        return f"supervisor: process {_fork(plan)} on this machine"
+    return _start_at(place, plan)
+
+
+def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
+    run_dir = Path(plan.spec.run_dir)
+    files.private_write(run_dir / files.PLAN, cloudpickle.dumps(plan))  # the args may hold notebook objects
+    try:
+        where = home.start(str(run_dir))
+    except BaseException:
+        (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
+        raise
+    files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
+    try:
+        _await_start(home, run_dir, where)
+    except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
+        files.end_supervisor(run_dir)
+        raise
+    return f"supervisor: {where}"
+
+
+def _await_start(home: SupervisorHome, run_dir: Path, where: str) -> None:
+    """Until the supervisor started every rank; while its home waits in a queue, say so (no deadline runs then)."""
+    deadline, said = time.monotonic() + START_WAIT, ""
+    waiting = getattr(home, "waiting", None)
+    while not (run_dir / files.STARTED).exists():
+        failed = run_dir / files.FAILED
+        if failed.exists():
+            raise LaunchError(failed.read_text())
+        queued = waiting(str(run_dir)) if waiting is not None else ""
+        if queued:
+            if queued != said:
+                print(
+                    f"[ddpnb] the detached run waits in the queue: {queued}; it starts when its job runs, and outlives "
+                    "this kernel from now on (interrupt to cancel it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            said, deadline = queued, time.monotonic() + START_WAIT
+        elif home.alive(str(run_dir)) is False and not (run_dir / files.STARTED).exists():
+            raise LaunchError(
+                f"the detached run's supervisor ({where}) ended while starting: see {run_dir / files.LOG}"
+            )
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"the detached run's supervisor ({where}) did not start its ranks within {START_WAIT:g} s: see "
+                f"{run_dir / files.LOG}"
+            )
+        time.sleep(0.05)
+
+
+def main(run_dir: str, facing: str = "") -> None:
+    """A supervisor started by its engine's home (`python -m ddpnb.detached.supervisor RUN_DIR [HOST]`): own the
+    run planned in `run_dir` until it ends; say it started, or why not, in that directory. Its door listens on
+    this machine's address on the route to `facing` (the launching kernel's host), else on its full name."""
+    path = Path(run_dir)
+    _log_to(path / files.LOG)
+    plan: DetachedPlan = pickle.loads((path / files.PLAN).read_bytes())
+
+    def said(what: str, value: Any) -> None:
+        files.private_write(path / (files.STARTED if what == "started" else files.FAILED), str(value).encode())
+
+    _supervise(plan, said, door_host=_address_facing(facing) if facing else socket.getfqdn())
+
+
+def _address_facing(host: str) -> str:
+    """This machine's address on the route to `host` (a connected UDP socket sends nothing: it asks the routes)."""
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return probe.getsockname()[0]
+    except OSError:  # the name does not resolve here: this machine's full name then
+        return socket.getfqdn()
+
+
+def _fork(plan: DetachedPlan) -> int:
+    """Fork the supervisor from the kernel's forkserver and wait until it has started every rank; its PID."""
     payload = cloudpickle.dumps(plan)  # the args may hold objects defined in the notebook
     context = forkserver.context()
     reader, writer = context.Pipe(duplex=False)
@@ -93,9 +181,20 @@ def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> N
     """multiprocessing target, in the process forked for the run: own it until it ends."""
     os.setsid()  # out of the kernel's session and process group: what ends the kernel does not reach it
     plan: DetachedPlan = pickle.loads(payload)
-    run_dir = Path(plan.spec.run_dir)
-    _log_to(run_dir / files.LOG)
+    _log_to(Path(plan.spec.run_dir) / files.LOG)
     _own_forkserver()  # first: no thread runs yet
+
+    def said(what: str, value: Any) -> None:
+        ready.send((what, value))
+        if what == "started":
+            ready.close()
+
+    _supervise(plan, said, door_host="127.0.0.1")
+
+
+def _supervise(plan: DetachedPlan, said: Callable[[str, Any], None], door_host: str) -> None:
+    """Own the run until it ends and everything is written; `said` tells the kernel it started, or why not."""
+    run_dir = Path(plan.spec.run_dir)
     alive = files.hold_alive(run_dir)
     files.private_write(
         run_dir / files.MARKER,
@@ -113,13 +212,12 @@ def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> N
     )
     try:
         run = _owned(plan)
-        door = _open_door(run, run_dir)
+        door = _open_door(run, run_dir, door_host)
         run.start()
     except BaseException as exc:  # the kernel says it: the launch failed; raised on, into the log
-        ready.send(("failed", str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {exc}"))
+        said("failed", str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {exc}")
         raise
-    ready.send(("started", os.getpid()))
-    ready.close()
+    said("started", os.getpid())
     record = run.wait()
     _keep_result(run, run_dir)
     files.private_write(
@@ -177,7 +275,7 @@ def _keep_result(run: Run, run_dir: Path) -> None:
         files.private_write(run_dir / files.RESULT_ERROR, f"{type(exc).__name__}: {exc}".encode())
 
 
-def _open_door(run: Run, run_dir: Path) -> Door:
+def _open_door(run: Run, run_dir: Path, host: str) -> Door:
     secret = secrets.token_bytes(32)
     fd = os.open(run_dir / files.SECRET, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -196,7 +294,7 @@ def _open_door(run: Run, run_dir: Path) -> Door:
             flush=True,
         )
 
-    door = Door("127.0.0.1", secret, admit, refuse, greeting=files.Ask)
+    door = Door(host, secret, admit, refuse, greeting=files.Ask)
     files.private_write(run_dir / files.DOOR, json.dumps({"host": door.address[0], "port": door.address[1]}).encode())
     return door
 
@@ -257,3 +355,7 @@ def _own_forkserver() -> None:
     os.close(alive_r)
     listener.close()
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

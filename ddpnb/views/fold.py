@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ddpnb.core import groups
 from ddpnb.core.record import OutputLine
 from ddpnb.core.spec import Stream
 
@@ -22,15 +23,7 @@ TORCH_RANK = re.compile(r"\[rank(\d+)\]:")
 GLOG_TIME = re.compile(r"^\[([IWEF])\d{4} \d\d:\d\d:\d\d(?:\.\d+)? ")
 
 
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """(0, 1, 2, 5) -> '0-2,5'."""
-    runs: list[list[int]] = []
-    for rank in sorted(set(ranks)):
-        if runs and rank == runs[-1][-1] + 1:
-            runs[-1].append(rank)
-        else:
-            runs.append([rank])
-    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in runs)
+rank_ranges = groups.ranges  # (0, 1, 2, 5) -> '0-2,5'
 
 
 @dataclass(eq=False, slots=True)  # identity: two printings of one text are two lines
@@ -42,6 +35,7 @@ class FoldedLine:
     stream: Stream
     text: str
     opened: float = field(default=0.0, repr=False)  # when the first printing arrived
+    world_size: int = field(default=0, repr=False)  # the run's: from `groups.GROUP_FROM` up, `[ranks 0-1023 but 17]`
 
     @property
     def rank(self) -> int:
@@ -49,8 +43,12 @@ class FoldedLine:
 
     @property
     def tag(self) -> str:
-        """'[rank 2]', '[ranks 0-3]', '[ranks 0-2,5]'."""
-        return f"[rank {self.ranks[0]}]" if len(self.ranks) == 1 else f"[ranks {rank_ranges(self.ranks)}]"
+        """'[rank 2]', '[ranks 0-3]', '[ranks 0-2,5]'; in a run of many ranks '[ranks 0-1023 but 17]'."""
+        if len(self.ranks) == 1:
+            return f"[rank {self.ranks[0]}]"
+        if groups.grouped(self.world_size):
+            return f"[ranks {groups.ranks_words(self.ranks, self.world_size)}]"
+        return f"[ranks {rank_ranges(self.ranks)}]"
 
 
 def single(line: OutputLine) -> FoldedLine:
@@ -98,7 +96,7 @@ class Folder:
             key = (line.stream, GLOG_TIME.sub(r"[\1 ", text))
             same = self._open.get(key)
             if same is None:  # a text not waiting already: the usual case, made short
-                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now)
+                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now, self.world_size)
                 same = self._open[key] = _Same()
                 same.lines.append(folded)
                 same.next_for[line.rank] = 1
@@ -110,7 +108,7 @@ class Folder:
             if number - same.first < len(same.lines):
                 same.lines[number - same.first].ranks.append(line.rank)
             else:
-                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now)
+                folded = FoldedLine(line.seq, [line.rank], line.stream, text, now, self.world_size)
                 same.lines.append(folded)
                 self._pending.append(folded)
                 number = same.first + len(same.lines) - 1

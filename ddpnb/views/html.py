@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from ddpnb.core import checkpoints
+from ddpnb.core import checkpoints, groups
 from ddpnb.core.cellnames import cell_names
 from ddpnb.core.failures import FailureRole
 from ddpnb.core.record import Outcome, OutputLine, RankRecord, RankState, RunRecord
@@ -25,12 +25,14 @@ from ddpnb.core.report import (
     attempt_line,
     diagnosis_lines,
     diagnosis_summary,
+    exit_words,
     grouped_stacks,
     hardware_text,
     locals_lines,
     log_files,
     named,
     stall_headline,
+    state_words,
     straggler_text,
 )
 from ddpnb.core.spec import Stream
@@ -256,7 +258,10 @@ def _compute_html(rank: RankRecord) -> str:
 
 
 def ranks_html(record: RunRecord) -> str:
-    """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls."""
+    """One row per rank; from MANY_RANKS up, compact rows (one progress bar each) in a box that scrolls; from
+    `groups.GROUP_FROM` up, a row per state and the ranks that stand out (`grouped_ranks_html`)."""
+    if groups.grouped(record.world_size):
+        return grouped_ranks_html(record)
     gpus = any(r.device.startswith("cuda") or r.gpu_memory is not None for r in record.ranks)
     compact = record.world_size >= MANY_RANKS  # compact rows (one progress bar each) in a box that scrolls
     pad = "padding:0 6px;line-height:1.3" if compact else ""
@@ -306,6 +311,45 @@ def ranks_html(record: RunRecord) -> str:
             f"{_td(latest, f'width:99%;max-width:0;{pad}', attrs=LAST_CELL)}</tr>"
         )
     rows.append("</tbody></table></div>" if compact else "</tbody></table>")
+    return "".join(rows)
+
+
+def grouped_ranks_html(record: RunRecord) -> str:
+    """A row per state, failed first: its ranks (ranges, or everyone but the few), their count, median time and
+    compute per step, and their most common latest line; then the stragglers and the slowest and fastest ranks by
+    name. Its size does not grow with the ranks (a row per rank was 2.8 MB at 1,024)."""
+    head = f'style="{_HEAD}"'
+    rows = [
+        '<table class="ddpnb-ranks ddpnb-grouped" style="border-collapse:collapse;margin:4px 0 6px;width:100%;'
+        'table-layout:auto"><thead><tr>'
+        + "".join(f"<th {head}>{name}</th>" for name in ("state", "ranks", "count", "time", "compute/step"))
+        + f"<th {head}>latest output (most ranks')</th></tr></thead><tbody>"
+    ]
+    for group in groups.state_groups(record, lambda r: state_words(record, r), exit_words):
+        members = [record.ranks[rank] for rank in group.ranks]
+        role = next((role for role in FailureRole if role.value == group.state), None)
+        state_colours = {state.value: colour for state, colour in _RANK_COLOURS.items()}
+        colour = _ROLE_COLOURS[role] if role else _ORANGE if group.state == "stalled" else state_colours[group.state]
+        durations = [r.duration for r in members if r.duration is not None]
+        computes = [r.compute_per_step for r in members if r.compute_per_step is not None]
+        lines = [r.last_text for r in members if r.last_text]
+        last = max(set(lines), key=lines.count)[:MAX_LINE_CHARS] if lines else ""
+        state = group.state + (f" ({group.exit})" if group.exit and group.state != "running" else "")
+        latest = f'<div class="ddpnb-mono" style="{_MONO};opacity:0.75">{html.escape(last)}</div>'
+        rows.append(
+            f'<tr data-state="{html.escape(group.state)}" data-ranks="{groups.ranges(group.ranks)}">'
+            f"{_td(html.escape(state), f'color:{colour};font-weight:600;{_ONE_LINE}')}"
+            f"{_td(html.escape(groups.ranks_words(group.ranks, record.world_size)), _MONO)}"
+            f"{_td(f'{len(members):,}', _ONE_LINE)}"
+            f"{_td(format_duration(statistics.median(durations)) if durations else '–', _ONE_LINE)}"
+            f"{_td(f'{statistics.median(computes) * 1000:.1f} ms' if computes else '–', _ONE_LINE)}"
+            f"{_td(latest)}</tr>"
+        )
+    rows.append("</tbody></table>")
+    rows += [
+        f'<div class="ddpnb-exceptions" style="{_MUTED}">{html.escape(line)}</div>'
+        for line in groups.exceptions(record, straggler_text)
+    ]
     return "".join(rows)
 
 
@@ -543,10 +587,12 @@ def _tick_label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = ()) -> str:
-    """One log line; `ranks`: every rank that printed it, when folded (`[ranks 0-3]`, in a neutral colour)."""
+def line_html(rank: int, stream: Stream, text: str, ranks: Sequence[int] = (), world_size: int = 0) -> str:
+    """One log line; `ranks`: every rank that printed it, when folded (`[ranks 0-3]`, in a neutral colour; of a
+    run of many ranks, `[ranks 0-1023 but 17]`)."""
     if len(ranks) > 1:
-        tag, colour = f"[ranks {rank_ranges(ranks)}]", _GREY
+        said = groups.ranks_words(ranks, world_size) if groups.grouped(world_size) else rank_ranges(ranks)
+        tag, colour = f"[ranks {said}]", _GREY
     else:
         tag, colour = f"[rank {rank}]", _rank_colour(rank)
     tint = ";background-color:rgba(211,47,47,0.1)" if stream is Stream.STDERR else ""
@@ -599,8 +645,9 @@ def any_line_html(line: LogEntry) -> str:
             f'<div class="ddpnb-restart-mark" style="white-space:pre-wrap;line-height:1.35;color:{_ORANGE};'
             f'font-weight:600;border-top:1px dashed {_ORANGE};margin:2px 0">{html.escape(line.text)}</div>'
         )
-    ranks = line.ranks if isinstance(line, FoldedLine) else ()
-    return line_html(line.rank, line.stream, line.text, ranks)
+    if isinstance(line, FoldedLine):
+        return line_html(line.rank, line.stream, line.text, line.ranks, line.world_size)
+    return line_html(line.rank, line.stream, line.text)
 
 
 def log_html(lines: Iterable[str], note: str) -> str:

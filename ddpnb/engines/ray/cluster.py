@@ -16,6 +16,11 @@ LOCAL_START_ATTEMPTS = 2  # Ray gives a raylet 30 s to start, which a busy machi
 
 _connection: str | None = None  # how ddpnb connected this kernel to Ray: LOCAL, an address, or None (not ddpnb)
 _local_resources: dict[str, int] = {}
+NO_LASTING_CLUSTER = (
+    "detach (--detach) on Ray needs a cluster that outlives this kernel: the local Ray instance ddpnb starts in "
+    "the kernel stops with it, and the run with it. Start one (`ray start --head`) and pass --address (or let "
+    "ddpnb find it), or leave out detach."
+)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -48,6 +53,8 @@ def connect(address: str | None, cpus: int, gpus: int) -> str:
     global _connection
     import ray
 
+    if _compat.ray_in_worker():  # a detached run's supervisor: its runs go to the cluster it lives in
+        return _describe("Ray (the cluster this supervisor runs in)")
     _compat.ray_route_raylet_lines(_say_raylet_lines)
     wants_local = address == LOCAL  # `--address local`: the local instance, even where a cluster is running
     address = None if wants_local else address
@@ -74,6 +81,19 @@ def connect(address: str | None, cpus: int, gpus: int) -> str:
         raise LaunchError(f"cannot connect to the Ray cluster at {found}{where}: {type(exc).__name__}: {exc}") from None
     _connection = address or found
     return _describe("connected to Ray")
+
+
+def connect_lasting(address: str | None) -> str:
+    """`connect` for a detached run's supervisor: to a cluster that outlives this kernel, never to the local
+    instance ddpnb starts in it, which stops with the kernel (and its actors with it)."""
+    import ray
+
+    if address == LOCAL or (address is None and not ray.is_initialized() and _discover() is None):
+        raise LaunchError(NO_LASTING_CLUSTER)
+    line = connect(address, cpus=0, gpus=0)
+    if _connection == LOCAL:
+        raise LaunchError(NO_LASTING_CLUSTER)
+    return line
 
 
 def _say_raylet_lines(lines: list[str]) -> None:

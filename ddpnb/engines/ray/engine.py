@@ -12,13 +12,16 @@ import enum
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ddpnb import _compat
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, WorkerSpec
 from ddpnb.engines.ray import RAY_REQUIREMENT
 from ddpnb.engines.ray.data import ObjectStoreShipment
+
+if TYPE_CHECKING:
+    from ddpnb.engines.ray.detach import RayHome
 
 INSTALL_HINT = (
     f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
@@ -98,6 +101,12 @@ class RayType:
 
     def create(self, spec: WorkerSpec, options: RayOptions) -> RayEngine:
         return RayEngine(spec, options.address, options.placement)
+
+    def supervisor_home(self, options: RayOptions, spec: WorkerSpec) -> RayHome:
+        """A detached run's supervisor: a detached actor in the cluster (`detach.py`), not in the kernel."""
+        from ddpnb.engines.ray.detach import RayHome
+
+        return RayHome(options.address)
 
 
 class RayEngine:

@@ -89,7 +89,7 @@ class TrainEngine:
                 # per rank: its batches, its long poll for commands and (sessions) for cells; then the kernel's calls
                 num_cpus=0,
                 max_concurrency=3 * spec.world_size + 8,
-                scheduling_strategy=_near_this_kernel(),
+                scheduling_strategy=near_this_kernel(),
             )
             .remote()
         )
@@ -264,8 +264,9 @@ def _missing_hint(fit: FitOutcome) -> str:
     return ""
 
 
-def _near_this_kernel() -> Any:
-    """Put the run actor on the kernel's own node when the kernel is on one (the channel stays local)."""
+def near_this_kernel() -> Any:
+    """Put an actor (a run actor, a detached run's supervisor) on the kernel's own node when the kernel is on one
+    (its channel, and the run directory, stay local)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from ddpnb.core import pickling
 from ddpnb.core.engine import AttemptStart, Capabilities, Flag, RunEvents
 from ddpnb.core.spec import LaunchError, Plan, Stream, WorkerSpec
-from ddpnb.engines.slurm import allocation, submit
+from ddpnb.engines.slurm import allocation, detach, submit
 from ddpnb.engines.slurm.options import SlurmOptions
 from ddpnb.node import forked
 from ddpnb.node.rank import Seat
@@ -138,6 +138,13 @@ class SlurmType:
 
     def create(self, spec: WorkerSpec, options: SlurmOptions) -> SlurmEngine:
         return SlurmEngine(spec, options)
+
+    def supervisor_home(self, options: SlurmOptions, spec: WorkerSpec) -> detach.BatchHome | None:
+        """`--detach`: outside an allocation, a batch job of the run's own (`detach.py`); inside one, None: a
+        process of its own on this node, as the local engine's, which lives as long as the allocation."""
+        if allocation.inside():
+            return None
+        return detach.BatchHome(options, spec.world_size, spec.use_gpus)
 
 
 class SlurmEngine:

@@ -51,17 +51,32 @@ class JobRequest:
         return self.tasks, self.gpus, self.options
 
     def salloc(self, salloc: str) -> list[str]:
+        return [salloc, *self._job_options(), "cat"]
+
+    def sbatch(self, sbatch: str, script: str, output: str) -> list[str]:
+        """A batch job asking for the same, running `script` (one shell line), its output appended to `output`;
+        never requeued (its script must run once: a detached run's supervisor)."""
+        return [
+            sbatch,
+            "--parsable",
+            "--no-requeue",
+            f"--output={output}",
+            "--open-mode=append",
+            *self._job_options(),
+            "--wrap",
+            script,
+        ]
+
+    def _job_options(self) -> list[str]:
         options = self.options
         named = {name: getattr(options, name) for name in SUBMIT_OPTIONS if name != "job_args"}
         return [
-            salloc,
             f"--job-name={self.name}",
             f"--ntasks={self.tasks}",
             *([f"--nodes={options.nodes}"] if options.nodes else []),
             *(["--gpus-per-task=1"] if self.gpus else []),
             *(f"--{key}={value}" for key, value in named.items() if value),
             *shlex.split(options.job_args),
-            "cat",
         ]
 
 

@@ -1,0 +1,93 @@
+"""Many ranks through the real kernel side: simulated nodes (bench/loadgen.py) that speak the remote layer's wire to
+a real `Run`, its attempt, record and views; only the training is simulated."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import ddpnb
+from ddpnb.core.groups import GROUP_FROM
+from ddpnb.core.record import Outcome, RankState
+
+pytestmark = pytest.mark.fast
+
+SIM = {"engine": "sim", "timeout": 60}
+
+
+def train() -> None:
+    """Never called: the simulated nodes play the ranks."""
+
+
+def test_every_simulated_ranks_metrics_and_lines_arrive() -> None:
+    run = ddpnb.launch(
+        train, nprocs=32, view="none", ranks_per_node=8, steps=10, steps_per_second=10, lines_per_second=4, **SIM
+    )
+    assert run.result() == 10
+    record = run.record
+    assert record.outcome is Outcome.SUCCEEDED
+    assert {rank.node for rank in record.ranks} == {f"sim{node}" for node in range(4)}
+    for rank in record.ranks:
+        assert [point.step for point in rank.metrics["loss"]] == list(range(1, 11)), rank.rank
+        assert rank.lines >= 3, rank.rank
+        assert rank.state is RankState.FINISHED
+
+
+def test_many_ranks_read_at_a_glance_one_stalled_one_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    """From GROUP_FROM ranks up: the stall report says each place once (the stalled rank first, one stack each),
+    the report and its table a row per state with the failed rank first, and all of it fits a screen."""
+    ranks = GROUP_FROM
+    run = ddpnb.launch(
+        train,
+        nprocs=ranks,
+        view="text",
+        ranks_per_node=8,
+        steps=1000,
+        steps_per_second=10,
+        stall_rank=17,
+        stall_at=1.5,
+        fail_rank=40,
+        fail_at=4.5,
+        stall=1.5,
+        **SIM,
+    )
+    with pytest.raises(ddpnb.WorkerError) as raised:
+        run.result()
+    shown = capsys.readouterr().out
+    stall = shown[shown.index("[ddpnb] stalled") : shown.index("[ddpnb] run failed")].splitlines()
+    assert stall[0].endswith(
+        'rank 17 is in time.sleep (File "/tmp/ddpnb-loadgen-train.py", line 9); ranks 0-16,18-63 wait in all_reduce '
+        '(File "/tmp/ddpnb-loadgen-train.py", line 10)'
+    ), stall[0]
+    assert [line for line in stall if line.startswith("[ddpnb] --- ")] == [
+        "[ddpnb] --- ranks 0-16,18-63 ---",
+        "[ddpnb] --- rank 17 ---",
+    ]
+    assert [re.sub(r"[\d.–]+ s since", "N s since", line) for line in stall[1:3]] == [  # a line per place
+        '[ddpnb]   rank 17 is in time.sleep (File "/tmp/ddpnb-loadgen-train.py", line 9), N s since its last activity',
+        (
+            '[ddpnb]   ranks 0-16,18-63 wait in all_reduce (File "/tmp/ddpnb-loadgen-train.py", line 10), N s since their '
+            "last activity"
+        ),
+    ]
+    assert len(stall) <= 20, "\n".join(stall)
+    report = raised.value.report().splitlines()
+    assert report[0] == "ddpnb: rank 40 of 64 failed first: RuntimeError: simulated failure"
+    table = report[report.index("64 ranks: 1 failed first, 63 stopped") :]
+    assert table[2].startswith("failed first  rank 40 ") and table[3].startswith("stopped       ranks 0-39,41-63 ")
+    assert len(report) <= 40, "\n".join(report)
+
+
+def test_a_line_all_ranks_but_a_few_printed_is_tagged_so() -> None:
+    from ddpnb.core.record import OutputLine
+    from ddpnb.core.spec import Stream
+    from ddpnb.views.fold import Folder
+
+    folder = Folder(1024)
+    lines = [OutputLine(rank, rank, Stream.STDOUT, "epoch 1") for rank in range(1024) if rank not in (17, 300)]
+    (folded,) = folder.add(lines, 0.0) + folder.flush()
+    assert folded.tag == "[ranks 0-1023 but 17, 300]"
+    fewer = Folder(GROUP_FROM - 1)  # below the threshold, as always: ranges
+    (folded,) = fewer.add([line for line in lines if line.rank < GROUP_FROM - 1], 0.0) + fewer.flush()
+    assert folded.tag == "[ranks 0-16,18-62]"
