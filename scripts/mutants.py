@@ -450,8 +450,8 @@ MUTANTS = [
     ),
     Mutant(
         "slurm-step-never-tried-again",
-        "ddpnb/engines/slurm/engine.py",
-        (("        if self._srun_done_at is not None and self._retry_step(now):\n            return\n", ""),),
+        "ddpnb/engines/slurm/step.py",
+        (("        return self.done_at is not None and self._retry(now)\n", "        return False\n"),),
         (SLURM + "test_a_step_slurms_messaging_failed_to_create_is_started_again_saying_so",),
     ),
     Mutant(
