@@ -825,14 +825,15 @@ def stacks_html(stacks: dict[int, str], world_size: int = 0) -> str:
     if not stacks:
         return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
     if groups.grouped(max(world_size, len(stacks))):
-        silent = sorted(set(range(world_size)) - set(stacks))
+        sent = {rank: text for rank, text in stacks.items() if text.strip()}
+        silent = sorted(set(range(world_size)) - set(sent))
         return (
             f'<div class="ddpnb-stacks">{section_html("stacks")}'
             + "".join(
                 f'<div data-ranks="{groups.ranges(ranks)}">{html.escape(groups.named(ranks, world_size))}</div>'
                 f'<pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;{_WRAP};max-height:320px;overflow-y:auto">'
                 f"{html.escape(text)}</pre>"
-                for ranks, text in grouped_stacks(stacks)
+                for ranks, text in grouped_stacks(sent)
             )
             + (
                 f'<div style="{_MUTED}">{html.escape(groups.named(silent, world_size))}: no stack (not running, or '
