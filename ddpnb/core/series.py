@@ -22,6 +22,9 @@ SAMPLE = 200  # a series keeps between SAMPLE and 2 * SAMPLE evenly spaced point
 NO_STEP = -(2**63)  # a point logged without a step (`ddpnb.log(loss=...)`)
 
 
+Columns = tuple["array[int]", "array[float]", "array[float]"]  # steps, times, values
+
+
 class Point(NamedTuple):
     """One logged value of a metric (`RunRecord.metrics`): the step given to `ddpnb.log` (or None), when the rank
     logged it (`time.time()`), and the value."""
@@ -38,6 +41,7 @@ class Spill:
         self._file = tempfile.TemporaryFile(prefix="ddpnb-metrics-")  # noqa: SIM115  # unlinked: gone with the record
         self._end = 0
         self._lock = threading.Lock()
+        self.swap = threading.Lock()  # a series' chunk written out: its memory and its chunks change together
 
     def write(self, data: bytes) -> int:
         """Append `data`; its offset."""
@@ -56,77 +60,93 @@ class Series(Sequence[Point]):
     def __init__(self, spill: Spill | None = None) -> None:
         self._spill = spill
         self._chunks: list[int] = []  # offsets in the spill file of the written chunks, CHUNK points each
-        self._steps, self._times, self._values = array("q"), array("d"), array("d")  # the points not written out
-        self._sample: tuple[array[int], array[float], array[float]] = (array("q"), array("d"), array("d"))
+        self._tail: Columns = (array("q"), array("d"), array("d"))  # the points not written out
+        self._sample: Columns = (array("q"), array("d"), array("d"))
         self._every = 1  # the sample holds the points whose index is a multiple of this
+        self._count = 0  # points added
 
     def add(self, step: int | None, time: float, value: float) -> None:
-        index = len(self)
         stepped = NO_STEP if step is None else step
-        if index % self._every == 0:
+        if self._count % self._every == 0:
             for column, item in zip(self._sample, (stepped, time, value)):
                 column.append(item)  # type: ignore[arg-type]
             if len(self._sample[0]) >= 2 * SAMPLE:  # twice as sparse: every other point of the sample goes
                 self._sample = tuple(column[::2] for column in self._sample)  # type: ignore[assignment]
                 self._every *= 2
-        self._steps.append(stepped)
-        self._times.append(time)
-        self._values.append(value)
-        if self._spill is not None and len(self._steps) >= CHUNK:
-            self._chunks.append(
-                self._spill.write(self._steps.tobytes() + self._times.tobytes() + self._values.tobytes())
-            )
-            self._steps, self._times, self._values = array("q"), array("d"), array("d")
+        steps, times, values = self._tail
+        steps.append(stepped)
+        times.append(time)
+        values.append(value)  # last: readers count the points in memory by it
+        self._count += 1
+        if self._spill is not None and len(values) >= CHUNK:
+            offset = self._spill.write(steps.tobytes() + times.tobytes() + values.tobytes())
+            with self._spill.swap:
+                self._chunks.append(offset)
+                self._tail = (array("q"), array("d"), array("d"))
+
+    def _state(self) -> tuple[int, Columns]:
+        """The written chunks and the points in memory as of one moment: the reader thread adds meanwhile."""
+        if self._spill is None:
+            chunks, tail = 0, self._tail
+        else:
+            with self._spill.swap:
+                chunks, tail = len(self._chunks), self._tail
+        kept = len(tail[2])
+        return chunks, (tail[0][:kept], tail[1][:kept], tail[2][:kept])
 
     def sample(self, limit: int) -> list[tuple[int | None, float, float]]:
         """At most about `limit` evenly spaced points as (step, time, value), always with the last one: what a plot
         draws, from memory (plain tuples: a redraw at 1,024 ranks reads hundreds of thousands)."""
-        steps, times, values = self._sample
-        stride = max(1, -(-len(steps) // limit))
-        rows: list[tuple[int | None, float, float]] = list(zip(steps[::stride], times[::stride], values[::stride]))
+        (steps, times, values), every = self._sample, self._every
+        kept = len(values)
+        stride = max(1, -(-kept // limit))
+        rows: list[tuple[int | None, float, float]] = list(
+            zip(steps[:kept:stride], times[:kept:stride], values[:kept:stride])
+        )
         if NO_STEP in steps:
             rows = [(None if step == NO_STEP else step, time, value) for step, time, value in rows]
         last = len(self) - 1
-        if last >= 0 and (last % self._every or (last // self._every) % stride):
+        if last >= 0 and (last % every or (last // every) % stride or last // every >= kept):
             rows.append(self[last])
         return rows
 
     def __len__(self) -> int:
-        return len(self._chunks) * CHUNK + len(self._steps)
+        return self._count
 
     @overload
     def __getitem__(self, index: int) -> Point: ...
     @overload
     def __getitem__(self, index: slice) -> list[Point]: ...
     def __getitem__(self, index: int | slice) -> Point | list[Point]:
-        written = len(self._chunks) * CHUNK
+        chunks, (steps, times, values) = self._state()
+        written = chunks * CHUNK
+        count = written + len(values)
         if isinstance(index, slice):
-            start, stop, stride = index.indices(len(self))
+            start, stop, stride = index.indices(count)
             if min(start, stop) >= written:  # the latest points only: no read
                 window = slice(start - written, stop - written, stride)
-                return [_point(*row) for row in zip(self._steps[window], self._times[window], self._values[window])]
+                return [_point(*row) for row in zip(steps[window], times[window], values[window])]
             return list(self)[index]
         if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
+            index += count
+        if not 0 <= index < count:
             raise IndexError("series index out of range")
         if index >= written:
             index -= written
-            return _point(self._steps[index], self._times[index], self._values[index])
+            return _point(steps[index], times[index], values[index])
         steps, times, values = self._chunk(index // CHUNK)
         index %= CHUNK
         return _point(steps[index], times[index], values[index])
 
     def __iter__(self) -> Iterator[Point]:
-        columns = [self._chunk(number) for number in range(len(self._chunks))]
-        columns.append((self._steps[:], self._times[:], self._values[:]))  # copies: the reader appends meanwhile
-        for steps, times, values in columns:
+        chunks, tail = self._state()
+        for steps, times, values in [*(self._chunk(number) for number in range(chunks)), tail]:
             yield from (_point(*row) for row in zip(steps, times, values))
 
-    def _chunk(self, number: int) -> tuple[array[int], array[float], array[float]]:
+    def _chunk(self, number: int) -> Columns:
         assert self._spill is not None
         data = self._spill.read(self._chunks[number], CHUNK * 24)
-        columns = array("q"), array("d"), array("d")
+        columns: Columns = (array("q"), array("d"), array("d"))
         for at, column in enumerate(columns):
             column.frombytes(data[at * CHUNK * 8 : (at + 1) * CHUNK * 8])
         return columns

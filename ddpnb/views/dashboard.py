@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ddpnb.core import groups
 from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import OutputLine
 from ddpnb.core.report import restart_line
@@ -48,6 +49,7 @@ from ddpnb.views.text import summary_text
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
 RANK_LINES = 64 * LOG_LINES  # lines the per-rank views keep in all: fewer a rank from 64 ranks up ...
 MIN_RANK_LINES = 20  # ... but never fewer than this (its log file has every line)
+MANY_REDRAW = 1.0  # seconds between two redraws from `groups.GROUP_FROM` ranks up (below: at the reader's news)
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
 
 # the live widget's extras, which need the page's CSS (theme variables, the log scrolled to its end); the static
@@ -189,8 +191,11 @@ class Dashboard:
         seen = 0
         try:
             while (run := self.run) is not None and not run.done:
+                drawn = time.monotonic()
                 self._render()
                 seen = run.watch(seen, TICK)  # the reader's news, or a TICK for the clocks
+                if groups.grouped(self.record.world_size):  # a thousand ranks' redraw is 70 ms: not 5 a second
+                    time.sleep(max(0.0, MANY_REDRAW - (time.monotonic() - drawn)))
         finally:  # a redraw's bug still releases the widgets
             self.finish()
 
