@@ -4,10 +4,12 @@ a real `Run`, its attempt, record and views; only the training is simulated."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 import ddpnb
+from ddpnb.core import report
 from ddpnb.core.groups import GROUP_FROM
 from ddpnb.core.record import Outcome, RankState
 
@@ -91,3 +93,69 @@ def test_a_line_all_ranks_but_a_few_printed_is_tagged_so() -> None:
     fewer = Folder(GROUP_FROM - 1)  # below the threshold, as always: ranges
     (folded,) = fewer.add([line for line in lines if line.rank < GROUP_FROM - 1], 0.0) + fewer.flush()
     assert folded.tag == "[ranks 0-16,18-62]"
+
+
+def test_a_series_keeps_every_point_in_bounded_memory() -> None:
+    """1,024 ranks logging two values at 5 steps a second: the record keeps every point, its memory bounded (the
+    points past the latest CHUNK go to an unlinked file), and reads them back as the points logged."""
+    import pickle
+    import tracemalloc
+
+    from ddpnb.core.record import Point
+    from ddpnb.core.series import CHUNK, SAMPLE, Series, Spill
+
+    logged = [Point(step if step % 7 else None, 1000.0 + step, 1.0 / (step + 1)) for step in range(20_000)]
+    tracemalloc.start()
+    series = Series(Spill())
+    before = tracemalloc.get_traced_memory()[0]
+    for point in logged:
+        series.add(*point)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < (CHUNK + 2 * SAMPLE) * 24 + 4096, grown  # 20,000 points as tuples: 3 MB
+    assert len(series) == len(logged) and list(series) == logged and series == logged
+    assert series[0] == logged[0] and series[-1] == logged[-1] and series[12_345] == logged[12_345]
+    assert series[100:110] == logged[100:110] and series[::999] == logged[::999] and series[-3:] == logged[-3:]
+    assert pickle.loads(pickle.dumps(series)) == logged
+    drawn = series.sample(400)
+    assert len(drawn) <= 401 and drawn[-1] == logged[-1] and drawn[0] == logged[0]
+    times = [row[1] for row in drawn]
+    assert times == sorted(set(times)) and all(logged[int(at - 1000.0)] == row for at, row in zip(times, drawn))
+
+
+def test_ranks_whose_node_answers_nothing_are_said_as_not_reported_and_one_ranks_stack_can_be_asked() -> None:
+    """From GROUP_FROM ranks up: a node that answers no stacks request is one line, `ranks 8-15 have not reported
+    for N s`; `run.stacks(ranks=[...])` asks those ranks only, and the Stacks panel shows one stack per place."""
+    from ddpnb.views.html import stacks_html
+
+    run = ddpnb.launch(
+        train,
+        nprocs=GROUP_FROM,
+        view="none",
+        ranks_per_node=8,
+        steps=1000,
+        steps_per_second=10,
+        stall_rank=17,
+        stall_at=1.0,
+        mute_node=1,
+        stall=1.5,
+        **SIM,
+    )
+    try:
+        with pytest.raises(ValueError, match="this run's ranks are 0 to 63; got \\[64\\]"):
+            run.stacks(ranks=[64])
+        deadline = time.monotonic() + 40
+        while not run.record.stalled and time.monotonic() < deadline:
+            run.wait(timeout=0.5)
+        assert run.record.stalled
+        summary = report.diagnosis_summary(run.record.stall.diagnosis)
+        assert re.search(r"ranks 8-15 have not reported for [\d.]+ s", summary), summary
+        assert "rank 17 is in time.sleep" in summary, summary
+        lines = report.diagnosis_lines(run.record.stall.diagnosis)
+        assert len(lines) == 3 and any(re.fullmatch(r"ranks 8-15 have not reported for [\d.]+ s", x) for x in lines)
+        one = run.stacks(wait=20, ranks=[17, 9])  # a mute node: each collection waits it out
+        assert sorted(one) == [9, 17] and one[9] == "" and "line 9" in one[17], one  # rank 9's node is mute
+        panel = stacks_html(run.stacks(wait=20), GROUP_FROM)
+        assert panel.count("<pre") == 2 and "ranks 8-15: no stack" in panel and "run.stacks(ranks=[17])" in panel
+    finally:
+        run.stop()

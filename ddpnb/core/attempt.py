@@ -28,9 +28,10 @@ from ddpnb.core.engine import AttemptStart, Capabilities, Engine, RunEvents
 from ddpnb.core.failures import Failure, FrameLocals, is_knock_on
 from ddpnb.core.output import LineBuffer
 from ddpnb.core.policy import AttemptSnapshot
-from ddpnb.core.ranklogs import RankLogs
-from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, Point, Queued, RankState, Stall, bug_text
+from ddpnb.core.ranklogs import FLUSH_EVERY, RankLogs
+from ddpnb.core.record import AttemptRecord, Diagnosis, Outcome, Queued, RankState, Stall, bug_text
 from ddpnb.core.result import ResultSlot
+from ddpnb.core.series import Series, Spill
 from ddpnb.core.spec import Stream, WorkerSpec
 from ddpnb.core.stall import diagnose
 from ddpnb.core.watchdog import Alarm, Watchdog
@@ -84,6 +85,8 @@ class Attempt:
         self.record = record
         self._lines = lines
         self.logs: RankLogs | None = None
+        self._spill: Spill | None = None  # the metrics' written-out points, from the first metric on
+        self._flush_at = 0.0  # when the rank logs are next written (`time.monotonic()`)
         self.watchdog = watchdog
         self.announcer = announcer
         self.channel = channel
@@ -274,7 +277,12 @@ class Attempt:
         self.watchdog.stamp(rank)
         metrics = self.record.ranks[rank].metrics
         for name, value in message.values.items():
-            metrics.setdefault(name, []).append(Point(message.step, message.time, value))
+            series = metrics.get(name)
+            if series is None:
+                if self._spill is None:
+                    self._spill = Spill()
+                series = metrics[name] = Series(self._spill)
+            series.add(message.step, message.time, value)
 
     def _output(self, rank: int, message: msg.Output) -> None:
         self.output(rank, Stream(message.stream), message.data)
@@ -388,6 +396,8 @@ class Attempt:
         self.announcer.mark(turn=True)
         record.exitcode, record.ended = exitcode, record.ended or self.clock()
         self.broker.withdraw([rank])  # a rank gone from its prompt waits for no answer
+        if self.logs is not None:  # a rank that ended has its log whole on disk at once
+            self.logs.flush(rank)
         if record.state is RankState.FAILED:
             return
         if exitcode == 0 and rank in self._returned:
@@ -411,6 +421,9 @@ class Attempt:
     def tick(self) -> None:
         if self.channel is not None:
             self.channel.release()
+        if self.logs is not None and time.monotonic() >= self._flush_at:
+            self._flush_at = time.monotonic() + FLUSH_EVERY
+            self.logs.flush()
         self.broker.serve_stack_requests()  # asked for by other threads: collected in the reader's
         asked = self._request.asked
         if asked and self._stop is None:

@@ -165,14 +165,14 @@ def exceptions(record: RunRecord, straggler_words: Callable[[RankRecord], str]) 
 
 
 # --- where the ranks are --------------------------------------------------------------------------------------------
-def place_key(where: RankWhere) -> tuple[str, str, str, str, bool]:
-    return (where.ended, where.waits_in, where.call, where.at, where.starting)
+def place_key(where: RankWhere) -> tuple[str, str, str, str, bool, bool]:
+    return (where.ended, where.waits_in, where.call, where.at, where.starting, where.unreported)
 
 
 def place_groups(diagnosis: Diagnosis) -> list[list[RankWhere]]:
     """The ranks grouped by where they are, those not waiting first (the ranks the others wait for), at most
     MAX_GROUPS: past that, the smallest groups go together into the last."""
-    groups: dict[tuple[str, str, str, str, bool], list[RankWhere]] = {}
+    groups: dict[tuple[str, str, str, str, bool, bool], list[RankWhere]] = {}
     for where in diagnosis.ranks:
         groups.setdefault(place_key(where), []).append(where)
     order = sorted(groups.items(), key=lambda item: (bool(item[0][0]), bool(item[0][1]), item[1][0].rank))

@@ -1,6 +1,6 @@
 """One attempt's rank logs: each rank's output decoded into lines, written to its log file, crash reports read.
 
-Raw bytes go to `rankN.log` (or `rankN.attemptK.log` with restarts) as they come; decoded lines go to the run's
+Raw bytes go to `rankN.log` (or `rankN.attemptK.log` with restarts), written once a FLUSH_EVERY; decoded lines go to the run's
 line buffer (which views read) and to the rank's record (its latest line). A rank killed by a signal has its
 faulthandler report read from its stderr, so its failure can say where in the user's code it died. When the
 attempt ends, each log closes with how its rank ended, so the file alone tells the story.
@@ -22,6 +22,9 @@ from ddpnb.core.spec import Stream
 from ddpnb.core.stacks import FATAL_ERROR, CrashDump
 from ddpnb.core.words import describe_exit, size_text
 
+FLUSH_EVERY = 1.0  # seconds a rank's output may wait in memory before its log file has it (`RankLogs.flush`)
+FLUSH_SIZE = 1 << 16  # bytes of one rank's output written at once whenever they come
+
 
 def log_paths(run_dir: Path, world_size: int, attempt: int, restarts: bool) -> list[Path]:
     """Each rank's log; with restarts, each attempt has its own (`rank1.attempt0.log`)."""
@@ -30,16 +33,28 @@ def log_paths(run_dir: Path, world_size: int, attempt: int, restarts: bool) -> l
 
 class _Log:
     """A rank's log file that a full disk (or a file size limit) cuts short, not the run: the first write that
-    fails is said once, in the rank's output, and the log takes nothing more."""
+    fails is said once, in the rank's output, and the log takes nothing more. What comes is held until `flush`
+    (or FLUSH_SIZE of it): a write per rank per read pass was the reader's largest cost at 1,024 ranks, each
+    write handing the interpreter's lock to the views' threads and waiting to get it back."""
 
     def __init__(self, file: Any, cut: Callable[[OSError], None]) -> None:
         self.file = file
         self.written = 0
         self._cut = cut
         self.failed: OSError | None = None
+        self.pending = bytearray()
 
     def write(self, data: bytes) -> None:
-        if self.failed is not None or not data:
+        if self.failed is None and data:
+            self.pending += data
+            if len(self.pending) >= FLUSH_SIZE:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        data, self.pending = self.pending, bytearray()
+        if self.failed is not None:
             return
         view = memoryview(data)
         try:
@@ -51,7 +66,10 @@ class _Log:
             self._cut(exc)
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.flush()
+        finally:
+            self.file.close()
 
 
 class RankLogs:
@@ -107,6 +125,12 @@ class RankLogs:
         self._logs[rank].write((b"\n" if cut else b"") + f"{line}\n".encode())
         self._ranks[rank].lines += 1
         self._lines.add(rank, Stream.STDERR, [line])
+
+    def flush(self, rank: int | None = None) -> None:
+        """What came since the last flush, into the log files (`rank`: that rank's only). The attempt flushes every
+        FLUSH_EVERY, a rank's log as the rank ends, and every log at the end."""
+        for log in self._logs if rank is None else self._logs[rank : rank + 1]:
+            log.flush()
 
     def _cut(self, rank: int, exc: OSError) -> None:
         log = self._logs[rank]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ddpnb.core.failures import Failure, FailureRole, role, root_cause
 from ddpnb.core.messages import Hardware, Progress, StepTimes
+from ddpnb.core.series import Point, Series
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import Named, format_duration, ranks_text
 
@@ -35,15 +36,6 @@ class OutputLine(NamedTuple):
     rank: int
     stream: Stream
     text: str
-
-
-class Point(NamedTuple):
-    """One logged value of a metric (`RunRecord.metrics`): the step given to `ddpnb.log` (or None), when the rank
-    logged it (`time.time()`), and the value."""
-
-    step: int | None
-    time: float
-    value: float
 
 
 class RankState(Named):
@@ -91,7 +83,7 @@ class RankRecord:
     stack: str = ""  # Python stacks dumped at a stall (timeout)
     stalled_state: RankState | None = None  # the rank's state when its stack was dumped
     breakpoint_at: str = ""  # where the rank waits at a debugger prompt ('Cell In[5], line 7, in train'), if it does
-    metrics: dict[str, list[Point]] = field(default_factory=dict)
+    metrics: dict[str, Series] = field(default_factory=dict)  # every point, in bounded memory (`core.series`)
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
     step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))
@@ -193,6 +185,7 @@ class RankWhere:
     at: str = ""  # its line: "Cell In[4], line 6" or 'File "train.py", line 6'; "" where no stack came
     ended: str = ""  # a rank no longer in its function: "returned", "finished", "failed", "stopped"
     starting: bool = False  # no line of the user's on its stack, and it has not said it started
+    unreported: bool = False  # from `groups.GROUP_FROM` ranks up: a running rank whose stack did not come
 
 
 @dataclass

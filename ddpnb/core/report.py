@@ -136,6 +136,8 @@ def locals_lines(failure: Failure) -> list[str]:
 def where_phrase(where: RankWhere, plural: bool = False) -> str:
     """'waits in all_reduce (Cell In[4], line 7)', 'is in time.sleep (...)', 'is at ...' ('wait'/'are')."""
     at = f" ({where.at})" if where.at else ""
+    if where.unreported:
+        return f"{'have' if plural else 'has'} not reported for {format_duration(where.quiet)}"
     if where.ended:
         return f"{'have' if plural else 'has'} {where.ended}"
     if where.waits_in:
@@ -156,7 +158,7 @@ def diagnosis_summary(diagnosis: Diagnosis) -> str:
     world = len(diagnosis.ranks)
     if groups.grouped(world):
         return "; ".join(_place_words(places, world) for places in groups.place_groups(diagnosis))
-    by_place: dict[tuple[str, str, str, str, bool], list[int]] = {}
+    by_place: dict[tuple[str, str, str, str, bool, bool], list[int]] = {}
     for where in diagnosis.ranks:
         by_place.setdefault(groups.place_key(where), []).append(where.rank)
     first = {where.rank: where for where in diagnosis.ranks}
@@ -178,7 +180,9 @@ def diagnosis_lines(diagnosis: Diagnosis, now: float | None = None) -> list[str]
     world = len(diagnosis.ranks)
     if groups.grouped(world):  # a line per place, not per rank
         return [
-            f"{_place_words(places, world)}, {groups.quiet_words(places, later)} since "
+            _place_words(places, world)
+            if places[0].unreported and not groups.elsewhere(places)
+            else f"{_place_words(places, world)}, {groups.quiet_words(places, later)} since "
             f"{'their' if len(places) > 1 else 'its'} last activity"
             for places in groups.place_groups(diagnosis)
         ]

@@ -9,7 +9,7 @@ all attempts; what is one attempt's (rank records, failures, logs, the stop, ran
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -251,15 +251,22 @@ class Run:
             self._life.view_failed(view, exc)
             self.setup.front_end.view_failed(view, exc)
 
-    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+    def stacks(self, wait: float = STACKS_WAIT, ranks: Iterable[int] | None = None) -> dict[int, str]:
         """Every running rank's Python stack now, as a traceback reads: `{rank: text}`, the threads that run your
         code (on Ray Train: the training thread), oldest call first, notebook cells named `Cell In[N]`, with their
-        source lines. The run goes on; `{}` once it has ended."""
+        source lines; `ranks`: only those (`run.stacks(ranks=[17])`). The run goes on; `{}` once it has ended."""
+        asked = None if ranks is None else set(ranks)
+        if asked is not None and not asked <= set(range(self.record.world_size)):
+            raise ValueError(
+                f"run.stacks(ranks=...): this run's ranks are 0 to {self.record.world_size - 1}; "
+                f"got {sorted(asked - set(range(self.record.world_size)))}"
+            )
         if self.done:
             return {}
-        return {
-            rank: cell_names(stack) for rank, stack in self.collect_stacks(self.attempt.running_ranks(), wait).items()
-        }
+        running = [rank for rank in self.attempt.running_ranks() if asked is None or rank in asked]
+        if not running:
+            return {}
+        return {rank: cell_names(stack) for rank, stack in self.collect_stacks(running, wait).items()}
 
     def collect_stacks(self, ranks: list[int], wait: float) -> dict[int, str]:
         """Each of `ranks`' stacks now, from the user's code down (asked from any thread but the reader's)."""

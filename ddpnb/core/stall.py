@@ -8,10 +8,12 @@ threshold and the analysis cost nothing until it passes.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
 import time
 
 from ddpnb.core.cellnames import cell_names
+from ddpnb.core.groups import grouped
 from ddpnb.core.record import Diagnosis, RankRecord, RankState, RankWhere
 from ddpnb.core.stacks import COLLECTIVES, STORE_WAITS, frames_of, is_library
 
@@ -112,4 +114,11 @@ def diagnose(
         locate(record, stacks.get(record.rank, ""), now - active[record.rank], record.rank in returned)
         for record in ranks
     ]
+    if grouped(len(ranks)):  # many ranks: those whose node answered nothing are said as such, together
+        located = [
+            dataclasses.replace(where, unreported=True)
+            if where.rank not in stacks and not where.ended and record.state is RankState.RUNNING
+            else where
+            for where, record in zip(located, ranks)
+        ]
     return Diagnosis(taken=time.time(), ranks=located, stacks=dict(stacks), flight=flight or [])

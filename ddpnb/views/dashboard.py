@@ -16,6 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ddpnb.core import groups
 from ddpnb.core.output import split_at_restarts
 from ddpnb.core.record import OutputLine
 from ddpnb.core.report import restart_line
@@ -30,7 +31,6 @@ from ddpnb.views.html import (
     any_line_html,
     error_html,
     header_html,
-    line_html,
     log_html,
     log_location,
     log_note,
@@ -47,6 +47,9 @@ from ddpnb.views.html import (
 from ddpnb.views.text import summary_text
 
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
+RANK_LINES = 64 * LOG_LINES  # lines the per-rank views keep in all: fewer a rank from 64 ranks up ...
+MIN_RANK_LINES = 20  # ... but never fewer than this (its log file has every line)
+MANY_REDRAW = 1.0  # seconds between two redraws from `groups.GROUP_FROM` ranks up (below: at the reader's news)
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
 
 # the live widget's extras, which need the page's CSS (theme variables, the log scrolled to its end); the static
@@ -90,9 +93,11 @@ class Dashboard:
         self._restarts_shown = 0  # earlier attempts whose restart is marked in the logs
         # a line cut for the panel (or a restart's mark), its HTML
         self._all: deque[tuple[FoldedLine | RestartMark, str]] = deque(maxlen=LOG_LINES)
-        self._per_rank: list[deque[tuple[OutputLine | RestartMark, str]]] = [
-            deque(maxlen=LOG_LINES) for _ in range(self.record.world_size)
-        ]  # as printed
+        # as printed, drawn when picked; at most RANK_LINES in all (a thousand ranks' 200 lines each: 90 MB)
+        kept = max(MIN_RANK_LINES, min(LOG_LINES, RANK_LINES // self.record.world_size))
+        self._per_rank: list[deque[OutputLine | RestartMark]] = [
+            deque(maxlen=kept) for _ in range(self.record.world_size)
+        ]
         self._folder = Folder(self.record.world_size, enabled=fold)
         self._metrics_seen: tuple[int, ...] | None = None
         self._plotted = 0.0  # when the plots were last drawn
@@ -186,8 +191,11 @@ class Dashboard:
         seen = 0
         try:
             while (run := self.run) is not None and not run.done:
+                drawn = time.monotonic()
                 self._render()
                 seen = run.watch(seen, TICK)  # the reader's news, or a TICK for the clocks
+                if groups.grouped(self.record.world_size):  # a thousand ranks' redraw is 70 ms: not 5 a second
+                    time.sleep(max(0.0, MANY_REDRAW - (time.monotonic() - drawn)))
         finally:  # a redraw's bug still releases the widgets
             self.finish()
 
@@ -266,14 +274,15 @@ class Dashboard:
             if attempt is not None:
                 self._restarts_shown += 1
                 mark = RestartMark(restart_line(attempt, self.record.max_restarts))
-                for shown in (self._all, *self._per_rank):
-                    shown.append((mark, any_line_html(mark)))
+                self._all.append((mark, any_line_html(mark)))
+                for shown in self._per_rank:
+                    shown.append(mark)
                 self._lines_changed = True
 
     def _add(self, new: list[OutputLine], folded: list[FoldedLine]) -> None:
         """Lines as printed, into each rank's log; as folded, into the all-ranks log."""
         for line in new:
-            self._per_rank[line.rank].append((line, line_html(line.rank, line.stream, line.text)))
+            self._per_rank[line.rank].append(line)
         for line in folded:
             self._all.append((line, any_line_html(line)))
         if new or folded:
@@ -283,14 +292,13 @@ class Dashboard:
         rank = self.log_picker.value
         record = self.record
         if rank == -1:
-            lines = self._all
-            total = total_lines(record)
-            where = log_location(record)
-        else:
-            lines = self._per_rank[rank]
-            total = total_lines(record, rank)
-            where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
-        return log_html((html_line for _, html_line in lines), log_note([line for line, _ in lines], total, where))
+            return log_html(
+                (html_line for _, html_line in self._all),
+                log_note([line for line, _ in self._all], total_lines(record), log_location(record)),
+            )
+        lines = list(self._per_rank[rank])
+        where = f"<code>{html.escape(str(record.ranks[rank].log_path))}</code>"
+        return log_html(map(any_line_html, lines), log_note(lines, total_lines(record, rank), where))
 
     # --- controls ----------------------------------------------------------------------------------------------------
     def _on_pick(self, change: dict[str, Any]) -> None:
@@ -311,7 +319,7 @@ class Dashboard:
         button.disabled, button.description = True, "Collecting…"
 
         def show() -> None:  # stacks() waits for the ranks' dumps: not in the kernel's thread
-            self.stacks.value = stacks_html(run.stacks())
+            self.stacks.value = stacks_html(run.stacks(), run.record.world_size)
             self.stacks.layout.display = None
             button.description = "Stacks"
             button.disabled = self._finished

@@ -35,6 +35,7 @@ from ddpnb.core.report import (
     state_words,
     straggler_text,
 )
+from ddpnb.core.series import Series
 from ddpnb.core.spec import Stream
 from ddpnb.core.words import describe_exit, format_duration, ranks_text, size_text
 from ddpnb.views.fold import FoldedLine, rank_ranges
@@ -42,6 +43,9 @@ from ddpnb.views.profile import profile_html
 
 MAX_LINE_CHARS = 500  # longer lines are cut in the panel (the log file has them whole)
 MAX_POINTS = 400  # points drawn per series; longer series are thinned for drawing (the record keeps all)
+BAND_POINTS = 100  # from `groups.GROUP_FROM` ranks up, points of each rank the band and median are drawn from
+OUTLIERS = 3  # ranks a plot of many ranks names as off the others, at most ...
+OUTLIER_SPREAD = 5.0  # ... where their latest value is this many median deviations off the median
 PLOT_SIZE = (400, 160)  # one metric's plot, in pixels
 MANY_RANKS = 8  # from this many ranks up, plots show rank 0, the median and the min-max band; rows are compact
 SUMMARY_LOG_LINES = 30
@@ -410,7 +414,10 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     # redraw costs the same after a million points as after a hundred
     logged = {r.rank: r.metrics.get(name, []) for r in record.ranks}
     counts = {rank: len(points) for rank, points in logged.items()}
-    series = {rank: thin(points, MAX_POINTS) for rank, points in logged.items()}
+    many = groups.grouped(record.world_size)  # the band of a thousand ranks: fewer points of each rank's
+    series = {
+        rank: thin(points, BAND_POINTS if many and rank not in shown else MAX_POINTS) for rank, points in logged.items()
+    }
     before = [{rank: thin(a.ranks[rank].metrics.get(name, []), MAX_POINTS) for rank in shown} for a in record.attempts]
     by_step = all(
         step is not None for attempt in [series, *before] for points in attempt.values() for step, _, _ in points
@@ -442,9 +449,17 @@ def _plot(record: RunRecord, name: str, shown: Sequence[int], band: bool, image:
     all_y = [y for points in drawn_lines for _, y in points] + [y for _, lo, hi in band_points for y in (lo, hi)]
     latest = series[shown[0]] or next((a[shown[0]] for a in reversed(before) if a[shown[0]]), [])
     value = f"rank {shown[0]}: {latest[-1][2]:.4g}" if len(latest) else ""
+    off = outliers(logged) if many else []
     title = (
         f'<div class="ddpnb-plot-title" style="font-size:12px;font-weight:600;margin:0 0 0 40px">'
-        f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span></div>'
+        f'{html.escape(name)} <span style="font-weight:400;opacity:0.7">{value}</span>'
+        + (
+            f'<span class="ddpnb-outliers" style="font-weight:400;opacity:0.7">; off the others: '
+            f"{', '.join(f'rank {rank} {latest:.4g}' for rank, latest in off)}</span>"
+            if off
+            else ""
+        )
+        + "</div>"
     )
     box = (
         f'<div class="ddpnb-plot" data-metric="{html.escape(name)}" style="display:inline-block;'
@@ -552,13 +567,33 @@ def _points(points: Iterable[tuple[float, float]]) -> str:
     return " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
 
 
+def outliers(logged: dict[int, Sequence[Any]]) -> list[tuple[int, float]]:
+    """The ranks whose latest value lies furthest off the others' (over OUTLIER_SPREAD median deviations off their
+    median), the furthest OUTLIERS of them, with that value: what a plot of many ranks names under its band."""
+    latest = {rank: points[-1][2] for rank, points in logged.items() if len(points)}
+    finite = [value for value in latest.values() if math.isfinite(value)]
+    if len(finite) < 3:
+        return []
+    middle = statistics.median(finite)
+    spread = statistics.median(abs(value - middle) for value in finite)
+    off = {
+        rank: abs(value - middle) if math.isfinite(value) else math.inf
+        for rank, value in latest.items()
+        if not math.isfinite(value) or abs(value - middle) > max(OUTLIER_SPREAD * spread, 1e-9 * abs(middle))
+    }
+    return [(rank, latest[rank]) for rank in sorted(off, key=lambda rank: (-off[rank], rank))[:OUTLIERS]]
+
+
 def thin(points: Sequence[Any], limit: int) -> Sequence[Any]:
-    """At most about `limit` evenly spaced points, always keeping the last one."""
+    """At most about `limit` evenly spaced points, always keeping the last one (a record's series: from the sample
+    it keeps in memory)."""
+    if isinstance(points, Series):
+        return points.sample(limit)
     if len(points) <= limit:
         return list(points)
     stride = math.ceil(len(points) / limit)
     kept = list(points[::stride])
-    if kept[-1] is not points[-1]:
+    if (len(points) - 1) % stride:
         kept.append(points[-1])
     return kept
 
@@ -784,10 +819,30 @@ def stall_stacks_html(record: RunRecord) -> str:
     )
 
 
-def stacks_html(stacks: dict[int, str]) -> str:
-    """Every rank's stack, as `Run.stacks()` gave them."""
+def stacks_html(stacks: dict[int, str], world_size: int = 0) -> str:
+    """Every rank's stack, as `Run.stacks()` gave them; from `groups.GROUP_FROM` ranks up, one stack per place
+    the ranks are at (`grouped_stacks`), the ranks that sent none named, and how to ask for one rank's."""
     if not stacks:
         return f'<div class="ddpnb-muted" style="{_MUTED}">no rank is running: no stacks</div>'
+    if groups.grouped(max(world_size, len(stacks))):
+        sent = {rank: text for rank, text in stacks.items() if text.strip()}
+        silent = sorted(set(range(world_size)) - set(sent))
+        return (
+            f'<div class="ddpnb-stacks">{section_html("stacks")}'
+            + "".join(
+                f'<div data-ranks="{groups.ranges(ranks)}">{html.escape(groups.named(ranks, world_size))}</div>'
+                f'<pre class="ddpnb-mono" style="{_MONO};margin:2px 0 6px;{_WRAP};max-height:320px;overflow-y:auto">'
+                f"{html.escape(text)}</pre>"
+                for ranks, text in grouped_stacks(sent)
+            )
+            + (
+                f'<div style="{_MUTED}">{html.escape(groups.named(silent, world_size))}: no stack (not running, or '
+                "not answering)</div>"
+                if silent
+                else ""
+            )
+            + f'<div style="{_MUTED}">one rank\'s whole stack: <code>run.stacks(ranks=[17])</code></div></div>'
+        )
     return (
         f'<div class="ddpnb-stacks">{section_html("stacks")}'
         + "".join(
