@@ -26,7 +26,7 @@ from ddpnb.core.spec import DEFAULT_CPU_RANKS, CallStyle, LaunchError
 from ddpnb.rank.main import call_arguments
 from ddpnb.script.sources import Collected, ExportError, Kind, collect
 
-SCRIPT_NAMES = ("main", "ARGS", "_notebook_data", "_first_node")  # the script's own top-level names
+SCRIPT_NAMES = ("main", "ARGS", "_notebook_data", "_first_node", "_free_port")  # the script's own top-level names
 SLURM_PORTS = (20000, 20000)  # srun's ranks meet on port 20000 + job id % 20000: the same on every rank
 
 
@@ -333,7 +333,8 @@ def _main_text(
             f"% {SLURM_PORTS[1]}))"
         ),
         '    if "RANK" not in os.environ:  # python script.py: a run of one rank',
-        '        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")',
+        '        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")',
+        '        os.environ["MASTER_PORT"] = str(_free_port())  # a port nobody holds: no other rank needs to know it',
         '    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])',
         f"    if rank == 0 and world_size != {world_size}:",
         f'        print(f"[{name}] the notebook ran {world_size} ranks; this run has {{world_size}}", file=sys.stderr)',
@@ -392,6 +393,15 @@ def _main_text(
         "    finally:",
         "        if dist.is_initialized():",
         "            dist.destroy_process_group()",
+        "",
+        "",
+        "def _free_port():",
+        '    """A port of this machine nobody listens on now (bound as port 0, then let go)."""',
+        "    import socket",
+        "",
+        "    with socket.socket() as probe:",
+        '        probe.bind(("127.0.0.1", 0))',
+        "        return probe.getsockname()[1]",
         "",
         "",
         "def _first_node(nodelist):",
