@@ -258,3 +258,28 @@ def dashboards(nb: Any) -> list[str]:
         for model_id, model in state.items()
         if "ddpnb" in model["state"].get("_dom_classes", [])
     ]
+
+
+def training_cell(steps: int, pause: float) -> str:
+    """A detached-run test's cell: `train`, a 2-rank all_reduce per step that logs its step and loss and prints a
+    line, `pause` seconds a step, returning rank 0's total and a tensor (the result compared with a plain run's)."""
+    return f"""
+import json
+import ddpnb
+
+def train(rank, world_size):
+    import time
+    import torch
+    import torch.distributed as dist
+    import ddpnb
+
+    total = torch.zeros(1)
+    for step in range({steps}):
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        total += one
+        ddpnb.log(step=step, loss=1.0 / (step + 1))
+        print(f"rank {{rank}} step {{step}}", flush=True)
+        time.sleep({pause})
+    return {{"rank": rank, "total": total.item(), "weights": torch.arange(4.0) * total}}
+"""

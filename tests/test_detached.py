@@ -21,32 +21,13 @@ import pytest
 import ddpnb
 from ddpnb.core.journal.replay import Replay
 from ddpnb.detached import files
-from tests.conftest import Kernel, private_runs_dir, wait_gone
+from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 STEPS = 300
 
-TRAIN = f"""
-import json
-import ddpnb
-
-def train(rank, world_size):
-    import time
-    import torch
-    import torch.distributed as dist
-    import ddpnb
-
-    total = torch.zeros(1)
-    for step in range({STEPS}):
-        one = torch.ones(1)
-        dist.all_reduce(one)
-        total += one
-        ddpnb.log(step=step, loss=1.0 / (step + 1))
-        print(f"rank {{rank}} step {{step}}", flush=True)
-        time.sleep(0.02)
-    return {{"rank": rank, "total": total.item(), "weights": torch.arange(4.0) * total}}
-"""
+TRAIN = training_cell(STEPS, pause=0.02)
 
 
 def _steps_logged(run_dir: Path) -> int:

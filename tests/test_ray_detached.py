@@ -22,7 +22,7 @@ import pytest
 
 from ddpnb.core.journal.replay import Replay
 from ddpnb.detached import files
-from tests.conftest import Kernel, private_runs_dir, wait_gone
+from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
 from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT
 
 # every kernel here: no view, Ray quiet and without token authentication (the kernels join the holder's instance)
@@ -35,26 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install -e '.[ray]')"),
 ]
 
-TRAIN = f"""
-import json
-import ddpnb
-
-def train(rank, world_size):
-    import time
-    import torch
-    import torch.distributed as dist
-    import ddpnb
-
-    total = torch.zeros(1)
-    for step in range({STEPS}):
-        one = torch.ones(1)
-        dist.all_reduce(one)
-        total += one
-        ddpnb.log(step=step, loss=1.0 / (step + 1))
-        print(f"rank {{rank}} step {{step}}", flush=True)
-        time.sleep(0.1)
-    return {{"rank": rank, "total": total.item(), "weights": torch.arange(4.0) * total}}
-"""
+TRAIN = training_cell(STEPS, pause=0.1)
 
 SLEEPS = """
 import ddpnb
