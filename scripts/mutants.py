@@ -16,6 +16,7 @@ It refuses to edit a product file with uncommitted changes. When the product cod
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -913,6 +914,28 @@ MUTANTS = [
     ),
 ]
 ROOT = Path(__file__).resolve().parent.parent
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h: what a mutant's tests leave behind is reparented to this script
+
+
+def _end_leftovers() -> None:
+    """End what a mutant's tests left running (a broken Slurm keeper leaves its `salloc`): this script's own
+    orphans only, never another user's or another checkout's processes."""
+    while True:
+        pids = [
+            int(pid) for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()
+        ]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def _dirty(path: str) -> bool:
@@ -947,8 +970,7 @@ def _run_tests(mutant: Mutant) -> tuple[bool, dict[str, str], str]:
         text=True,
         check=False,
     )
-    # a mutant that breaks the Slurm keeper leaves the `salloc` it should have ended: end it here
-    subprocess.run(["pkill", "-9", "-f", "salloc --job-name=ddpnb-|ddpnb/engines/slurm/keeper.py"], check=False)
+    _end_leftovers()
     failed = dict(re.findall(r"^FAILED (\S+?)(?: - (.*))?$", done.stdout, re.MULTILINE))
     last = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode not in (0, 1):  # interrupted, a usage error, no tests collected: not a kill
@@ -987,6 +1009,7 @@ def main() -> None:
     unknown = set(options.names) - {m.name for m in MUTANTS}
     if unknown:
         raise SystemExit(f"no such mutant: {', '.join(sorted(unknown))} (see --list)")
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if options.list:
         for mutant in chosen:
             print(f"{mutant.name}  ({mutant.path})\n  " + "\n  ".join(mutant.tests))
