@@ -1,7 +1,7 @@
 """The slurm engine (issue 27) inside an allocation, against a real two-node Slurm on this machine.
 
-The module starts Debian's slurm-wlm (munged, slurmctld, slurmd n1 and n2: `tests/slurm_cluster.py`), takes one
-allocation with `salloc --no-shell -N 2 -n 4`, and gives a real Jupyter kernel what a kernel started inside
+The session's Debian slurm-wlm (munged, slurmctld, slurmd n1 and n2: `tests/slurm_cluster.py`, conftest's `cluster`)
+holds one allocation, `salloc --no-shell -N 2 -n 4`; the module gives a real Jupyter kernel what a kernel started inside
 `salloc` has: SLURM_JOB_ID (and SLURM_CONF, this cluster's). The kernel's `%%ddp --engine slurm` cells then run
 their ranks as srun steps over both nodes. The tests skip, saying why, only where the packages cannot be installed.
 """
@@ -32,23 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HOST_MODULE = "ddpnb.engines.slurm.host"
 FORKSERVER = "multiprocessing.forkserver"
 CELL_TIMEOUT = 300
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = slurm_cluster.install()
-    if why:
-        pytest.skip(f"no local Slurm for the slurm engine's tests: {why}")
-    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-"))
-    started = slurm_cluster.start(directory)
-    try:
-        started.allocate(nodes=2, tasks=4)
-        yield started
-    finally:
-        if started.job:
-            started.run("scancel", started.job, check=False)
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
