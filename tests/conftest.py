@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +19,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 import ddpnb
+from tests import slurm_cluster
 
 # the fake engine (tests/fake_engine.py) is registered for the tests only, as another package's engine is: through
 # the `ddpnb.engines` entry point group, from a distribution's metadata in tests/engines/
@@ -180,6 +183,34 @@ def kernel():
     k.execute("%load_ext ddpnb")
     yield k
     k.shutdown()
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> Iterator[slurm_cluster.Cluster]:
+    """The two-node Slurm of tests/slurm_cluster.py, started once for the session by the first module that asks
+    (pytest-randomly shuffles them) and stopped by PID at its end, holding one allocation (`salloc -N 2 -n 4`,
+    `cluster.job`) that kernels run inside; the tests skip, saying why, where Slurm cannot be installed."""
+    why = slurm_cluster.install()
+    if why:
+        pytest.skip(f"no local Slurm for the Slurm tests: {why}")
+    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-"))
+    started = slurm_cluster.start(directory)
+    try:
+        started.job = started.allocate(nodes=2, tasks=4)
+        yield started
+    finally:
+        if started.job:
+            started.run("scancel", started.job, check=False)
+        started.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(local_slurm: slurm_cluster.Cluster) -> slurm_cluster.Cluster:
+    """The session's Slurm as each module finds it at its start: whatever an earlier module's tests left (a job,
+    a step, a node down) is cleared first, so no module's failure becomes another's."""
+    local_slurm.tidy()
+    return local_slurm
 
 
 def wait_gone(pids: list[int], within: float = 5.0) -> list[int]:

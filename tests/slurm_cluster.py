@@ -29,6 +29,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CPUS_PER_NODE = 2
 NODES = ("n1", "n2")
 START_WAIT = 30.0  # seconds the daemons get to show both nodes idle
+UP = ("idle", "mix", "alloc")  # sinfo's short states of a node that takes work ("down*", "drain" do not)
 
 
 def missing() -> list[str]:
@@ -66,7 +67,7 @@ def _free_port() -> int:
 class Cluster:
     directory: Path
     pids: dict[str, int] = field(default_factory=dict)
-    job: str = ""  # the allocation `allocate` made last
+    job: str = ""  # the allocation kernels run in, as inside `salloc` (the session fixture's: tests/conftest.py)
 
     @property
     def conf(self) -> Path:
@@ -98,7 +99,6 @@ class Cluster:
         )
         for word in (out.stdout + out.stderr).split():
             if word.isdigit():
-                self.job = word
                 return word  # "salloc: Granted job allocation 3"
         raise RuntimeError(f"salloc gave no job: {out.stdout}{out.stderr}")
 
@@ -107,6 +107,36 @@ class Cluster:
         return [
             line for line in self.run("squeue", "--steps", "-h", "-j", job, "-o", "%i %j").splitlines() if line.strip()
         ]
+
+    def tidy(self, within: float = 30.0) -> None:
+        """Back to how the session fixture started it, after tests that may have left it otherwise (a failed test's
+        job or step, a node down): every job but `job` and every step of `job` cancelled, any node down or drained
+        resumed, and `job` allocated again if it is gone; it waits `within` seconds for that, else says what is
+        left."""
+        jobs = [line.split() for line in self.run("squeue", "-h", "-o", "%i %T").splitlines() if line.strip()]
+        if others := [job for job, _ in jobs if job != self.job]:
+            self.run("scancel", *others, check=False)
+        if steps := [line.split()[0] for line in self.steps(self.job)]:
+            self.run("scancel", *steps, check=False)
+        if any(state not in UP for state in self.nodes().values()):
+            self.run("scontrol", "update", f"NodeName={','.join(NODES)}", "State=RESUME", check=False)
+        if (self.job, "RUNNING") not in [tuple(job) for job in jobs]:
+            self.job = self.allocate()
+        deadline = time.monotonic() + within
+        while True:
+            jobs = self.run("squeue", "-h", "-o", "%i").split()
+            left = [job for job in jobs if job != self.job] + self.steps(self.job)
+            nodes = self.nodes()
+            if not left and all(state in UP for state in nodes.values()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the local Slurm is not back after {within:g} s: jobs {left}, nodes {nodes}")
+            time.sleep(0.2)
+
+    def nodes(self) -> dict[str, str]:
+        """Each node's state as `sinfo -N` says it (idle, mix, alloc, down*, drain...)."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).split()
+        return dict(zip(out[::2], out[1::2]))
 
     def stop(self) -> None:
         """SIGTERM to each daemon, then SIGKILL to whichever has not gone within 5 s; by PID, never by name."""
@@ -181,13 +211,20 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     cluster.conf.write_text(conf + "".join(f"{name}={value}\n" for name, value in settings.items()))
     (directory / "state").mkdir(exist_ok=True)
     env = {**os.environ, **cluster.env}
-    logs = []
 
     def daemon(name: str, *command: str) -> None:
-        log = open(directory / f"{name}.out", "wb")  # noqa: SIM115 - the daemon holds it
-        logs.append(log)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        cluster.pids[name] = process.pid
+        # started by a shell that exits at once, so the daemon is no child of this process: a cluster kept for the
+        # whole test session is not among the processes a test counts as its own (test_faults' stray processes)
+        started = subprocess.run(
+            ["sh", "-c", '"$@" </dev/null >"$0" 2>&1 & echo $!', str(directory / f"{name}.out"), *command],
+            capture_output=True,
+            text=True,
+            env=env,
+            start_new_session=True,
+            timeout=10,
+            check=True,
+        )
+        cluster.pids[name] = int(started.stdout)
 
     try:
         daemon(
@@ -210,15 +247,11 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     except BaseException:
         cluster.stop()
         raise
-    finally:
-        for log in logs:
-            log.close()
     return cluster
 
 
 def _idle(cluster: Cluster) -> bool:
-    out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).split()
-    states = dict(zip(out[::2], out[1::2]))
+    states = cluster.nodes()
     return all(states.get(node) == "idle" for node in NODES)
 
 
@@ -250,12 +283,6 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)  # our child: reap it
-        if waited:
-            return False
-    except ChildProcessError:  # not ours (started by another process): ask the kernel
-        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -5,9 +5,9 @@ a stop ends every rank as stopped, and a rank that ignores it is stopped harder;
 a rank killed from outside is reported exited with the others stopped; and nothing of a run outlives it.
 
 The real engines run the functions below; the fake plays the same story from a script, so one test holds both to
-one promise. Ray runs on a local instance started in this process, Slurm on the two-node cluster of
-tests/slurm_cluster.py; each is set up once for the module's tests of that engine, and skipped, saying why,
-where it is not installed.
+one promise. Ray runs on a local instance started in this process for the module's tests, Slurm on the session's
+two-node cluster of tests/slurm_cluster.py (conftest's `cluster`); each is skipped, saying why, where it is not
+installed.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import contextlib
 import importlib.util
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -179,23 +176,11 @@ def _ray() -> Iterator[Contract]:
             ray.shutdown()
 
 
-def _slurm() -> Iterator[Contract]:
-    why = slurm_cluster.install()
-    if why:
-        pytest.skip(f"no local Slurm for the slurm engine's contract: {why}")
+def _slurm(cluster: slurm_cluster.Cluster) -> Iterator[Contract]:
     from tests.test_slurm import ranks_left, steps_left
 
-    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-contract-"))
-    cluster = slurm_cluster.start(directory)
-    try:
-        cluster.allocate(nodes=2, tasks=4)
-        with _environ({**cluster.env, "SLURM_JOB_ID": cluster.job}):
-            yield Contract("slurm", options={"nodes": 2}, nothing_left=lambda pids: ranks_left() + steps_left(cluster))
-    finally:
-        if cluster.job:
-            cluster.run("scancel", cluster.job, check=False)
-        cluster.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    with _environ({**cluster.env, "SLURM_JOB_ID": cluster.job}):
+        yield Contract("slurm", options={"nodes": 2}, nothing_left=lambda pids: ranks_left() + steps_left(cluster))
 
 
 SETUPS = {"local": _local, "ray": _ray, "slurm": _slurm, "fake": _fake}
@@ -209,7 +194,10 @@ ENGINES = [
 
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request) -> Iterator[Contract]:
-    yield from SETUPS[request.param]()
+    if request.param == "slurm":  # the session's cluster (conftest.py), asked for only where Slurm's case runs
+        yield from _slurm(request.getfixturevalue("cluster"))
+    else:
+        yield from SETUPS[request.param]()
 
 
 # bench/loadgen.py's simulated ranks run no function (only what ranks send, for the kernel's load): the promises

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests import slurm_cluster
 from tests.conftest import Kernel
 
 pytestmark = pytest.mark.slow
@@ -323,23 +323,70 @@ def reads_file(rank, world_size):
 }
 
 
+def torchrun_all(scripts: list[Path], timeout: float = 300) -> tuple[str, int]:
+    """tests/run_scripts.py's one torchrun of `scripts`, 2 ranks: what it said, and its exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += [str(Path(__file__).with_name("run_scripts.py")), *map(str, scripts)]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as launch:
+        try:
+            return launch.communicate(timeout=timeout)[0], launch.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks
+            return f"{launch.communicate()[0]}\n(killed after {timeout:g} s)", -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def varied(kernel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each case of VARIED in a directory of its own: defined in the kernel and run there by ddpnb (its value in
+    expected.pt), exported with the same options, and the scripts run by torchrun, all in one launch
+    (tests/run_scripts.py: torch is imported once); a script that fails ends that launch, and the cases after it
+    run in another. Each case's test then checks its own directory."""
+    base = tmp_path_factory.mktemp("varied")
+    scripts = []
+    for case, (source, options) in VARIED.items():
+        where = base / case
+        where.mkdir()
+        numbers = where / "numbers.txt"
+        numbers.write_text("1 2 3\n4\n")
+        defined = kernel.execute(source.replace("{numbers!r}", repr(str(numbers))), timeout=180)
+        exported = kernel.execute(
+            f"value = ddpnb.run({case}, nprocs=2, view='none', **{options!r})\n"
+            f"torch.save(value, {str(where / 'expected.pt')!r})\n"
+            f"ddpnb.export({case}, {str(where / f'{case}.py')!r}, nprocs=2, **{options!r})",
+            timeout=180,
+        )
+        (where / "cells.txt").write_text(
+            "".join(f"{done.error}\n{done.text}" for done in (defined, exported) if done.error is not None)
+        )
+        if (where / f"{case}.py").exists():
+            scripts.append(where / f"{case}.py")
+    while scripts:
+        said, code = torchrun_all(scripts)
+        done = [all(script.with_suffix(f".rank{r}.done").exists() for r in (0, 1)) for script in scripts]
+        ran = len(list(itertools.takewhile(bool, done)))
+        if code == 0 and ran == len(scripts):
+            break
+        failed = min(ran, len(scripts) - 1)  # (all ran, yet torchrun failed: as the last one ended)
+        scripts[failed].with_suffix(".torchrun").write_text(f"exit status {code}\n{said}")
+        scripts = scripts[failed + 1 :]
+    return {case: base / case for case in VARIED}
+
+
 @pytest.mark.parametrize("case", list(VARIED))
-def test_varied_function_exported_runs_to_the_cells_result(kernel, tmp_path, case):
-    source, options = VARIED[case]
-    numbers = tmp_path / "numbers.txt"
-    numbers.write_text("1 2 3\n4\n")
-    run_cell(kernel, source.replace("{numbers!r}", repr(str(numbers))))
-    script, expected = tmp_path / f"{case}.py", tmp_path / "expected.pt"
-    run_cell(
-        kernel,
-        f"value = ddpnb.run({case}, nprocs=2, view='none', **{options!r})\n"
-        f"torch.save(value, {str(expected)!r})\n"
-        f"ddpnb.export({case}, {str(script)!r}, nprocs=2, **{options!r})",
-    )
+def test_varied_function_exported_runs_to_the_cells_result(varied, case):
+    where = varied[case]
+    cells = (where / "cells.txt").read_text()
+    assert cells == "", cells  # the kernel's cells defined, ran and exported it
+    script = where / f"{case}.py"
     assert ruff_findings(script) == ""
-    run_dir = tmp_path / "run"
-    torchrun(script, run_dir)
-    assert_same(torch.load(expected), torch.load(run_dir / "result.pt"))
+    outputs = "".join(f"\n--- {log.name}:\n{log.read_text()}" for log in sorted(where.glob("*.rank?.log")))
+    torchrun = where / f"{case}.torchrun"
+    assert not torchrun.exists(), (
+        f"--- the script:\n{script.read_text()}\n--- torchrun:\n{torchrun.read_text()}{outputs}"
+    )
+    assert_same(torch.load(where / "expected.pt"), torch.load(where / "run" / "result.pt"))
 
 
 def test_notebook_tensor_is_named_and_travels_with_data(kernel, tmp_path):
@@ -372,20 +419,6 @@ def test_export_before_any_cell_or_of_a_lambda_says_what_to_do(kernel, tmp_path)
     assert said.error is not None and "needs a name in the script: pass name='train'" in said.error["evalue"]
     said = kernel.execute(f'ddpnb.export(print, "{tmp_path / "x.txt"}")')
     assert said.error is not None and "must end in .py" in said.error["evalue"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = slurm_cluster.install()
-    if why:
-        pytest.skip(f"no local Slurm for the sbatch test: {why}")
-    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-export-"))
-    started = slurm_cluster.start(directory)
-    try:
-        yield started
-    finally:
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_sbatch_file_trains_the_same_on_two_slurm_nodes(kernel, tmp_path, cluster):

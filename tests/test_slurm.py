@@ -1,7 +1,7 @@
 """The slurm engine (issue 27) inside an allocation, against a real two-node Slurm on this machine.
 
-The module starts Debian's slurm-wlm (munged, slurmctld, slurmd n1 and n2: `tests/slurm_cluster.py`), takes one
-allocation with `salloc --no-shell -N 2 -n 4`, and gives a real Jupyter kernel what a kernel started inside
+The session's Debian slurm-wlm (munged, slurmctld, slurmd n1 and n2: `tests/slurm_cluster.py`, conftest's `cluster`)
+holds one allocation, `salloc --no-shell -N 2 -n 4`; the module gives a real Jupyter kernel what a kernel started inside
 `salloc` has: SLURM_JOB_ID (and SLURM_CONF, this cluster's). The kernel's `%%ddp --engine slurm` cells then run
 their ranks as srun steps over both nodes. The tests skip, saying why, only where the packages cannot be installed.
 """
@@ -32,28 +32,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 HOST_MODULE = "ddpnb.engines.slurm.host"
 FORKSERVER = "multiprocessing.forkserver"
 CELL_TIMEOUT = 300
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = slurm_cluster.install()
-    if why:
-        pytest.skip(f"no local Slurm for the slurm engine's tests: {why}")
-    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-"))
-    started = slurm_cluster.start(directory)
-    try:
-        started.allocate(nodes=2, tasks=4)
-        yield started
-    finally:
-        if started.job:
-            started.run("scancel", started.job, check=False)
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+KEEP_JOB_HERE = 4  # seconds: shorter than the default's 10, longer than a session's %ddp_restart on a loaded box
 
 
 @pytest.fixture(scope="module")
 def slurm_kernel(cluster):
-    kernel = Kernel(env={"DDPNB_VIEW": "text", **cluster.env, "SLURM_JOB_ID": cluster.job})
+    # a job ddpnb asked for is kept KEEP_JOB_HERE s for the next launch (10 s by default), then given back: the
+    # tests outside an allocation wait for that give-back
+    env = {"DDPNB_VIEW": "text", "DDPNB_SLURM_KEEP_JOB": str(KEEP_JOB_HERE)}
+    kernel = Kernel(env={**env, **cluster.env, "SLURM_JOB_ID": cluster.job})
     kernel.execute("%load_ext ddpnb\nimport ddpnb, os, time")
     yield kernel
     kernel.shutdown()
@@ -399,7 +386,7 @@ def where(rank, world_size):
     assert re.search(rf"\[ddpnb\] slurm job {job} queued [\d.]+ s\n", result.stdout), result.stdout
     placed = slurm_kernel.execute("print(placed)").stdout.strip()
     assert placed == f"[('n1', '{job}'), ('n2', '{job}')]"  # ranks on both nodes of the job asked for
-    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (KEEP_JOB_HERE)
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
@@ -475,7 +462,7 @@ def test_outside_an_allocation_a_session_waits_for_its_job_saying_so_and_its_fir
             slurm_kernel.execute("%ddp_stop", timeout=60)
     # ranks on two nodes: their lines come in the order each reached the kernel
     assert sorted(re.findall(r"\[rank (\d)\] (\d+) \d+", ran.stdout)) == [("0", job), ("1", job)], ran.text
-    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (KEEP_JOB_HERE)
     assert ranks_left() == [] and steps_left(cluster) == []
 
 
@@ -500,7 +487,7 @@ def test_outside_an_allocation_a_sessions_restart_keeps_its_job_and_its_end_give
     assert len(jobs) == 1 and cluster.job not in jobs, (before, after)  # one job of its own, both times
     assert not {found[2] for found in before} & {found[2] for found in after}  # fresh ranks in it
     assert "kept from the run before, runs this one too" in restarted.stdout, restarted.text
-    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (10 s)
+    assert ddpnb_jobs(cluster, within=30) == []  # given back once nothing took it (KEEP_JOB_HERE)
     assert ranks_left() == [] and steps_left(cluster) == []
 
 

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -23,7 +20,6 @@ import pytest
 import ddpnb
 from ddpnb.detached import files
 from ddpnb.engines.slurm import detach
-from tests import slurm_cluster
 from tests.conftest import Kernel, private_runs_dir, wait_gone
 from tests.test_detached import _kill_kernel, _steps_logged
 from tests.test_faults import Cell
@@ -56,20 +52,6 @@ def train(rank, world_size):
         time.sleep(0.05)
     return {{"rank": rank, "weights": weights, "node": os.environ["SLURMD_NODENAME"]}}
 """
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    why = slurm_cluster.install()
-    if why:
-        pytest.skip(f"no local Slurm for detached Slurm runs: {why}")
-    directory = Path(tempfile.mkdtemp(prefix="ddpnb-slurm-detached-"))
-    started = slurm_cluster.start(directory)
-    try:
-        yield started
-    finally:
-        started.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
