@@ -1047,7 +1047,8 @@ def test_thirty_two_ranks_on_two_nodes_read_grouped_and_every_line_is_logged(slu
     shown = [(tagged_ranks(match.group(1)), match.group(2)) for match in tagged if match]
     for step in range(MANY_STEPS):
         folded = [ranks for ranks, text in shown if text == f"step {step} done"]
-        assert 1 <= len(folded) <= 4, run.stdout[-3000:]  # a line for the ranks that printed it together, not 32
+        # a line for the ranks that printed it together (a loaded box may split them), not 32
+        assert 1 <= len(folded) <= 8, run.stdout[-3000:]
         assert sorted(rank for ranks in folded for rank in ranks) == list(range(32)), folded  # each rank once
     own = {ranks[0]: text for ranks, text in shown if text.startswith("rank ")}
     assert own == {rank: f"rank {rank} of 32 on {'n1' if rank < 16 else 'n2'}" for rank in range(32)}, own
