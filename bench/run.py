@@ -95,6 +95,8 @@ class Settings:
     scale_seconds: float = 60.0  # simulated training per scale run (section 13) before its stall and failure
     scale_long: float = 600.0  # ... at the largest N: the kernel's memory over 10 minutes
     detached_reps: int = 20  # ordinary and detached launches, alternated
+    many_reps: int = 2  # rounds of section 15: ddpnb's launches (first and later) and one of each plain launcher
+    many_later: int = 2  # later ddpnb launches per round
 
 
 FULL = Settings(
@@ -139,6 +141,7 @@ QUICK = Settings(
     scale_seconds=20.0,
     scale_long=60.0,
     detached_reps=8,
+    many_reps=1,
 )
 
 
@@ -1755,6 +1758,159 @@ def bench_detached(settings: Settings, env: dict[str, str], goals: list[Goal]) -
     )
 
 
+# --- 15. many real ranks' launch ---------------------------------------------------------------------------------
+LAUNCH_MANY = BENCH / "_launch_many.py"
+MANY_LOCAL, MANY_NODES, MANY_PER_NODE = 64, 2, 16
+
+
+def _launch_many(*args: str, env: dict[str, str], timeout: float = 900) -> list[dict[str, float]]:
+    _, out = run_process([sys.executable, str(LAUNCH_MANY), *args], {**env, "OMP_NUM_THREADS": "1"}, timeout)
+    for line in reversed(out.splitlines()):
+        if line.startswith("@@LAUNCH "):
+            return json.loads(line[len("@@LAUNCH ") :])
+    raise ProbeFailed(f"{LAUNCH_MANY.name} {args[0]} printed no result")
+
+
+def _srun_many(job: str, env: dict[str, str]) -> dict[str, float]:
+    """A plain `srun -N2 --ntasks-per-node=16 python script.py` of the same work: the rendezvous by hand."""
+    fd, out = tempfile.mkstemp(prefix="ddpnb-bench-", suffix=".json")
+    os.close(fd)
+    srun = [
+        "srun",
+        f"--jobid={job}",
+        f"--nodes={MANY_NODES}",
+        f"--ntasks-per-node={MANY_PER_NODE}",
+        "--overcommit",  # the allocation holds 4 CPUs: 16 tasks a node share them, as ddpnb's ranks do
+        "--overlap",
+    ]
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "lo"}
+    try:
+        started = time.time()
+        done, _ = run_process(
+            [*srun, sys.executable, str(LAUNCH_MANY), "srun-rank", out],
+            {**env, **rendezvous, "OMP_NUM_THREADS": "1"},
+            900,
+        )
+        return {"ready": json.loads(Path(out).read_text()) - started, "done": done}
+    finally:
+        os.unlink(out)
+
+
+def bench_launch_many(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    """64 real CPU ranks of the local engine against torch.multiprocessing.spawn of 64 processes, and 32 on the two
+    local Slurm nodes against a plain srun of 32 tasks, each launcher's ranks up to a gloo barrier."""
+    names = ("ddpnb_first", "ddpnb_later", "spawn", "slurm_first", "slurm_later", "srun")
+    ready = {name: Samples() for name in names}
+    done = {name: Samples() for name in names}
+
+    def add(name: str, times: dict[str, float], rnd: int) -> None:
+        ready[name].add(times["ready"], rnd)
+        done[name].add(times["done"], rnd)
+
+    slurm_cluster = _slurm_cluster()
+    why = slurm_cluster.install()
+    if why:
+        for name in ("slurm_first", "slurm_later", "srun"):
+            ready[name].note = f"not measured: {why}"
+    for rnd in range(settings.many_reps):
+        say(f"launch-many: round {rnd + 1}/{settings.many_reps}, {MANY_LOCAL} local ranks (ddpnb, then mp.spawn)")
+        times = attempt(
+            ready["ddpnb_first"], lambda: _launch_many("ddpnb", str(MANY_LOCAL), str(settings.many_later), env=env)
+        )
+        if times:
+            add("ddpnb_first", times[0], rnd)
+            for later in times[1:]:
+                add("ddpnb_later", later, rnd)
+        times = attempt(ready["spawn"], lambda: _launch_many("mp-spawn", str(MANY_LOCAL), env=env))
+        if times:
+            add("spawn", times[0], rnd)
+        if why:
+            continue
+        directory = Path(tempfile.mkdtemp(prefix="ddpnb-bench-slurm-"))
+        say(f"launch-many: {MANY_NODES} × {MANY_PER_NODE} ranks on the local Slurm (ddpnb, then srun)")
+        cluster = slurm_cluster.start(directory)
+        try:
+            job = cluster.allocate(nodes=MANY_NODES, tasks=4, name="ddpnb-bench")
+            inside = {**env, **cluster.env, "SLURM_JOB_ID": job}  # what a kernel started inside `salloc` has
+            ranks = str(MANY_NODES * MANY_PER_NODE)
+            times = attempt(
+                ready["slurm_first"],
+                lambda: _launch_many("ddpnb", ranks, str(settings.many_later), "--slurm", str(MANY_NODES), env=inside),  # noqa: B023
+            )  # the lambda is called at once
+            if times:
+                add("slurm_first", times[0], rnd)
+                for later in times[1:]:
+                    add("slurm_later", later, rnd)
+            timed = attempt(ready["srun"], lambda: _srun_many(job, inside))  # noqa: B023
+            if timed:
+                add("srun", timed, rnd)
+        finally:
+            if cluster.job:
+                cluster.run("scancel", cluster.job, check=False)
+            cluster.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+    entries = [
+        (
+            f"ddpnb.run, {MANY_LOCAL} local ranks, first launch",
+            "ddpnb_first",
+            "spawn",
+            "starts the forkserver (imports torch once)",
+        ),
+        (
+            f"ddpnb.run, {MANY_LOCAL} local ranks, later launches",
+            "ddpnb_later",
+            "spawn",
+            "ranks forked from the warm forkserver",
+        ),
+        (f"torch.multiprocessing.spawn, {MANY_LOCAL} processes", "spawn", "spawn", "each process imports torch"),
+        (
+            f"ddpnb.run(engine='slurm'), {MANY_NODES} × {MANY_PER_NODE} ranks, first launch",
+            "slurm_first",
+            "srun",
+            "a fresh process inside the allocation: a step, a host per node imports torch once and forks its ranks",
+        ),
+        (
+            f"ddpnb.run(engine='slurm'), {MANY_NODES} × {MANY_PER_NODE} ranks, later launches",
+            "slurm_later",
+            "srun",
+            "a new step each",
+        ),
+        (
+            f"`srun -N{MANY_NODES} --ntasks-per-node={MANY_PER_NODE} python script.py`",
+            "srun",
+            "srun",
+            "each task imports torch; MASTER_ADDR/PORT by hand, RANK from SLURM_PROCID",
+        ),
+    ]
+    rows = []
+    for label, name, against, note in entries:
+        extra = f"{note}; {ready[name].note}" if ready[name].note else note
+        rows.append(
+            [
+                label,
+                fmt(ready[name].median, " s", 1),
+                ready[name].spread(1),
+                fmt(done[name].median, " s", 1),
+                fmt(ready[name].ratio_of_medians_to(ready[against]), "×", 3) if name != against else "1",
+                str(len(ready[name].values)),
+                extra,
+            ]
+        )
+    return (
+        f"### 15. Many real ranks (issue 44): launch, {MANY_LOCAL} local CPU ranks and {MANY_NODES} × {MANY_PER_NODE} on "
+        "two Slurm nodes, gloo\n\n"
+        + table(
+            ["launch", "to every rank past the barrier", "min–max", "to the call's return", "÷ plain", "n", "note"],
+            rows,
+        )
+        + "\n\nEach launcher's ranks bring their gloo group up, pass a barrier and gather their clocks on rank 0 "
+        "(bench/_launch_many.py); the time to every rank past the barrier runs from the launch call to the latest of "
+        "those clocks (one machine, one clock). ÷ plain: the median over rounds of (the row's median ÷ the plain "
+        "launcher's in the same round): mp.spawn for the local rows, srun for the Slurm ones. Both Slurm nodes are "
+        "this machine (tests/slurm_cluster.py, 2 CPUs a node: `--overcommit` for 16 tasks a node)."
+    )
+
+
 def _at_most(label: str, value: float | None, bound: float, unit: str) -> Goal:
     return Goal(label, fmt(value, unit), None if value is None else value <= bound)
 
@@ -1774,6 +1930,7 @@ SECTIONS = {
     "soak": bench_soak,
     "scale": bench_scale,
     "detached": bench_detached,
+    "launch-many": bench_launch_many,
 }
 
 
