@@ -373,7 +373,7 @@ def metric_names(record: RunRecord) -> list[str]:
 
 def metrics_signature(record: RunRecord) -> tuple[int, ...]:
     """Changes whenever a point is logged: redraw plots only then."""
-    return (len(record.attempts), *(len(series) for rank in record.ranks for series in list(rank.metrics.values())))
+    return (len(record.attempts), *(series.logged for rank in record.ranks for series in list(rank.metrics.values())))
 
 
 def plots_html(record: RunRecord, images: bool = False) -> str:
