@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 import ddpnb
 from ddpnb.core import report
 from ddpnb.core.groups import GROUP_FROM
-from ddpnb.core.record import Outcome, RankState
+from ddpnb.core.record import Outcome, RankRecord, RankState, RunRecord
 
 pytestmark = pytest.mark.fast
 
@@ -157,6 +158,37 @@ def test_past_its_share_of_the_spill_file_a_series_thins_its_oldest_points_and_t
     assert [index for index, _ in followed] == sorted({index for index, _ in followed})  # each point once, in order
     assert all(logged[index] == point for index, point in followed) and followed[-1][1] == logged[-1]
     assert loss.sample(400)[-1] == logged[-1] and loss[3] == kept[3] and loss[-1] == logged[-1]
+
+
+def test_a_thousand_ranks_band_is_read_in_columns_of_the_same_steps_and_ends_at_the_latest() -> None:
+    """From GROUP_FROM ranks up the band and median come from every rank's sample read column by column: the steps
+    all ranks sampled, each with every rank's value there, then the latest step; ranks at other steps fall back to
+    the point-by-point band."""
+    from ddpnb.core.series import Series, Spill
+    from ddpnb.views import html
+
+    spill = Spill()
+    logged: dict[int, Series] = {rank: Series(spill) for rank in range(GROUP_FROM)}
+    for step in range(1001):
+        for rank, series in logged.items():
+            series.add(step, 1000.0 + step, step + rank / 100)
+    steps, columns = html._band_columns(logged)
+    columns = list(columns)
+    assert steps[0] == 0 and steps[-1] == 1000 and len(steps) <= html.BAND_POINTS + 1 and steps == sorted(steps)
+    assert all(column == tuple(step + rank / 100 for rank in range(GROUP_FROM)) for step, column in zip(steps, columns))
+    logged[5].add(1001, 2001.0, 0.0)  # one rank a step ahead: its latest is not the others'
+    steps, _ = html._band_columns(logged)
+    assert steps[-1] < 1000
+    other = Series(spill)
+    for step in range(0, 2002, 2):
+        other.add(step, 1000.0 + step, 0.0)
+    assert html._band_columns({**logged, 7: other}) is None  # other steps: the band point by point
+    record = RunRecord(run_dir=Path("/tmp/run"), world_size=GROUP_FROM, backend="gloo")
+    record.current.ranks = [RankRecord(rank=rank) for rank in range(GROUP_FROM)]
+    for rank in record.ranks:
+        rank.metrics["loss"] = logged[rank.rank]
+    svg = html.plots_html(record)
+    assert svg.count('<polygon class="ddpnb-band"') == 1 and svg.count('class="ddpnb-median"') == 1
 
 
 def test_ranks_whose_node_answers_nothing_are_said_as_not_reported_and_one_ranks_stack_can_be_asked() -> None:

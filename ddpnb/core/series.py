@@ -217,6 +217,13 @@ class Series(Sequence[Point]):
             rows.append(self[-1])
         return rows
 
+    def sample_columns(self) -> tuple[array[int], array[float], int]:
+        """The sample's steps and values (`NO_STEP` for a point logged without one) and the index step between two
+        of its points: a thousand ranks' band read column by column (`views.html`)."""
+        (steps, _, values), every = self._sample, self._every
+        kept = len(values)
+        return steps[:kept], values[:kept], every
+
     def __len__(self) -> int:
         """Points kept: `logged` until the spill file's bound thinned the oldest."""
         if self._spill is None:
