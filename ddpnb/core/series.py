@@ -22,6 +22,7 @@ import os
 import tempfile
 import threading
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -151,7 +152,8 @@ class Series(Sequence[Point]):
         pairs = [at for at in range(len(strides) - 1) if strides[at] == strides[at + 1]]
         if not pairs:  # each chunk twice as sparse as the next: one more, once a doubling of the points logged
             return
-        crowded = [at for at in pairs if strides.count(strides[at]) > spill.share() // 4]
+        counts = Counter(strides)
+        crowded = [at for at in pairs if counts[strides[at]] > spill.share() // 4]
         at = min(crowded, key=lambda at: (strides[at], at)) if crowded else pairs[0]
         older, newer = self._chunk(at), self._chunk(at + 1)
         both = [a + b for a, b in zip(spill.read(older.offset), spill.read(newer.offset))]
