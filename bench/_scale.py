@@ -1,11 +1,12 @@
 """The bench's scale probe (bench/run.py's section 13): one run of N simulated ranks (bench/loadgen.py) in this
 process, which plays the kernel, with the text view and the dashboard both drawing it; prints one JSON line.
 
-    python bench/_scale.py RANKS SECONDS [--profile FILE]
+    python bench/_scale.py RANKS SECONDS [--profile FILE] [--disk MIB]
 
 Measured: the kernel's CPU share (this process's CPU time over the run's wall time: the hosts are processes of
 their own), the lag from a rank's send (its metric's time) to a view's state (a subscriber fed as the text view
-is), the kernel's resident memory every 10 s, the text view's lines (all, and the stall's and summary's at the
+is), the kernel's resident memory and the metrics' spill file every 10 s (`--disk`: the file's bound, MiB, in
+place of `ddpnb.core.series.DISK`), the text view's lines (all, and the stall's and summary's at the
 end), and the dashboard's size (its HTML) and its redraw's time in the kernel. The ranks train for SECONDS once
 every node has come; then rank 17 (or the last) stalls, and rank 3 fails once the stall was reported (the stall
 threshold is longer than the nodes' start, which is quiet too).
@@ -45,7 +46,11 @@ def rss() -> int:
 
 def main() -> None:
     ranks, seconds = int(sys.argv[1]), float(sys.argv[2])
-    profile_to = sys.argv[4] if len(sys.argv) > 4 and sys.argv[3] == "--profile" else None
+    profile_to = sys.argv[sys.argv.index("--profile") + 1] if "--profile" in sys.argv else None
+    if "--disk" in sys.argv:
+        from ddpnb.core import series
+
+        series.DISK = int(float(sys.argv[sys.argv.index("--disk") + 1]) * 2**20)
     steps = int(seconds * 5)
     stall_rank = 17 if ranks > 17 else ranks - 1
     start_at = 5 + ranks / 40  # every node's host has come (128 Python processes start on 2 busy cores)
@@ -86,14 +91,16 @@ def main() -> None:
     seen = dict.fromkeys(followed, 0)
     lags: list[float] = []
     memory: list[tuple[float, int]] = []
+    spilled: list[tuple[float, int]] = []  # the metrics' spill file's bytes
     renders: list[float] = []
 
     def probe() -> None:  # fed from wait()'s thread as the text view is: what it shows, when
         now = time.time()
         for rank in followed:
-            points = record.ranks[rank].metrics.get("loss", [])
-            lags.extend(now - point.time for point in points[seen[rank] :])
-            seen[rank] = len(points)
+            points = record.ranks[rank].metrics.get("loss")
+            new = points.since(seen[rank]) if points is not None else []
+            lags.extend(now - point.time for _, point in new)
+            seen[rank] = new[-1][0] + 1 if new else seen[rank]
 
     run.subscribe(probe)
     next_sample = time.monotonic()
@@ -102,6 +109,8 @@ def main() -> None:
             run.wait(timeout=1.0)
             if time.monotonic() >= next_sample:
                 memory.append((round(time.monotonic() - wall0, 1), rss()))
+                spill = run.attempt._spill  # the probe reads the kernel's insides
+                spilled.append((memory[-1][0], spill.size() if spill else 0))
                 next_sample += MEMORY_EVERY
                 started = time.perf_counter()
                 dashboard._render()  # the dashboard's own redraw, timed here (its thread redraws too)
@@ -141,6 +150,7 @@ def main() -> None:
                 "lag_p99": round(sorted(lags)[int(len(lags) * 0.99)], 3) if lags else None,
                 "lag_max": round(max(lags), 3) if lags else None,
                 "memory": memory,
+                "spill_bytes": spilled,
                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10,
                 "text_lines": shown.count("\n"),
                 "stall_lines": shown[stall_at:].count("\n[ddpnb] ---") if stall_at >= 0 else None,

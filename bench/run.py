@@ -94,6 +94,7 @@ class Settings:
     soak_launches: int = 300  # launches in one kernel, per view
     scale_seconds: float = 60.0  # simulated training per scale run (section 13) before its stall and failure
     scale_long: float = 600.0  # ... at the largest N: the kernel's memory over 10 minutes
+    scale_browser: float = 60.0  # the largest N's dashboard in Chromium: seconds of redraws timed
     detached_reps: int = 20  # ordinary and detached launches, alternated
     many_reps: int = 2  # rounds of section 15: ddpnb's launches (first and later) and one of each plain launcher
     many_later: int = 2  # later ddpnb launches per round
@@ -140,6 +141,7 @@ QUICK = Settings(
     soak_launches=150,
     scale_seconds=20.0,
     scale_long=60.0,
+    scale_browser=20.0,
     detached_reps=8,
     many_reps=1,
 )
@@ -1647,6 +1649,7 @@ def bench_soak(settings: Settings, env: dict[str, str], goals: list[Goal]) -> st
 
 SCALE_RANKS = (8, 64, 256, 1024)
 SCALE = BENCH / "_scale.py"
+BROWSER_SCALE = BENCH / "_browser_scale.py"
 
 
 def bench_scale(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
@@ -1698,6 +1701,7 @@ def bench_scale(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
                     " lines",
                 )
             )
+    browser = _scale_in_browser(settings, env, goals)
     return (
         "### 13. Many ranks (issue 44): simulated ranks against the real kernel side\n\n"
         + table(
@@ -1716,7 +1720,37 @@ def bench_scale(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
         "remote layer's wire as a Slurm node's host does; each rank sends a metric per step at 5 steps/s, two lines "
         "a second, a hardware sample a second and the radar's report every 4 steps; after the training, rank 17 "
         "stalls (the others wait in all_reduce) and rank 3 fails 12 s later. The kernel's CPU is the probe process's "
-        "(the hosts are processes of their own, on the same cores)."
+        "(the hosts are processes of their own, on the same cores)." + browser
+    )
+
+
+def _scale_in_browser(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
+    """The largest N's dashboard in JupyterLab in Chromium (bench/_browser_scale.py): from the kernel's redraw to
+    the browser's paint of it."""
+    ranks = SCALE_RANKS[-1]
+    say(f"scale: {ranks} simulated ranks' dashboard in Chromium, {settings.scale_browser:g} s")
+    try:
+        _, out = run_process([sys.executable, str(BROWSER_SCALE), str(ranks), str(settings.scale_browser)], env, 900)
+        found = next(json.loads(line[10:]) for line in reversed(out.splitlines()) if line.startswith("@@BROWSER "))
+    except (ProbeFailed, StopIteration) as exc:
+        return f"\n\nThe dashboard in Chromium at {ranks:,} ranks: not measured ({exc or 'no result'})."
+    goals.append(
+        _at_most(
+            "scale (issue 44): the dashboard's update at 1,024 ranks in Chromium (p95) ≤ 100 ms",
+            found["update_p95_ms"],
+            100,
+            " ms",
+        )
+    )
+    spent = found["chromium_ms_per_redraw"]
+    return (
+        f"\n\nThe dashboard at {ranks:,} ranks in JupyterLab in Chromium ({found['redraws']} redraws): from the "
+        f"kernel's first widget update of a redraw to the browser's paint after its last, {found['update_p50_ms']:.0f} "
+        f"ms median, {found['update_p95_ms']:.0f} ms p95 (the kernel's part {found['kernel_p50_ms']:.0f} ms; its last "
+        f"update to the paint {found['browser_p50_ms']:.0f} / {found['browser_p95_ms']:.0f} ms); "
+        f"{found['bytes_p50'] / 1e3:.0f} kB a redraw; Chromium's script, layout and style "
+        f"{spent['ScriptDuration']:.0f}, {spent['LayoutDuration']:.0f} and {spent['RecalcStyleDuration']:.0f} ms a "
+        f"redraw; {found['dom_nodes']:,} elements in the dashboard."
     )
 
 

@@ -6,11 +6,8 @@ saying why, only where that Chromium, JupyterLab or Playwright is missing; CI in
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,22 +16,17 @@ from pathlib import Path
 import nbformat
 import pytest
 
-CHROMIUM = os.environ.get("DDPNB_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+from tests import jupyterlab
+from tests.jupyterlab import CHROMIUM, CHROMIUM_ARGS, IDLE, NOTEBOOK
+from tests.jupyterlab import accept_kernel_dialog as _accept_kernel_dialog
+from tests.jupyterlab import open_notebook as _open
+from tests.jupyterlab import run_cell as _run_cell
+
 REPO = Path(__file__).resolve().parents[1]
 # the README's pictures: rewritten only when asked (DDPNB_UPDATE_SCREENSHOTS=1), else kept beside the notebooks
 UPDATE_SCREENSHOTS = os.environ.get("DDPNB_UPDATE_SCREENSHOTS") == "1"
 
 pytestmark = pytest.mark.slow
-NOTEBOOK = ".jp-NotebookPanel:visible .jp-Notebook"
-IDLE = ".jp-NotebookPanel:visible .jp-Notebook-ExecutionIndicator[data-status='idle']"
 
 TRAIN_CELL = """%%ddp -n 2
 def train(rank, world_size):
@@ -71,84 +63,15 @@ def slow(rank):
 """
 
 
-def _require(module: str) -> None:
-    try:
-        __import__(module)
-    except ImportError:
-        pytest.skip(f"{module} is not installed (pip install jupyterlab playwright); CI installs it")
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
     """A JupyterLab server on 127.0.0.1 (a port the server binds as 0), with a token; stopped afterwards."""
-    if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        pytest.skip(f"Debian's chromium is not at {CHROMIUM} (apt-get install -y chromium); CI installs it")
-    _require("jupyterlab")
-    _require("playwright")
+    why = jupyterlab.missing()
+    if why:
+        pytest.skip(f"{why}; CI installs it")
     root = tmp_path_factory.mktemp("lab")
-    runtime, settings = root / ".runtime", root / ".settings"
-    notification = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    notification.parent.mkdir(parents=True)
-    notification.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    token = secrets.token_hex(16)
-    env = {
-        **os.environ,
-        "JUPYTER_RUNTIME_DIR": str(runtime),
-        "JUPYTERLAB_SETTINGS_DIR": str(settings),
-        "JUPYTERLAB_WORKSPACES_DIR": str(root / ".workspaces"),
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("DDPNB_VIEW", None)  # auto: the dashboard, as a user gets it
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyterlab",
-            "--no-browser",
-            "--ip=127.0.0.1",
-            "--port=0",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-            "--ServerApp.port_retries=0",
-            "--LabApp.extension_manager=readonly",
-            "--LabApp.news_url=",
-            "--LabApp.expose_app_in_browser=True",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-            *(["--allow-root"] if os.geteuid() == 0 else []),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(root / "server.log", "wb"),  # noqa: SIM115
-    )
-    try:
-        url = _server_url(runtime, server, root / "server.log")
+    with jupyterlab.serve(root) as (url, token):
         yield url, token, root
-    finally:
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
-
-
-def _server_url(runtime: Path, server: subprocess.Popen, log: Path) -> str:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for info in runtime.glob("jpserver-*.json"):
-            data = json.loads(info.read_text() or "{}")
-            if data.get("port"):
-                return f"http://127.0.0.1:{data['port']}"
-        if server.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(f"JupyterLab did not start:\n{log.read_text()[-3000:]}")
-
-
-def _notebook(path: Path, cells: list[str]) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nbformat.write(nb, path)
 
 
 @pytest.fixture()
@@ -173,55 +96,8 @@ def page(lab: tuple[str, str, Path], request: pytest.FixtureRequest) -> Iterator
             browser.close()
 
 
-def _open(page, lab: tuple[str, str, Path], name: str, cells: list[str]):
-    url, token, root = lab
-    _notebook(root / name, cells)
-    workspace = Path(name).stem  # a fresh workspace per test: only this notebook opens
-    page.goto(f"{url}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}")
-    page.wait_for_selector(f"{NOTEBOOK} .jp-Cell")
-    page.wait_for_selector(IDLE, timeout=120_000)
-    _accept_kernel_dialog(page)
-    page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # the notebook gets the whole width
-    cells_in_page = page.locator(f"{NOTEBOOK} .jp-Cell")
-    cells_in_page.nth(len(cells) - 1).wait_for()
-    return cells_in_page
-
-
-def _accept_kernel_dialog(page) -> None:
-    """JupyterLab sometimes asks which kernel to start even though the notebook names one (a race between its
-    session restore and the notebook opening); accept its preselected choice, as a user would."""
-    accept = page.locator(".jp-Dialog .jp-mod-accept")
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        if accept.count() and accept.first.is_visible():
-            accept.first.click()
-            page.wait_for_selector(".jp-Dialog", state="detached")
-            page.wait_for_selector(IDLE, timeout=120_000)
-            return
-        page.wait_for_timeout(100)
-
-
 def _screenshot(lab: tuple[str, str, Path], name: str) -> Path:
     return (REPO / "docs" if UPDATE_SCREENSHOTS else lab[2]) / name
-
-
-def _run_cell(page, cell, finished: bool = True) -> None:
-    """Select the cell, run it (Ctrl+Enter), and wait until it ran (`finished`) or at least started."""
-    prompt = cell.locator(".jp-InputPrompt")
-    before = prompt.inner_text()
-    for _ in range(3):  # a key press can be lost while the notebook is still settling after it opened
-        cell.locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Escape")  # command mode: the cell is selected, not edited
-        page.keyboard.press("Control+Enter")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and prompt.inner_text() == before:
-            page.wait_for_timeout(100)
-        if prompt.inner_text() != before:
-            break
-    else:
-        raise AssertionError("the cell did not start running")
-    if finished:
-        page.wait_for_function("el => /\\[\\d+\\]/.test(el.innerText)", arg=prompt.element_handle(), timeout=120_000)
 
 
 def test_dashboard_in_jupyterlab_shows_ranks_plots_logs_then_the_finished_summary(lab, page):

@@ -3,15 +3,17 @@ a real `Run`, its attempt, record and views; only the training is simulated."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
+from pathlib import Path
 
 import pytest
 
 import ddpnb
 from ddpnb.core import report
 from ddpnb.core.groups import GROUP_FROM
-from ddpnb.core.record import Outcome, RankState
+from ddpnb.core.record import Outcome, RankRecord, RankState, RunRecord
 
 pytestmark = pytest.mark.fast
 
@@ -121,6 +123,72 @@ def test_a_series_keeps_every_point_in_bounded_memory() -> None:
     assert len(drawn) <= 401 and drawn[-1] == logged[-1] and drawn[0] == logged[0]
     times = [row[1] for row in drawn]
     assert times == sorted(set(times)) and all(logged[int(at - 1000.0)] == row for at, row in zip(times, drawn))
+
+
+def test_past_its_share_of_the_spill_file_a_series_thins_its_oldest_points_and_the_file_stays_bounded() -> None:
+    """The spill file's bound (`series.DISK`, shared by an attempt's series): every point kept until a series' share
+    is full; then the latest points stay whole, the older ones thin by halves (oldest most), every kept point is one
+    logged, in order; the file stops growing; `since(n)` follows the series by logged index while `len` shrinks."""
+    from ddpnb.core.record import Point
+    from ddpnb.core.series import CHUNK, CHUNK_BYTES, LEAST_CHUNKS, Series, Spill
+
+    spill = Spill(disk=2 * 20 * CHUNK_BYTES)  # two series: 20 chunks each
+    loss, lr = Series(spill), Series(spill)
+    assert spill.share() == 20 and Spill(disk=0).share() == LEAST_CHUNKS
+    logged = [Point(step if step % 7 else None, 1000.0 + step, 1.0 / (step + 1)) for step in range(200_000)]
+    followed: list[tuple[int, Point]] = []
+    for at, point in enumerate(logged):
+        loss.add(*point)
+        lr.add(point.step, point.time, 0.1)
+        if at == 20 * CHUNK - 1:
+            assert list(loss) == logged[: at + 1] and not loss.thinned  # a full share: every point still
+            full = spill.size()
+        if at % 5_000 == 0:
+            followed += loss.since(followed[-1][0] + 1 if followed else 0)
+    followed += loss.since(followed[-1][0] + 1)
+    assert spill.size() <= full + 2 * CHUNK_BYTES  # one chunk a series between its write and its merge
+    kept = list(loss)
+    indices = [int(point.time - 1000.0) for point in kept]
+    assert all(logged[index] == point for index, point in zip(indices, kept))
+    assert indices == sorted(set(indices)) and indices[0] == 0 and kept[-1] == logged[-1]
+    assert indices[-5 * CHUNK :] == list(range(len(logged) - 5 * CHUNK, len(logged)))  # a quarter of the share whole
+    gaps = [b - a for a, b in itertools.pairwise(indices)]
+    assert gaps == sorted(gaps, reverse=True) and gaps[0] >= 64  # thinner the older, by halves
+    assert loss.thinned and len(loss) < loss.logged == len(logged) and "of 200,000 logged" in repr(loss)
+    assert [index for index, _ in followed] == sorted({index for index, _ in followed})  # each point once, in order
+    assert all(logged[index] == point for index, point in followed) and followed[-1][1] == logged[-1]
+    assert loss.sample(400)[-1] == logged[-1] and loss[3] == kept[3] and loss[-1] == logged[-1]
+
+
+def test_a_thousand_ranks_band_is_read_in_columns_of_the_same_steps_and_ends_at_the_latest() -> None:
+    """From GROUP_FROM ranks up the band and median come from every rank's sample read column by column: the steps
+    all ranks sampled, each with every rank's value there, then the latest step; ranks at other steps fall back to
+    the point-by-point band."""
+    from ddpnb.core.series import Series, Spill
+    from ddpnb.views import html
+
+    spill = Spill()
+    logged: dict[int, Series] = {rank: Series(spill) for rank in range(GROUP_FROM)}
+    for step in range(1001):
+        for rank, series in logged.items():
+            series.add(step, 1000.0 + step, step + rank / 100)
+    steps, columns = html._band_columns(logged)
+    columns = list(columns)
+    assert steps[0] == 0 and steps[-1] == 1000 and len(steps) <= html.BAND_POINTS + 1 and steps == sorted(steps)
+    assert all(column == tuple(step + rank / 100 for rank in range(GROUP_FROM)) for step, column in zip(steps, columns))
+    logged[5].add(1001, 2001.0, 0.0)  # one rank a step ahead: its latest is not the others'
+    steps, _ = html._band_columns(logged)
+    assert steps[-1] < 1000
+    other = Series(spill)
+    for step in range(0, 2002, 2):
+        other.add(step, 1000.0 + step, 0.0)
+    assert html._band_columns({**logged, 7: other}) is None  # other steps: the band point by point
+    record = RunRecord(run_dir=Path("/tmp/run"), world_size=GROUP_FROM, backend="gloo")
+    record.current.ranks = [RankRecord(rank=rank) for rank in range(GROUP_FROM)]
+    for rank in record.ranks:
+        rank.metrics["loss"] = logged[rank.rank]
+    svg = html.plots_html(record)
+    assert svg.count('<polygon class="ddpnb-band"') == 1 and svg.count('class="ddpnb-median"') == 1
 
 
 def test_ranks_whose_node_answers_nothing_are_said_as_not_reported_and_one_ranks_stack_can_be_asked() -> None:

@@ -119,7 +119,7 @@ class TensorBoardWriter:
         for name, points in list(rank.metrics.items()):
             key = (attempt, rank.rank, name)
             done = self._written.get(key, 0)
-            new = points[done:]  # a copy: the reader thread appends to the record's list
+            new = points.since(done)  # indexed as logged: a thinned series is shorter
             if not new:
                 continue
             from tensorboard.compat.proto.event_pb2 import Event
@@ -134,7 +134,7 @@ class TensorBoardWriter:
                 writer = self._writers[(attempt, rank.rank)] = EventFileWriter(
                     str(self.directory / subdir), max_queue_size=QUEUE, flush_secs=3600
                 )
-            for index, (step, at, value) in enumerate(new, done):
+            for index, (step, at, value) in new:
                 writer.add_event(
                     Event(
                         wall_time=at,
@@ -142,6 +142,6 @@ class TensorBoardWriter:
                         summary=Summary(value=[Summary.Value(tag=name, simple_value=value)]),
                     )
                 )
-            self._written[key] = done + len(new)
+            self._written[key] = new[-1][0] + 1
             wrote = True
         return wrote
