@@ -86,10 +86,13 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
         (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
         raise
     files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
+    # listed (`ddpnb.runs()`, queued while its job waits) from now on: a kernel that dies meanwhile leaves it queued
+    files.write_unless_there(run_dir / files.MARKER, _marker(plan))
     try:
         _await_start(home, run_dir, where)
     except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
         files.end_supervisor(run_dir)
+        (run_dir / files.MARKER).unlink(missing_ok=True)  # a launch that failed is no run to list
         raise
     return f"supervisor: {where}"
 
@@ -255,20 +258,7 @@ def _supervise(plan: DetachedPlan, said: Callable[[str, Any], None], door_host: 
     """Own the run until it ends and everything is written; `said` tells the kernel it started, or why not."""
     run_dir = Path(plan.spec.run_dir)
     alive = files.hold_alive(run_dir)
-    files.private_write(
-        run_dir / files.MARKER,
-        json.dumps(
-            {
-                "function": plan.function,
-                "world_size": plan.spec.world_size,
-                "engine": plan.engine,
-                "pid": os.getpid(),
-                "started": time.time(),
-                "ddpnb": entries.version(),
-                "uid": os.getuid(),
-            }
-        ).encode(),
-    )
+    files.private_write(run_dir / files.MARKER, _marker(plan, pid=os.getpid()))
     try:
         run = _owned(plan)
         door = _open_door(run, run_dir, door_host)
@@ -285,6 +275,18 @@ def _supervise(plan: DetachedPlan, said: Callable[[str, Any], None], door_host: 
     )
     door.close()
     os.close(alive)
+
+
+def _marker(plan: DetachedPlan, **more: Any) -> bytes:
+    about = {
+        "function": plan.function,
+        "world_size": plan.spec.world_size,
+        "engine": plan.engine,
+        "started": time.time(),
+        "ddpnb": entries.version(),
+        "uid": os.getuid(),
+    }
+    return json.dumps({**about, **more}).encode()
 
 
 class _Unattended:
