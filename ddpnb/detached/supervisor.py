@@ -231,6 +231,15 @@ class _Standby:
             standby.conn.close()
 
 
+def standby() -> list[int]:
+    """The PIDs of the supervisor waiting for this process's next detached launch and of its forkserver, kept
+    like the kernel's forkserver for the whole session; [] before the first detached launch, or once it is gone."""
+    waiting = _Standby._next
+    if waiting is None or waiting.conn.closed:
+        return []
+    return [pid for pid in [waiting.pid, *orphans.children(waiting.pid)] if os.path.exists(f"/proc/{pid}")]
+
+
 def stand_by(conn: multiprocessing.connection.Connection) -> None:
     """multiprocessing target, in the process forked for the next detached run: get ready (a session and a
     forkserver of its own, before any thread), wait for its plan, then own the run until it ends."""
