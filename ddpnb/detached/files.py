@@ -112,6 +112,8 @@ def home(run_dir: Path) -> Any:
 
 def queued(run_dir: Path) -> str:
     """What the run's supervisor waits for in its platform's queue ('slurm job 12 pending (Priority)'), else ''."""
+    if _locked(run_dir):  # it runs: no need to ask the queue (whose answer is kept a while, and would be stale)
+        return ""
     waiting = getattr(home(run_dir), "waiting", None)
     return waiting(str(run_dir)) if waiting is not None else ""
 
