@@ -414,10 +414,12 @@ def probe_train_ddpnb(args: argparse.Namespace) -> None:
         lambda: ddpnb.run(_workloads.train, nprocs=2, args=(args.steps, not args.quiet)), args.quiet
     )
     record = ddpnb.last_run()
+    journal = Path(record.run_dir) / "journal"  # written where DDPNB_JOURNAL=1 asks for it
     emit(
         {
             **value,
             "kernel_cpu_per_step": kernel_cpu,
+            "journal_bytes": journal.stat().st_size if journal.exists() else 0,
             "lines": sum(r.lines for r in record.ranks),
             "metrics": sum(len(r.metrics.get("loss", [])) for r in record.ranks),
         }

@@ -494,17 +494,20 @@ def us(seconds: float | None) -> str:
 
 
 def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> str:
-    plain, quiet, under = Samples(), Samples(), Samples()
-    plain_cpu, quiet_cpu, under_cpu, kernel_cpu = Samples(), Samples(), Samples(), Samples()
-    lines = metrics = 0
-    pair_ratios = []
+    plain, quiet, under, journaled = Samples(), Samples(), Samples(), Samples()
+    plain_cpu, quiet_cpu, under_cpu, journaled_cpu = Samples(), Samples(), Samples(), Samples()
+    kernel_cpu, journaled_kernel_cpu = Samples(), Samples()
+    lines = metrics = journal_bytes = 0
+    pair_ratios, journal_pairs = [], []
     steps = str(settings.train_steps)
-    throughput = {"plain": plain, "quiet": quiet, "under": under}
-    cpu = {"plain": plain_cpu, "quiet": quiet_cpu, "under": under_cpu}
+    throughput = {"plain": plain, "quiet": quiet, "under": under, "journaled": journaled}
+    cpu = {"plain": plain_cpu, "quiet": quiet_cpu, "under": under_cpu, "journaled": journaled_cpu}
+    journaling = {**env, "DDPNB_JOURNAL": "1"}  # an ordinary run that writes a detached run's journal too
     variants = {
         "plain": lambda: torchrun("train", steps, env=env, timeout=600)[1],
         "quiet": lambda: probe("train-ddpnb", f"--steps={steps}", "--quiet", env=env, timeout=600),
         "under": lambda: probe("train-ddpnb", f"--steps={steps}", env=env, timeout=600),
+        "journaled": lambda: probe("train-ddpnb", f"--steps={steps}", env=journaling, timeout=600),
     }
     for rep in range(settings.train_reps):
         say(f"training overhead: round {rep + 1}/{settings.train_reps}")
@@ -517,8 +520,13 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
         if got["under"]:
             kernel_cpu.add(got["under"]["kernel_cpu_per_step"], rep)
             lines, metrics = got["under"]["lines"], got["under"]["metrics"]
+        if got["journaled"]:
+            journaled_kernel_cpu.add(got["journaled"]["kernel_cpu_per_step"], rep)
+            journal_bytes = got["journaled"]["journal_bytes"]
         if got["plain"] and got["under"]:
             pair_ratios.append(got["under"]["steps_per_s"] / got["plain"]["steps_per_s"])
+        if got["under"] and got["journaled"]:
+            journal_pairs.append(got["journaled"]["steps_per_s"] / got["under"]["steps_per_s"])
     ratio = under.median / plain.median if under.median and plain.median else None
     # The same work in CPU seconds: what each rank spent per step, plus what the kernel spent per step (it comes
     # out of the same 2 cores, counted whole since DDP ranks move in lockstep). Being descheduled costs no CPU
@@ -526,6 +534,18 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
     cpu_ratio = (
         plain_cpu.median / (under_cpu.median + kernel_cpu.median)
         if plain_cpu.median and under_cpu.median and kernel_cpu.median is not None
+        else None
+    )
+    journal_cpu_ratio = (
+        plain_cpu.median / (journaled_cpu.median + journaled_kernel_cpu.median)
+        if plain_cpu.median and journaled_cpu.median and journaled_kernel_cpu.median is not None
+        else None
+    )
+    # journaled against the same run without a journal, in the same rounds: > 1 would be a cost
+    journal_ratio = journaled.median / under.median if journaled.median and under.median else None
+    journal_cpu = (
+        (journaled_cpu.median + journaled_kernel_cpu.median) / (under_cpu.median + kernel_cpu.median)
+        if journaled_cpu.median and under_cpu.median and None not in (kernel_cpu.median, journaled_kernel_cpu.median)
         else None
     )
     rows = [
@@ -559,6 +579,16 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
             us(kernel_cpu.median),
             fmt(cpu_ratio, "", 4),
         ],
+        [
+            f"the same, journaled (DDPNB_JOURNAL=1, as a detached run's supervisor: {journal_bytes / 1e6:.1f} MB)",
+            fmt(journaled.median, "", 1),
+            journaled.spread(1),
+            fmt(journaled.median / plain.median if journaled.median and plain.median else None, ""),
+            "—",
+            us(journaled_cpu.median),
+            us(journaled_kernel_cpu.median),
+            fmt(journal_cpu_ratio, "", 4),
+        ],
     ]
     noisy = any(
         len(s.values) < 2 or (max(s.values) - min(s.values)) > 0.02 * s.median for s in (plain, under) if s.values
@@ -569,6 +599,19 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
     )
     goals.append(
         Goal("training: throughput ratio ≥ 0.99", measured, None if verdict_on is None else verdict_on >= 0.99)
+    )
+    journal_noisy = noisy or any(
+        len(s.values) < 2 or (max(s.values) - min(s.values)) > 0.02 * s.median for s in (journaled,) if s.values
+    )
+    journal_verdict = 1 / journal_cpu if journal_noisy and journal_cpu else journal_ratio
+    goals.append(
+        Goal(
+            "training: journaling costs nothing measurable (journaled ÷ not, ≥ 0.99)",
+            f"steps/s {fmt(journal_ratio, '', 3)} (median of paired ratios "
+            f"{fmt(statistics.median(journal_pairs) if journal_pairs else None, '', 3)}); CPU per step (ranks + "
+            f"kernel) {fmt(journal_cpu, '', 4)}×" + (" (wall clock inside the noise here)" if journal_noisy else ""),
+            None if journal_verdict is None else journal_verdict >= 0.99,
+        )
     )
     return (
         f"### 2. Training overhead — DDP MLP 256-512-512-10, batch 64, 2 CPU ranks (1 thread each), gloo, "
@@ -586,7 +629,11 @@ def bench_train(settings: Settings, env: dict[str, str], goals: list[Goal]) -> s
             ],
             rows,
         )
-        + "\n\nEach round runs the three, in reverse order every other round; each rank's own clocks time the "
+        + f"\n\nJournaling (issue 42), the last row against the one above it, interleaved in the same rounds: "
+        f"steps/s {fmt(journal_ratio, '', 3)}× (median of paired ratios "
+        f"{fmt(statistics.median(journal_pairs) if journal_pairs else None, '', 3)}), CPU per step (ranks + kernel) "
+        f"{fmt(journal_cpu, '', 4)}×."
+        + "\n\nEach round runs the four, in reverse order every other round; each rank's own clocks time the "
         "steps (launch excluded). With 2 ranks on 2 cores, load from anything else on the machine moves "
         "steps/s by more than the 1% the goal is about, so the verdict uses the CPU-time ratio when the "
         "wall-clock spread exceeds 2%: plain CPU per step ÷ (ddpnb rank CPU per step + kernel CPU per step). "

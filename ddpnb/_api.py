@@ -304,7 +304,8 @@ def _start_detached(
 def attach(which: str | os.PathLike[str] = "last") -> DetachedRun:
     """The handle of a detached run (`launch(fn, detach=True)`, `%%ddp --detach`) from any kernel: 'last' (the
     newest), its name (`ddpnb.runs()` lists them) or its run directory. It has `launch`'s API (`wait`, `result`,
-    `stop`, `stacks`, `record`, `status`); displayed, the dashboard with the run's whole history, then live."""
+    `stop`, `stacks`, `record`, `status`); displayed, the dashboard with the run's whole history, then live. A run
+    whose batch job still waits in the queue is waited for, saying so (an interrupt stops the waiting, not the run)."""
     return attach_to(which)
 
 
@@ -351,8 +352,8 @@ def spawn(
 def runs() -> list[Run | Listed]:
     """The runs of this kernel still going, oldest first: the handles of background cells and `launch`es, each
     with `.stop()`, `.wait()`, `.result()` and a repr that says how it is now; then this user's detached runs on
-    this machine, each with its state ('running', 'orphaned' where its supervisor is gone, or how it ended) and
-    `.attach()`."""
+    this machine, each with its state ('queued' while its batch job waits, with the job's ID, 'running', 'orphaned'
+    where its supervisor is gone, or how it ended) and `.attach()`."""
     return [*live.runs(), *listed()]  # type: ignore[list-item]
 
 

@@ -48,6 +48,14 @@ RAY_DETACHED_SIGKILL = (
     "tests/test_ray_detached.py::"
     "test_a_detached_ray_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_attaches_by_name"
 )
+SLURM_DETACHED_KERNEL_SIGKILL = (
+    "tests/test_slurm_detached.py::"
+    "test_a_detached_slurm_training_outlives_its_kernels_sigkill_and_a_new_kernel_collects_its_result"
+)
+DETACHED_STANDBY = (
+    "tests/test_detached.py::"
+    "test_the_next_detached_launch_goes_to_a_standby_that_ordinary_runs_spare_and_that_ends_with_its_kernel"
+)
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
 NEWCOMER = "tests/test_newcomer.py::"
@@ -545,6 +553,26 @@ MUTANTS = [
         "ddpnb/engines/ray/detach.py",
         (("            ray.actor.exit_actor()\n", "            pass\n"),),
         (RAY_DETACHED_SIGKILL,),
+    ),
+    # --- a detached run's supervisor on Slurm (test_slurm_detached.py: the real two-node Slurm) -----------------
+    Mutant(
+        "queued-slurm-run-not-listed",
+        "ddpnb/detached/supervisor.py",
+        (("    files.write_unless_there(run_dir / files.MARKER, _marker(plan))\n", ""),),
+        (SLURM_DETACHED_KERNEL_SIGKILL,),
+    ),
+    Mutant(
+        "attach-to-a-queued-run-does-not-wait",
+        "ddpnb/detached/attach.py",
+        (("    _out_of_queue(path)\n", ""),),
+        (SLURM_DETACHED_KERNEL_SIGKILL,),
+    ),
+    # --- a detached run's supervisor on this machine (test_detached.py) -------------------------------------------
+    Mutant(
+        "orphan-sweep-ends-a-live-supervisor",
+        "ddpnb/node/forked.py",
+        (("_running | forkserver.spared())", "_running)"),),
+        (DETACHED_STANDBY,),
     ),
     # --- the debugger in the cell and what a failure keeps (issues 28, 29) ----------------------------------------
     Mutant(

@@ -16,6 +16,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 
 import cloudpickle
+import psutil
 import pytest
 
 import ddpnb
@@ -356,3 +357,64 @@ print(json.dumps([before, len(attached.record.metrics("beat", 0)), attached.done
         handle.stop()
     ends = [kernel.execute("print(attached.wait(10).outcome.value, attached.done)") for kernel in kernels]
     assert [end.stdout.split() for end in ends] == [["stopped", "True"]] * 2
+
+
+def _standbys(kernel: Kernel, supervisors: list[int]) -> list[int]:
+    """Supervisors waiting for the kernel's next detached launch, seen from outside: children of the kernel's
+    forkserver that left its session, other than the running `supervisors`."""
+    found = []
+    for server in psutil.Process(kernel.pid).children():
+        try:
+            session = os.getsid(server.pid)
+            found += [
+                child.pid
+                for child in server.children()
+                if child.pid not in supervisors and os.getsid(child.pid) != session and child.is_running()
+            ]
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def _one_standby(kernel: Kernel, supervisors: list[int]) -> int:
+    deadline = time.monotonic() + 30
+    while len(found := _standbys(kernel, supervisors)) != 1:
+        assert time.monotonic() < deadline, found
+        time.sleep(0.05)
+    return found[0]
+
+
+def test_the_next_detached_launch_goes_to_a_standby_that_ordinary_runs_spare_and_that_ends_with_its_kernel(
+    tmp_path_factory,
+):
+    with private_runs_dir(tmp_path_factory) as runs:
+        kernel = Kernel(env={"DDPNB_VIEW": "none"})
+        try:
+            launched = kernel.execute(
+                f"import ddpnb\n{COUNTS}\nfirst = ddpnb.launch(counts, nprocs=2, args=(100,), detach=True)"
+            )
+            assert launched.error is None, launched.error
+            first = files.marker(next(runs.iterdir()))["pid"]
+            standby = _one_standby(kernel, [first])
+            # an ordinary run's orphan sweep, while both live, ends neither: they left the forkserver's session
+            beside = kernel.execute("print(ddpnb.run(counts, nprocs=2, args=(2,))['total'], first.result()['total'])")
+            assert beside.error is None, beside.error
+            assert beside.stdout.split()[-2:] == ["4.0", "200.0"]
+            second = kernel.execute(
+                "second = ddpnb.launch(counts, nprocs=2, args=(2,), detach=True)\nprint(second.name)"
+            )
+            assert second.error is None, second.error
+            assert files.marker(runs / second.stdout.split()[-1])["pid"] == standby  # the run went to the standby
+            assert wait_gone([first], within=10) == []
+            standby = _one_standby(kernel, [standby])
+            os.kill(standby, signal.SIGKILL)  # a standby gone meanwhile: the next launch forks a supervisor now
+            assert wait_gone([standby], within=5) == []
+            third = kernel.execute("print(ddpnb.launch(counts, nprocs=2, args=(3,), detach=True).result()['total'])")
+            assert third.error is None, third.error
+            assert third.stdout.split()[-1] == "6.0"
+            standby = _one_standby(kernel, [])
+            ready = [standby, *(child.pid for child in psutil.Process(standby).children())]  # and its forkserver
+            assert len(ready) == 2
+        finally:
+            _kill_kernel(kernel)
+        assert wait_gone(ready, within=10) == []  # it ends with the kernel that would have handed it a run

@@ -37,6 +37,7 @@ import ddpnb
 from ddpnb.core import rundir
 from ddpnb.core.report import summary_table
 from ddpnb.core.run import Run
+from ddpnb.detached import supervisor
 from tests.conftest import PACKAGE_DIR, Execution, Kernel, private_runs_dir, wait_gone, written_result_files
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -75,10 +76,11 @@ def orphans_come_to_this_process():
 
 
 def _session_processes() -> set[int]:
-    """The processes kept for the whole session: the forkserver ranks are forked from, and its resource tracker."""
+    """The processes kept for the whole session: the forkserver ranks are forked from, and its resource tracker;
+    after a detached launch (another test's), the supervisor forked for the next one and its forkserver."""
     forkserver = multiprocessing.forkserver._forkserver._forkserver_pid
     tracker = multiprocessing.resource_tracker._resource_tracker._pid
-    return {pid for pid in (forkserver, tracker) if pid}
+    return {pid for pid in (forkserver, tracker, *supervisor.standby()) if pid}
 
 
 def stray_processes() -> list[psutil.Process]:

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import cloudpickle
 import pytest
@@ -69,9 +70,10 @@ def login_node(cluster, monkeypatch, tmp_path_factory):
 
 
 def test_a_detached_slurm_training_outlives_its_kernels_sigkill_and_a_new_kernel_collects_its_result(
-    cluster, login_node
+    cluster, login_node, capfd
 ):
-    """The job is held in the queue first: the launch says so with the job's state, and starts when it runs."""
+    """The job is held in the queue first: the launch says so with the job's state, and starts when it runs;
+    meanwhile the run is listed as queued, and an attach waits for it, saying so."""
     first = Kernel(env={"DDPNB_VIEW": "none"})
     cell = Cell(
         first,
@@ -82,10 +84,24 @@ def test_a_detached_slurm_training_outlives_its_kernels_sigkill_and_a_new_kernel
     run_dir = next(login_node.iterdir())
     job = (run_dir / detach.JOB).read_text()
     assert f"waits in the queue: slurm job {job} pending (JobHeldUser)" in said.stderr, said.text
-    cluster.run("scontrol", "release", job)
-    launched = cell.finish(timeout=CELL_TIMEOUT)
-    assert launched.error is None, launched.text
-    assert f"NAME {run_dir.name}" in launched.stdout
+    assert [(run.name, run.state) for run in ddpnb.runs()] == [(run_dir.name, "queued")]
+    assert f"slurm job {job} pending (JobHeldUser)" in ddpnb.runs()[0].progress
+    with ThreadPoolExecutor(1) as pool:
+        attaching = pool.submit(ddpnb.attach, run_dir.name)
+        deadline, err = time.monotonic() + 30, ""
+        while f"{run_dir.name} waits in the queue: slurm job {job} pending" not in (
+            err := err + capfd.readouterr().err
+        ):
+            assert time.monotonic() < deadline and not attaching.done(), (err, attaching.done() and attaching.result())
+            time.sleep(0.1)
+        assert not attaching.done()
+        cluster.run("scontrol", "release", job)
+        launched = cell.finish(timeout=CELL_TIMEOUT)
+        assert launched.error is None, launched.text
+        assert f"NAME {run_dir.name}" in launched.stdout
+        early = attaching.result(timeout=60)  # once the job runs and its supervisor started the ranks
+        assert early.name == run_dir.name and early.record.world_size == 2
+        early.leave()
     supervisor = files.marker(run_dir)["pid"]
     deadline = time.monotonic() + 120
     while _steps_logged(run_dir) < 30:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import pwd
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from ddpnb.detached import files
 FIRST_RECORD_WAIT = 30.0  # seconds attach waits for a just-launched run's journal to say what the run is
 RESULT_WAIT = 10.0  # seconds `result()` waits, after the run's end, for the supervisor to have kept the value
 ORPHAN_CHECK = 1.0  # seconds between two looks at whether the supervisor is still alive while waiting
+QUEUE_POLL = 0.2  # seconds between two looks at a queued run's state (its home asks the queue less often)
+START_WAIT = 120.0  # seconds attach waits, once a queued run's job runs, for its supervisor to start the ranks
 
 
 class DetachedRun:
@@ -229,8 +232,10 @@ class Listed:
     path: Path
     function: str
     world_size: int
-    state: str  # 'running', 'orphaned' (its supervisor is gone, the end never written) or the outcome
-    progress: str  # the supervisor's status line while it runs; how it ended after
+    # 'queued' (its supervisor's job waits in its platform's queue), 'running', 'orphaned' (its supervisor is gone,
+    # the end never written) or the outcome
+    state: str
+    progress: str  # what it waits for in the queue; the supervisor's status line while it runs; how it ended after
 
     def attach(self) -> DetachedRun:
         return attach(self.path)
@@ -261,6 +266,9 @@ def _state(path: Path) -> tuple[str, str]:
         return end["outcome"], f"ended after {format_duration(end['duration'])}" + (
             f": {end['note']}" if end.get("note") else ""
         )
+    queued = files.queued(path)
+    if queued:
+        return "queued", f"{queued}: it starts when its job runs"
     if files.supervised(path):
         try:
             return "running", files.ask(path, "status", timeout=5)
@@ -279,7 +287,27 @@ def attach(which: str | os.PathLike[str] = "last") -> DetachedRun:
             f"{path} is {_user(owner)}'s run: only the user who launched a run may attach to it (its journal, "
             "logs, result and secret are that user's alone). Attach to one of your runs: ddpnb.runs() lists them."
         )
+    _out_of_queue(path)
     return DetachedRun(path)
+
+
+def _out_of_queue(path: Path) -> None:
+    """While the run's supervisor waits in its platform's queue (its batch job pending), wait with it, saying so
+    (no deadline: the queue decides; an interrupt stops the waiting, not the run); then until it has started."""
+    said = ""
+    while queued := files.queued(path):
+        if queued != said:
+            print(
+                f"[ddpnb] the detached run {path.name} waits in the queue: {queued}; attach returns once its job "
+                "runs (interrupt to stop waiting: the run stays queued, and ddpnb.runs() lists it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = queued
+        time.sleep(QUEUE_POLL)
+    deadline = time.monotonic() + START_WAIT
+    while said and not (path / files.STARTED).exists() and files.supervised(path) and time.monotonic() < deadline:
+        time.sleep(QUEUE_POLL)  # its journal is written once the supervisor runs: it may take a fresh interpreter
 
 
 def _user(uid: int) -> str:

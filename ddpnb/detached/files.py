@@ -15,7 +15,9 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-MARKER = "detached"  # JSON: what the run is (function, ranks, engine, supervisor PID, ddpnb version)
+# JSON: what the run is (function, ranks, engine, ddpnb version; the supervisor's PID once it runs): written by the
+# kernel when a supervisor elsewhere was accepted (a batch job in the queue), then by the supervisor as it starts
+MARKER = "detached"
 SECRET = "secret"  # the run's secret: bytes a viewer proves at the door
 DOOR = "door"  # JSON: the door's host and port
 ALIVE = "supervisor.lock"  # held (flock) by the supervisor for its whole life
@@ -46,6 +48,22 @@ def private_write(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(partial, path)
+
+
+def write_unless_there(path: Path, data: bytes) -> None:
+    """`private_write`, but a file already at `path` stays: written meanwhile by the one who knows better."""
+    partial = path.with_name(path.name + ".first")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        os.link(partial, path)  # atomic, and never over an existing file (os.replace would be)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink()
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -90,6 +108,14 @@ def home(run_dir: Path) -> Any:
         return pickle.loads((run_dir / HOME).read_bytes())
     except (OSError, pickle.UnpicklingError, ImportError, AttributeError):
         return None
+
+
+def queued(run_dir: Path) -> str:
+    """What the run's supervisor waits for in its platform's queue ('slurm job 12 pending (Priority)'), else ''."""
+    if _locked(run_dir):  # it runs: no need to ask the queue (whose answer is kept a while, and would be stale)
+        return ""
+    waiting = getattr(home(run_dir), "waiting", None)
+    return waiting(str(run_dir)) if waiting is not None else ""
 
 
 def end_supervisor(run_dir: Path) -> bool:

@@ -4,8 +4,10 @@ run, until the run ends and everything is written.
 
 It forks its ranks from a forkserver of its own, forked from itself before it starts any thread (a process with
 threads must not fork); the ranks' lifeline is the supervisor, so its death ends them as the kernel's ends an
-ordinary run's. Commands across the gap (status, stacks, stop) come through a door (`remote.door`) that lets in
-only a connection proving the run's secret; a stranger is refused and logged in the supervisor's log.
+ordinary run's. Both forks are made ahead of the run: each detached launch hands its plan to a supervisor forked
+after the one before (a standby), and forks the next one. Commands across the gap (status, stacks, stop) come
+through a door (`remote.door`) that lets in only a connection proving the run's secret; a stranger is refused and
+logged in the supervisor's log.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.spawn
 import os
 import pickle
 import secrets
@@ -83,10 +86,13 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
         (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
         raise
     files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
+    # listed (`ddpnb.runs()`, queued while its job waits) from now on: a kernel that dies meanwhile leaves it queued
+    files.write_unless_there(run_dir / files.MARKER, _marker(plan))
     try:
         _await_start(home, run_dir, where)
     except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
         files.end_supervisor(run_dir)
+        (run_dir / files.MARKER).unlink(missing_ok=True)  # a launch that failed is no run to list
         raise
     return f"supervisor: {where}"
 
@@ -147,47 +153,112 @@ def _address_facing(host: str) -> str:
 
 
 def _fork(plan: DetachedPlan) -> int:
-    """Fork the supervisor from the kernel's forkserver and wait until it has started every rank; its PID."""
-    payload = cloudpickle.dumps(plan)  # the args may hold objects defined in the notebook
-    context = forkserver.context()
-    reader, writer = context.Pipe(duplex=False)
-    process = context.Process(
-        target=supervise, args=(payload, writer), name=f"{PROCESS_PREFIX}supervisor", daemon=False
-    )
-    process.start()
-    writer.close()
-    # the kernel never joins it: at the kernel's exit multiprocessing would wait for the run to end
-    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+    """Hand the run to a supervisor forked from the kernel's forkserver (the standby forked after the last
+    detached launch, else one forked now), wait until it has started every rank, then fork the next standby in
+    the background; the supervisor's PID."""
+    name = f"{PROCESS_PREFIX}supervisor"
+    # the args may hold objects defined in the notebook; sys.path and the directory as they are now, not as
+    # they were when the standby was forked
+    preparation = multiprocessing.spawn.get_preparation_data(name)
+    preparation["authkey"] = bytes(preparation["authkey"])  # pickled only as plain bytes, over a socketpair
+    for main in ("init_main_from_name", "init_main_from_path"):  # never the script's main module, as for a rank
+        preparation.pop(main, None)
+    payload = cloudpickle.dumps((plan, preparation))
+    standby = _Standby.take()
     try:
-        if not reader.poll(START_WAIT):
-            os.kill(process.pid, signal.SIGKILL)
+        standby.conn.send_bytes(payload)
+    except OSError:  # it died meanwhile (ended by hand, or by a `preload`): one forked now instead
+        standby.conn.close()
+        standby = _Standby(forkserver.context())
+        standby.conn.send_bytes(payload)
+    try:
+        if not standby.conn.poll(START_WAIT):
+            os.kill(standby.pid, signal.SIGKILL)
             raise LaunchError(
                 f"the detached run's supervisor did not start its ranks within {START_WAIT:g} s: see "
                 f"{Path(plan.spec.run_dir) / files.LOG}"
             )
-        said, value = reader.recv()
+        said, value = pickle.loads(standby.conn.recv_bytes())
     except EOFError:
         raise LaunchError(
             f"the detached run's supervisor died while starting: see {Path(plan.spec.run_dir) / files.LOG}"
         ) from None
     finally:
-        reader.close()
+        standby.conn.close()
+    threading.Thread(target=_Standby.prepare, name="ddpnb-standby", daemon=True).start()
     if said != "started":
         raise LaunchError(value)
     return value
 
 
-def supervise(payload: bytes, ready: multiprocessing.connection.Connection) -> None:
-    """multiprocessing target, in the process forked for the run: own it until it ends."""
+class _Standby:
+    """A supervisor forked ahead of its run: in a session of its own, its own forkserver forked, waiting for a
+    plan on its connection. The next detached launch then costs no fork of a process holding torch (two, ~18 ms
+    each); it exits when the kernel lets go of it (the kernel's exit, or a `preload` restarting the forkserver
+    it was forked from)."""
+
+    _next: _Standby | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self.conn, theirs = context.Pipe(duplex=True)
+        with forkserver.lock:  # the orphan sweep must know it as a supervisor before it leaves the session
+            process = context.Process(target=stand_by, args=(theirs,), name=f"{PROCESS_PREFIX}supervisor", daemon=False)
+            process.start()
+            forkserver.spare(process.pid, self.conn.close)
+        theirs.close()
+        # the kernel never joins it: at the kernel's exit multiprocessing would wait for the run to end
+        multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+        self.pid = process.pid
+
+    @classmethod
+    def take(cls) -> _Standby:
+        """The standby ready for this launch, or one forked now (the first detached launch in this kernel)."""
+        with cls._lock:
+            standby, cls._next = cls._next, None
+        return standby if standby is not None else cls(forkserver.context())
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Fork the next launch's standby (on a thread of the kernel's: the fork is the forkserver's)."""
+        try:
+            standby = cls(forkserver.context())
+        except Exception:  # noqa: BLE001 - the kernel shuts down, say: the next launch forks its own, as the first
+            return
+        with cls._lock:
+            standby, cls._next = cls._next, standby
+        if standby is not None:  # two launches at once each forked one: one is enough
+            standby.conn.close()
+
+
+def standby() -> list[int]:
+    """The PIDs of the supervisor waiting for this process's next detached launch and of its forkserver, kept
+    like the kernel's forkserver for the whole session; [] before the first detached launch, or once it is gone."""
+    waiting = _Standby._next
+    if waiting is None or waiting.conn.closed:
+        return []
+    return [pid for pid in [waiting.pid, *orphans.children(waiting.pid)] if os.path.exists(f"/proc/{pid}")]
+
+
+def stand_by(conn: multiprocessing.connection.Connection) -> None:
+    """multiprocessing target, in the process forked for the next detached run: get ready (a session and a
+    forkserver of its own, before any thread), wait for its plan, then own the run until it ends."""
     os.setsid()  # out of the kernel's session and process group: what ends the kernel does not reach it
-    plan: DetachedPlan = pickle.loads(payload)
+    _own_forkserver(conn.fileno())  # first: no thread runs yet
+    # looked up once in a process, from package metadata (~15 ms): before the plan comes, not after
+    engines.names(), entries.version(), entries.schema()
+    try:
+        payload = conn.recv_bytes()
+    except EOFError:  # let go of before a launch came
+        return
+    plan, preparation = pickle.loads(payload)
+    multiprocessing.spawn.prepare(preparation)
     _log_to(Path(plan.spec.run_dir) / files.LOG)
-    _own_forkserver()  # first: no thread runs yet
 
     def said(what: str, value: Any) -> None:
-        ready.send((what, value))
+        conn.send_bytes(pickle.dumps((what, value)))
         if what == "started":
-            ready.close()
+            conn.close()
 
     _supervise(plan, said, door_host="127.0.0.1")
 
@@ -196,20 +267,7 @@ def _supervise(plan: DetachedPlan, said: Callable[[str, Any], None], door_host: 
     """Own the run until it ends and everything is written; `said` tells the kernel it started, or why not."""
     run_dir = Path(plan.spec.run_dir)
     alive = files.hold_alive(run_dir)
-    files.private_write(
-        run_dir / files.MARKER,
-        json.dumps(
-            {
-                "function": plan.function,
-                "world_size": plan.spec.world_size,
-                "engine": plan.engine,
-                "pid": os.getpid(),
-                "started": time.time(),
-                "ddpnb": entries.version(),
-                "uid": os.getuid(),
-            }
-        ).encode(),
-    )
+    files.private_write(run_dir / files.MARKER, _marker(plan, pid=os.getpid()))
     try:
         run = _owned(plan)
         door = _open_door(run, run_dir, door_host)
@@ -226,6 +284,18 @@ def _supervise(plan: DetachedPlan, said: Callable[[str, Any], None], door_host: 
     )
     door.close()
     os.close(alive)
+
+
+def _marker(plan: DetachedPlan, **more: Any) -> bytes:
+    about = {
+        "function": plan.function,
+        "world_size": plan.spec.world_size,
+        "engine": plan.engine,
+        "started": time.time(),
+        "ddpnb": entries.version(),
+        "uid": os.getuid(),
+    }
+    return json.dumps({**about, **more}).encode()
 
 
 class _Unattended:
@@ -331,10 +401,11 @@ def _log_to(path: Path) -> None:
     os.close(null)
 
 
-def _own_forkserver() -> None:
+def _own_forkserver(unshared: int) -> None:
     """multiprocessing's forkserver main loop in a child forked from this process (torch is imported here
-    already, so it costs a fork, not an import), made this process's forkserver. The kernel's forkserver is let
-    go of: it ends with the kernel, whatever this run does."""
+    already, so it costs a fork, not an import), made this process's forkserver; the child closes `unshared`
+    (the kernel's connection: the supervisor's death must show there). The kernel's forkserver is let go of: it
+    ends with the kernel, whatever this run does."""
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
@@ -348,6 +419,7 @@ def _own_forkserver() -> None:
     if pid == 0:
         try:
             os.close(alive_w)
+            os.close(unshared)
             orphans.become_subreaper()  # a dead rank's orphans come here, as to the kernel's forkserver
             multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
         finally:

@@ -360,7 +360,7 @@ def _end_orphans(rank_pid: int) -> None:
     a rank of another run, forked meanwhile, is known as a rank before it is looked at."""
     with forkserver.lock:
         _running.discard(rank_pid)
-        orphans.end_orphans(_compat.forkserver_pid(), _running)
+        orphans.end_orphans(_compat.forkserver_pid(), _running | forkserver.spared())
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -40,6 +40,9 @@ PRELOAD = [
 # (reentrant: a start that fails ends its ranks, and their orphans, while it holds it)
 lock = threading.RLock()
 _preloaded: list[str] = []  # what `preload` added to PRELOAD, in the order asked
+# children of the forkserver that leave its session yet are no rank's orphans (detached runs' supervisors, each
+# with what lets go of it before a `preload`, or None): the orphan sweep spares them
+_spared: dict[int, Callable[[], None] | None] = {}
 
 
 class PreloadError(ValueError):
@@ -109,8 +112,10 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
                 "ddpnb.preload restarts the process ranks are forked from: wait for the running run "
                 "to end (or .stop() it), then call it again."
             )
-        server = _compat.forkserver_pid()
-        others = orphans.children(server) if server else []
+        for let_go in [let_go for let_go in _spared.values() if let_go is not None]:
+            let_go()
+        server, kept = _compat.forkserver_pid(), spared()  # a detached run's supervisor is never waited for
+        others = [pid for pid in orphans.children(server) if pid not in kept] if server else []
         if others:
             raise PreloadError(
                 f"ddpnb.preload restarts multiprocessing's forkserver, and processes forked from it "
@@ -149,6 +154,21 @@ def preload(modules: dict[str, str | None], busy: Callable[[], bool]) -> list[st
                 "ranks import these modules themselves, as before."
             )
         return list(_preloaded)
+
+
+def spare(pid: int, let_go: Callable[[], None] | None = None) -> None:
+    """Keep a child of the forkserver out of the orphan sweep (call it holding `lock`); `let_go` ends it before
+    `preload` replaces the forkserver, for a child that must not outlive the modules it was forked with."""
+    _spared[pid] = let_go
+
+
+def spared() -> set[int]:
+    """The spared children of the forkserver that are still its children (call it holding `lock`)."""
+    server = _compat.forkserver_pid()
+    alive = set(orphans.children(server)) if server else set()
+    for pid in set(_spared) - alive:  # ended: its PID may be reused by a process that is an orphan
+        del _spared[pid]
+    return set(_spared)
 
 
 def preloaded() -> list[str]:

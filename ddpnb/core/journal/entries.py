@@ -76,6 +76,7 @@ def decode_other(payload: bytes) -> tuple[Entry, tuple[Any, ...]]:
 
 
 # --- versions -------------------------------------------------------------------------------------------------
+@cache
 def version() -> str:
     try:
         return metadata.version("ddpnb")
