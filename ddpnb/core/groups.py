@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ddpnb.core.record import Diagnosis, RankRecord, RankWhere, RunRecord
 from ddpnb.core.words import format_duration, size_text
 
-GROUP_FROM = 64  # ranks from which views group them: a table of 64 rows is two screens already
+GROUP_FROM = 32  # ranks from which views group them: a table of 32 rows and its header is a screen already
 RANGES_FROM = 8  # ranks in one list from which it is said as ranges ('ranks 0-16,18-63'), not one by one
 MAX_GROUPS = 10  # places the stall doctor names at most; the rest are counted as elsewhere
 EXTREMES = 3  # the slowest and fastest ranks named under a grouped table, where one is SPREAD off the median

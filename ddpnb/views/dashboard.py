@@ -47,7 +47,7 @@ from ddpnb.views.html import (
 from ddpnb.views.text import summary_text
 
 LOG_LINES = 200  # lines the log panel keeps for each of its views (all ranks, each rank)
-RANK_LINES = 64 * LOG_LINES  # lines the per-rank views keep in all: fewer a rank from 64 ranks up ...
+RANK_LINES = 64 * LOG_LINES  # lines the per-rank views keep in all: fewer a rank past 64 ranks ...
 MIN_RANK_LINES = 20  # ... but never fewer than this (its log file has every line)
 MANY_REDRAW = 1.0  # seconds between two redraws from `groups.GROUP_FROM` ranks up (below: at the reader's news)
 PLOT_INTERVAL = 1.0  # seconds between two redraws of the plots (the costliest part) while the run goes on
