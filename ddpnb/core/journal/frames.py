@@ -14,6 +14,7 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,8 +186,10 @@ class Follower:
 
     RETRIES = 5
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read: Callable[[int], bytes | None] | None = None) -> None:
         self.path = Path(path)
+        # the file's bytes from an offset (None while it does not exist): where the journal is not a file here
+        self._source = read
         self.header: dict[str, Any] | None = None
         self.torn: Torn | None = None
         self._fd: int | None = None
@@ -203,15 +206,22 @@ class Follower:
         """The records written since the last poll (none while the file does not exist yet)."""
         if self.torn is not None:
             return []
-        if self._fd is None:
+        if self._source is None and self._fd is None:
             try:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 return []
         chunks = [self._tail]
-        while chunk := os.pread(self._fd, 1 << 20, self._read):
+        if self._source is not None:  # one call a poll: the source may wait a while for more (a long poll)
+            chunk = self._source(self._read)
+            if chunk is None:
+                return []
             chunks.append(chunk)
             self._read += len(chunk)
+        else:
+            while chunk := os.pread(self._fd, 1 << 20, self._read):  # type: ignore[arg-type]
+                chunks.append(chunk)
+                self._read += len(chunk)
         data = b"".join(chunks)
         start = 0
         if self.header is None:

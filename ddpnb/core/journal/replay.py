@@ -120,10 +120,13 @@ class Replay:
         replay.torn = reader.torn
         return replay
 
-    def follow(self, path: Path | str, stop: threading.Event | None = None) -> None:
+    def follow(
+        self, path: Path | str, stop: threading.Event | None = None, read: Callable[[int], bytes | None] | None = None
+    ) -> None:
         """Play the journal at `path` from its first record, then as it grows, until the run's end is played, the
-        journal is found torn, or `stop` is set. Views wait in `watch` meanwhile."""
-        follower = Follower(journal_path(path))
+        journal is found torn, or `stop` is set. Views wait in `watch` meanwhile. `read`: the journal's bytes from
+        an offset, where it is not a file here (a run served by its supervisor's engine)."""
+        follower = Follower(journal_path(path), read)
         stop = stop or threading.Event()
         checked = False
         try:
