@@ -80,7 +80,7 @@ def _header(data: bytes, path: Path) -> tuple[dict[str, Any], int]:
     payloads: list[bytes] = []
     stop, why = parse(data[: len(MAGIC) + FRAME.size + _header_size(data)], len(MAGIC), payloads)
     if not payloads:
-        if why == "cut short":
+        if why in ("cut short", ""):  # "": the data ends right after the magic (a journal read in pieces)
             raise _NotYet(f"{path}'s header is cut short: the journal cannot be read")
         raise JournalError(f"{path}'s header is corrupt: the journal cannot be read")
     try:
