@@ -90,7 +90,7 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> tuple[str, files.RunS
     if served is None:  # any later kernel asks it too (`files.supervised`)
         files.private_write(run_dir / files.HOME, pickle.dumps(home))
     try:
-        _await_start(home, source, where)
+        _await_start(home, source, where, str(run_dir))
     except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
         if served is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -101,11 +101,10 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> tuple[str, files.RunS
     return f"supervisor: {where}", source
 
 
-def _await_start(home: SupervisorHome, source: files.RunSource, where: str) -> None:
+def _await_start(home: SupervisorHome, source: files.RunSource, where: str, run_dir: str) -> None:
     """Until the supervisor started every rank; while its home waits in a queue, say so (no deadline runs then)."""
     deadline, said = time.monotonic() + START_WAIT, ""
     waiting = getattr(home, "waiting", None)
-    run_dir = source.name
     while source.read(files.STARTED) is None:
         failed = source.read(files.FAILED)
         if failed is not None:
@@ -120,7 +119,7 @@ def _await_start(home: SupervisorHome, source: files.RunSource, where: str) -> N
                     flush=True,
                 )
             said, deadline = queued, time.monotonic() + START_WAIT
-        elif not source.supervised() and source.read(files.STARTED) is None:
+        elif home.alive(run_dir) is False and source.read(files.STARTED) is None:
             raise LaunchError(
                 f"the detached run's supervisor ({where}) ended while starting: see {files.LOG} in {source.place}"
             )
