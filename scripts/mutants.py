@@ -47,6 +47,10 @@ RAY_DETACHED_SIGKILL = (
     "tests/test_ray_detached.py::"
     "test_a_detached_ray_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_attaches_by_name"
 )
+RAY_CLIENT_SIGKILL = (
+    "tests/test_ray_client.py::"
+    "test_a_detached_training_launched_through_ray_client_outlives_its_kernel_and_a_fresh_client_attaches"
+)
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
 NEWCOMER = "tests/test_newcomer.py::"
@@ -542,8 +546,14 @@ MUTANTS = [
     Mutant(
         "ray-supervisor-stays-after-the-run",
         "ddpnb/engines/ray/detach.py",
-        (("            ray.actor.exit_actor()\n", "            pass\n"),),
+        (("        ray.actor.exit_actor()\n", "        pass\n"),),
         (RAY_DETACHED_SIGKILL,),
+    ),
+    Mutant(
+        "ray-served-supervisor-stays-once-collected",
+        "ddpnb/engines/ray/detach.py",
+        (("        self._collected.set()\n", "        pass\n"),),
+        (RAY_CLIENT_SIGKILL,),
     ),
     # --- the debugger in the cell and what a failure keeps (issues 28, 29) ----------------------------------------
     Mutant(

@@ -7,25 +7,24 @@ from the kernels' (another DDPNB_RUNS_DIR), real Jupyter kernels connected with 
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from ddpnb.core.journal.replay import Replay
 from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
-from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT
+from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT, free_port, start_node, stop_nodes
 from tests.test_ray_detached import KERNEL_ENV, LEFT_OF_RUN, SLEEPS, _json, _kill_kernel
 
 STEPS = 60
 TRAIN = training_cell(STEPS, pause=0.1)
-CLUSTER_WAIT = 120.0  # seconds `ray start` may take to listen for Ray Client on a busy machine
 pytestmark = [
     pytest.mark.ray,
     pytest.mark.slow,
@@ -41,12 +40,6 @@ class ClientCluster:
     node_runs: Path  # the cluster node's: where served runs live
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
@@ -56,33 +49,36 @@ def _listening(port: int) -> bool:
 def client_cluster(tmp_path_factory) -> Iterator[ClientCluster]:
     node_runs = tmp_path_factory.mktemp("node-runs")
     node_runs.chmod(0o700)
-    client = _free_port()
-    env = {**os.environ, **KERNEL_ENV, "DDPNB_RUNS_DIR": str(node_runs)}
-    head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", f"--port={_free_port()}", f"--ray-client-server-port={client}",
-         "--num-cpus=4", "--num-gpus=0", "--include-dashboard=false", "--node-ip-address=127.0.0.1",
-         f"--dashboard-agent-listen-port={_free_port()}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
+    client = free_port()
+    flags = [
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={free_port()}",
+        f"--ray-client-server-port={client}",
+        "--num-cpus=4",
+        "--num-gpus=0",
+        f"--object-store-memory={100 * 2**20}",
+        "--disable-usage-stats",
+        "--include-log-monitor=false",
+        "--include-dashboard=false",
+        f"--temp-dir={temp_dir}",
+    ]
+    # the node keeps its run directories apart from the kernels': what a served run's kernel never reads
+    env = {**os.environ, **KERNEL_ENV, "RAY_ADDRESS": "", "DDPNB_RUNS_DIR": str(node_runs)}
+    nodes: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + CLUSTER_WAIT
-        while not _listening(client):
-            assert head.poll() is None and time.monotonic() < deadline, "ray start did not listen for Ray Client"
-            time.sleep(0.5)
+        start_node(nodes, flags, tmp_path_factory.mktemp("ray-logs") / "head", env=env)
+        deadline = time.monotonic() + CELL_TIMEOUT
+        while not _listening(client):  # Ray Client's server comes up after the node says it runs
+            assert time.monotonic() < deadline, "the head never listened for Ray Client"
+            time.sleep(0.2)
         with private_runs_dir(tmp_path_factory) as runs:
             yield ClientCluster(f"ray://127.0.0.1:{client}", runs, node_runs)
     finally:
-        processes = psutil.Process(head.pid).children(recursive=True)
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        for process in processes:  # Ray's own, which left the group: none of them may outlive the module
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                continue
+        stop_nodes(nodes)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _kernel(address: str, connect: bool) -> Kernel:
