@@ -19,7 +19,6 @@ import multiprocessing.forkserver
 import os
 import pickle
 import secrets
-import shutil
 import signal
 import socket
 import sys
@@ -83,7 +82,9 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> tuple[str, files.RunS
     try:
         where = home.start(str(run_dir))
     except BaseException:
-        (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
+        (run_dir / files.PLAN).unlink(
+            missing_ok=True
+        )  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
         raise
     served = getattr(home, "source", lambda run_dir: None)(str(run_dir))
     source = served or files.RunDir(run_dir)
@@ -92,12 +93,8 @@ def _start_at(home: SupervisorHome, plan: DetachedPlan) -> tuple[str, files.RunS
     try:
         _await_start(home, source, where, str(run_dir))
     except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
-        if served is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
         source.end()
         raise
-    if served is not None:  # the run lives in its supervisor's run directory, which this kernel does not see
-        shutil.rmtree(run_dir, ignore_errors=True)
     return f"supervisor: {where}", source
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -168,8 +169,11 @@ class RayHome:
         # through Ray Client the kernel reads nothing of the cluster's nodes, even where it runs on one of them
         self.served = client_connected() or not node
         if self.served:
-            plan = Path(run_dir) / importlib.import_module(FILES).PLAN  # written by the kernel's `supervisor.start`
-            actor.serve.remote(Path(run_dir).name, plan.read_bytes())
+            plan = (Path(run_dir) / importlib.import_module(FILES).PLAN).read_bytes()  # the kernel's `_start_at`'s
+            # the run lives in the actor's node's run directory of the same name: where that is this machine's runs
+            # directory too, the kernel's must not be in the way (the kernel keeps nothing of a served run)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            actor.serve.remote(Path(run_dir).name, plan)
             node = ray.get(actor.where.remote(), timeout=CALL_WAIT)[0]
             how = "served to this kernel through Ray (it keeps the run directory on its node)"
         else:
