@@ -134,10 +134,9 @@ def test_a_follower_over_a_read_function_takes_a_served_journal_in_pieces_as_a_f
     path = tmp_path / "journal"
     calls: list[int] = []
 
-    def served(offset: int) -> bytes | None:
+    def served(offset: int, most: int) -> bytes | None:
         calls.append(offset)
-        data = files.RunDir(tmp_path).read("journal", offset)
-        return None if data is None else data[:7]
+        return files.RunDir(tmp_path).read("journal", offset, most=min(most, 7))
 
     follower = Follower(tmp_path / "elsewhere" / "journal", served)
     assert follower.poll() == []  # not there yet

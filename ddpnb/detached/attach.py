@@ -76,8 +76,8 @@ class DetachedRun:
             self._failed = exc
 
     @staticmethod
-    def _journal_from(source: files.RunSource, offset: int) -> bytes | None:
-        return source.read(JOURNAL_FILE, offset, wait=SERVED_POLL)
+    def _journal_from(source: files.RunSource, offset: int, most: int) -> bytes | None:
+        return source.read(JOURNAL_FILE, offset, wait=SERVED_POLL, most=most)
 
     # --- the handle ---------------------------------------------------------------------------------------------
     @property

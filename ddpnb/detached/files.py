@@ -124,7 +124,7 @@ class RunSource(Protocol):
     name: str
     place: str  # where the run's files are, for messages
 
-    def read(self, name: str, offset: int = 0, wait: float = 0.0) -> bytes | None: ...
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None: ...
     def ask(self, what: str, timeout: float = ASK_WAIT) -> Any: ...
     def supervised(self) -> bool: ...
     def end(self) -> bool: ...
@@ -140,13 +140,14 @@ class RunDir:
         self.name = path.name
         self.place = str(path)
 
-    def read(self, name: str, offset: int = 0, wait: float = 0.0) -> bytes | None:
-        """The bytes of the run directory's file `name` from `offset`; None where it does not exist (yet)."""
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None:
+        """The bytes of the run directory's file `name` from `offset` (at most `most`); None where it does not
+        exist (yet)."""
         del wait  # a file here is read again at once: no call to save
         try:
             with open(self.path / name, "rb") as file:
                 file.seek(offset)
-                return file.read()
+                return file.read(most)
         except FileNotFoundError:
             return None
 

@@ -185,11 +185,16 @@ class Follower:
     is called corrupt (`torn`), and nothing after it is read."""
 
     RETRIES = 5
+    SOURCE_MOST = 1 << 20  # bytes asked of a read function at once
 
-    def __init__(self, path: Path, read: Callable[[int], bytes | None] | None = None) -> None:
+    def __init__(self, path: Path, read: Callable[[int, int], bytes | None] | None = None) -> None:
         self.path = Path(path)
-        # the file's bytes from an offset (None while it does not exist): where the journal is not a file here
+        # the file's bytes from an offset, at most so many (None while it does not exist): where the journal is not
+        # a file here
         self._source = read
+        # the last poll of a read function took all there was (less than it asked for): a live journal's follower
+        # may be handed a little more at every poll, and never find one empty
+        self.drained = False
         self.header: dict[str, Any] | None = None
         self.torn: Torn | None = None
         self._fd: int | None = None
@@ -213,9 +218,10 @@ class Follower:
                 return []
         chunks = [self._tail]
         if self._source is not None:  # one call a poll: the source may wait a while for more (a long poll)
-            chunk = self._source(self._read)
+            chunk = self._source(self._read, self.SOURCE_MOST)
             if chunk is None:
                 return []
+            self.drained = len(chunk) < self.SOURCE_MOST
             chunks.append(chunk)
             self._read += len(chunk)
         else:

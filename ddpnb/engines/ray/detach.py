@@ -31,6 +31,7 @@ PREFIX = "ddpnb-supervisor-"  # + the run's name: the supervisor actor's name
 SUPERVISOR = "ddpnb.detached.supervisor"
 FILES = "ddpnb.detached.files"
 CALL_WAIT = 120.0  # seconds a new actor may take to start (its worker imports ddpnb)
+ASK_WAIT = 30.0  # seconds a viewer's command may take, as at the door (`ddpnb.detached.files.ASK_WAIT`)
 KEEP_SERVED = 24 * 3600.0  # seconds a served run's actor keeps its end and result for a viewer after the run ended
 READ_WAIT = 0.5  # seconds a viewer's `read` waits at the end of a growing file for more (a long poll)
 READ_MOST = 4 << 20  # bytes one `read` returns at most
@@ -83,9 +84,9 @@ class Supervisor:
 
         return socket.getfqdn(), self.run_dir
 
-    def read(self, name: str, offset: int = 0, wait: float = 0.0) -> bytes | None:
-        """The bytes of the run directory's file `name` from `offset` (at most READ_MOST); None where it does not
-        exist (yet). With `wait`, a file with nothing past `offset` is waited on that long for more."""
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None:
+        """The bytes of the run directory's file `name` from `offset` (at most `most`, and READ_MOST); None where
+        it does not exist (yet). With `wait`, a file with nothing past `offset` is waited on that long for more."""
         if not self.run_dir or os.sep in name or name in ("", ".", "..", importlib.import_module(FILES).SECRET):
             return None
         deadline = time.monotonic() + min(wait, READ_WAIT)
@@ -96,7 +97,7 @@ class Supervisor:
                 data = None
             else:
                 try:
-                    data = os.pread(fd, READ_MOST, offset)
+                    data = os.pread(fd, READ_MOST if most < 0 else min(most, READ_MOST), offset)
                 finally:
                     os.close(fd)
             if data or time.monotonic() >= deadline:
@@ -276,13 +277,13 @@ class ServedRun:
                 return f"Ray actor {PREFIX}{self.name}'s node (gone)"
         return f"{self._where[1]} on Ray node {self._where[0]}"
 
-    def read(self, name: str, offset: int = 0, wait: float = 0.0) -> bytes | None:
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None:
         try:
-            return self._call("read", name, offset, wait)
+            return self._call("read", name, offset, wait, most)
         except RuntimeError:
             return None
 
-    def ask(self, what: str, timeout: float) -> Any:
+    def ask(self, what: str, timeout: float = ASK_WAIT) -> Any:
         status, value = self._call("ask", what, timeout, timeout=timeout + CALL_WAIT)
         if status != "ok":
             raise RuntimeError(value)
