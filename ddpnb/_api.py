@@ -278,14 +278,14 @@ def _start_detached(
         notes=[note for note in notes if note],
     )
     try:
-        supervisor.start(plan)
+        _, source = supervisor.start(plan)
     except BaseException:
         rundir.remove_if_empty(Path(spec.run_dir))
         raise
     finally:
         if held is not None:
             os.close(held)
-    handle = DetachedRun(Path(spec.run_dir))
+    handle = DetachedRun(getattr(source, "path", Path(spec.run_dir)), source)
     if launch.view is ViewKind.WIDGET:
         from ddpnb.views.dashboard import Dashboard
 

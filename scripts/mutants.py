@@ -56,6 +56,10 @@ DETACHED_STANDBY = (
     "tests/test_detached.py::"
     "test_the_next_detached_launch_goes_to_a_standby_that_ordinary_runs_spare_and_that_ends_with_its_kernel"
 )
+RAY_CLIENT_SIGKILL = (
+    "tests/test_ray_client.py::"
+    "test_a_detached_training_launched_through_ray_client_outlives_its_kernel_and_a_fresh_client_attaches"
+)
 DEBUGGER = "tests/test_debugger.py::"
 VIEWS = "tests/test_first_hour_views.py::"
 NEWCOMER = "tests/test_newcomer.py::"
@@ -514,7 +518,7 @@ MUTANTS = [
     Mutant(
         "own-job-outlives-its-kernel",
         "ddpnb/engines/slurm/submit.py",
-        (('            "cat",\n', '            "sleep",\n            "3600",\n'),),
+        (('*self._job_options(), "cat"]', '*self._job_options(), "sleep", "3600"]'),),
         (SLURM + "test_a_job_asked_for_by_a_kernel_that_dies_goes_back_with_it",),
     ),
     # --- the ray engine's warm launch (test_ray.py: a real local Ray instance) ------------------------------------
@@ -551,20 +555,20 @@ MUTANTS = [
     Mutant(
         "ray-supervisor-stays-after-the-run",
         "ddpnb/engines/ray/detach.py",
-        (("            ray.actor.exit_actor()\n", "            pass\n"),),
+        (("        ray.actor.exit_actor()\n", "        pass\n"),),
         (RAY_DETACHED_SIGKILL,),
     ),
     # --- a detached run's supervisor on Slurm (test_slurm_detached.py: the real two-node Slurm) -----------------
     Mutant(
         "queued-slurm-run-not-listed",
         "ddpnb/detached/supervisor.py",
-        (("    files.write_unless_there(run_dir / files.MARKER, _marker(plan))\n", ""),),
+        (("        files.write_unless_there(run_dir / files.MARKER, _marker(plan))\n", ""),),
         (SLURM_DETACHED_KERNEL_SIGKILL,),
     ),
     Mutant(
         "attach-to-a-queued-run-does-not-wait",
         "ddpnb/detached/attach.py",
-        (("    _out_of_queue(path)\n", ""),),
+        (("    _out_of_queue(found)\n", ""),),
         (SLURM_DETACHED_KERNEL_SIGKILL,),
     ),
     # --- a detached run's supervisor on this machine (test_detached.py) -------------------------------------------
@@ -573,6 +577,12 @@ MUTANTS = [
         "ddpnb/node/forked.py",
         (("_running | forkserver.spared())", "_running)"),),
         (DETACHED_STANDBY,),
+    ),
+    Mutant(
+        "ray-served-supervisor-stays-once-collected",
+        "ddpnb/engines/ray/detach.py",
+        (("        self._collected.set()\n", "        pass\n"),),
+        (RAY_CLIENT_SIGKILL,),
     ),
     # --- the debugger in the cell and what a failure keeps (issues 28, 29) ----------------------------------------
     Mutant(
@@ -800,7 +810,7 @@ MUTANTS = [
     Mutant(
         "straggler-lateness-counts-itself",
         "ddpnb/core/stragglers.py",
-        (("t for r, t in times.items() if r != rank)", "times.values())"),),
+        (("(ns - _median_without(values, index))", "(ns - _median_without(sorted(values + [ns]), index))"),),
         ("tests/test_radar.py::test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of_the_step",),
     ),
     # --- a bug of ddpnb's own in the reader ----------------------------------------------------------------------------
@@ -827,7 +837,12 @@ MUTANTS = [
     Mutant(
         "orphans-of-a-rank-left-running",
         "ddpnb/node/forked.py",
-        (("        orphans.end_orphans(_compat.forkserver_pid(), _running)\n", "        pass\n"),),
+        (
+            (
+                "        orphans.end_orphans(_compat.forkserver_pid(), _running | forkserver.spared())\n",
+                "        pass\n",
+            ),
+        ),
         (
             FAULTS + CHILD_PATHS + "[succeeds]",
             FAULTS + CHILD_PATHS + "[raises]",

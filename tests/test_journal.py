@@ -18,6 +18,7 @@ from ddpnb.core.journal import JOURNAL_FILE, JOURNAL_VAR, entries
 from ddpnb.core.journal.frames import FRAME, MAGIC, Follower, JournalError, Reader, Writer
 from ddpnb.core.journal.replay import Replay, replay
 from ddpnb.core.spec import Stream
+from ddpnb.detached import files
 from tests.fake_engine import Exit, Gate, Print, Script, failed, finishes, metric, returned, started
 from tests.test_faults import wait_for
 
@@ -124,6 +125,27 @@ def test_a_follower_takes_records_as_batches_land_and_waits_for_a_frame_not_whol
     assert follower.poll() == PAYLOADS[2:] and follower.torn is None
     assert follower.offset == path.stat().st_size
     follower.close()
+
+
+@pytest.mark.fast
+def test_a_follower_over_a_read_function_takes_a_served_journal_in_pieces_as_a_file(tmp_path):
+    """A served run's journal arrives as bytes from an offset, one call a poll (`engines.ray.detach.ServedRun`):
+    pieces that cut frames and the header anywhere give the same records as the file."""
+    path = tmp_path / "journal"
+    calls: list[int] = []
+
+    def served(offset: int, most: int) -> bytes | None:
+        calls.append(offset)
+        return files.RunDir(tmp_path).read("journal", offset, most=min(most, 7))
+
+    follower = Follower(tmp_path / "elsewhere" / "journal", served)
+    assert follower.poll() == []  # not there yet
+    _write(path, PAYLOADS)
+    got: list[bytes] = []
+    while follower.offset < path.stat().st_size:
+        got.extend(follower.poll())
+    assert got == PAYLOADS and follower.torn is None
+    assert len(calls) == len(set(calls)) + 1  # one call a poll, each from where the last stopped (the first: None)
 
 
 @pytest.mark.fast

@@ -152,7 +152,8 @@ class EngineType(Protocol):
 
     # optional: `supervisor_home(options, spec) -> SupervisorHome | None` where a detached run's supervisor must
     # live out of this machine's reach (a batch job, a detached actor); without it, or None, a process of its own
-    # on this machine
+    # on this machine; and `served_runs() -> list`, the detached runs its supervisors serve to viewers that do not
+    # see their run directories (each with `ddpnb.detached.files.RunSource`'s methods), for `ddpnb.runs()`
 
 
 class SupervisorHome(Protocol):
@@ -169,6 +170,7 @@ class SupervisorHome(Protocol):
         """Whether that supervisor still runs, or waits to (in a queue), as the platform says; None where it
         cannot tell. The home is pickled into the run directory: any later kernel asks it too."""
 
-    # optional: `waiting(run_dir) -> str`, what it waits for while it cannot start yet ('slurm job 12 pending
+    # optional: `source(run_dir)`, where a viewer reads the run when the kernel does not see the supervisor's run
+    # directory (a `ddpnb.detached.files.RunSource`; None where it does); `waiting(run_dir) -> str`, what it waits for while it cannot start yet ('slurm job 12 pending
     # (Priority)'; '' once it can): the launch says it and waits with no deadline; and `end(run_dir)`, ending it
     # by the platform's means (scancel), for a stop whose door cannot be reached and a launch that gave up

@@ -13,7 +13,7 @@ import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # JSON: what the run is (function, ranks, engine, ddpnb version; the supervisor's PID once it runs): written by the
 # kernel when a supervisor elsewhere was accepted (a batch job in the queue), then by the supervisor as it starts
@@ -140,6 +140,66 @@ def ended(run_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((run_dir / ENDED).read_text())
     except (OSError, ValueError):
+        return None
+
+
+class RunSource(Protocol):
+    """Where a viewer reads a detached run and sends its commands: its run directory (`RunDir`), or the engine
+    that serves it from a run directory this kernel does not see (`engines.ray.detach.ServedRun`)."""
+
+    name: str
+    place: str  # where the run's files are, for messages
+
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None: ...
+    def ask(self, what: str, timeout: float = ASK_WAIT) -> Any: ...
+    def supervised(self) -> bool: ...
+    def queued(self) -> str: ...
+    def end(self) -> bool: ...
+    def collected(self) -> None: ...
+
+
+class RunDir:
+    """A viewer's way to a detached run whose run directory this kernel sees (the same machine, a shared file
+    system). A run served through its engine (`engines.ray.detach.ServedRun`) has the same methods."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.name = path.name
+        self.place = str(path)
+
+    def read(self, name: str, offset: int = 0, wait: float = 0.0, most: int = -1) -> bytes | None:
+        """The bytes of the run directory's file `name` from `offset` (at most `most`); None where it does not
+        exist (yet)."""
+        del wait  # a file here is read again at once: no call to save
+        try:
+            with open(self.path / name, "rb") as file:
+                file.seek(offset)
+                return file.read(most)
+        except FileNotFoundError:
+            return None
+
+    def ask(self, what: str, timeout: float = ASK_WAIT) -> Any:
+        return ask(self.path, what, timeout)
+
+    def supervised(self) -> bool:
+        return supervised(self.path)
+
+    def queued(self) -> str:
+        return queued(self.path)
+
+    def end(self) -> bool:
+        return end_supervisor(self.path)
+
+    def collected(self) -> None:
+        """Nothing to release: the run directory keeps the result until it is cleaned."""
+
+
+def json_of(source: RunSource, name: str) -> dict[str, Any] | None:
+    """The JSON file `name` (MARKER, ENDED) of the run `source` reads; None where it is not there (yet)."""
+    data = source.read(name)
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:
         return None
 
 

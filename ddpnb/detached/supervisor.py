@@ -12,6 +12,7 @@ logged in the supervisor's log.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -64,48 +65,55 @@ class DetachedPlan:
     notes: list[str]
 
 
-def start(plan: DetachedPlan) -> str:
-    """Start the run's supervisor and wait until it has started every rank; a line saying where it runs. On this
-    machine it is forked from the kernel's forkserver; an engine with a `supervisor_home` (a batch job, a detached
-    actor) starts it there from the plan written into the run directory. Raises LaunchError with the supervisor's
-    own words where it could not start the run."""
+def start(plan: DetachedPlan) -> tuple[str, files.RunSource]:
+    """Start the run's supervisor and wait until it has started every rank; a line saying where it runs, and where
+    a viewer reads the run. On this machine it is forked from the kernel's forkserver; an engine with a
+    `supervisor_home` (a batch job, a detached actor) starts it there from the plan written into the run directory.
+    Raises LaunchError with the supervisor's own words where it could not start the run."""
     engine_type = engines.engine_type(plan.engine)
     home = getattr(engine_type, "supervisor_home", None)
     place = None if home is None else home(plan.engine_options, plan.spec)  # None: this machine's, here
+    run_dir = Path(plan.spec.run_dir)
     if place is None:
-        return f"supervisor: process {_fork(plan)} on this machine"
+        return f"supervisor: process {_fork(plan)} on this machine", files.RunDir(run_dir)
     return _start_at(place, plan)
 
 
-def _start_at(home: SupervisorHome, plan: DetachedPlan) -> str:
+def _start_at(home: SupervisorHome, plan: DetachedPlan) -> tuple[str, files.RunSource]:
     run_dir = Path(plan.spec.run_dir)
     files.private_write(run_dir / files.PLAN, cloudpickle.dumps(plan))  # the args may hold notebook objects
     try:
         where = home.start(str(run_dir))
     except BaseException:
-        (run_dir / files.PLAN).unlink()  # a launch refused leaves no run directory (`rundir.remove_if_empty`)
+        # a launch refused leaves no run directory (`rundir.remove_if_empty`)
+        (run_dir / files.PLAN).unlink(missing_ok=True)
         raise
-    files.private_write(run_dir / files.HOME, pickle.dumps(home))  # any later kernel asks it too (`files.supervised`)
-    # listed (`ddpnb.runs()`, queued while its job waits) from now on: a kernel that dies meanwhile leaves it queued
-    files.write_unless_there(run_dir / files.MARKER, _marker(plan))
+    served = getattr(home, "source", lambda run_dir: None)(str(run_dir))
+    source = served or files.RunDir(run_dir)
+    if served is None:  # any later kernel asks it too (`files.supervised`)
+        files.private_write(run_dir / files.HOME, pickle.dumps(home))
+        # listed (`ddpnb.runs()`, queued while its job waits) from now on: a kernel that dies meanwhile leaves it
+        # queued
+        files.write_unless_there(run_dir / files.MARKER, _marker(plan))
     try:
-        _await_start(home, run_dir, where)
+        _await_start(home, source, where, str(run_dir))
     except BaseException:  # given up (an interrupt, too): a supervisor must not start later for a launch that failed
-        files.end_supervisor(run_dir)
-        (run_dir / files.MARKER).unlink(missing_ok=True)  # a launch that failed is no run to list
+        source.end()
+        if served is None:
+            (run_dir / files.MARKER).unlink(missing_ok=True)  # a launch that failed is no run to list
         raise
-    return f"supervisor: {where}"
+    return f"supervisor: {where}", source
 
 
-def _await_start(home: SupervisorHome, run_dir: Path, where: str) -> None:
+def _await_start(home: SupervisorHome, source: files.RunSource, where: str, run_dir: str) -> None:
     """Until the supervisor started every rank; while its home waits in a queue, say so (no deadline runs then)."""
     deadline, said = time.monotonic() + START_WAIT, ""
     waiting = getattr(home, "waiting", None)
-    while not (run_dir / files.STARTED).exists():
-        failed = run_dir / files.FAILED
-        if failed.exists():
-            raise LaunchError(failed.read_text())
-        queued = waiting(str(run_dir)) if waiting is not None else ""
+    while source.read(files.STARTED) is None:
+        failed = source.read(files.FAILED)
+        if failed is not None:
+            raise LaunchError(failed.decode())
+        queued = waiting(run_dir) if waiting is not None else ""
         if queued:
             if queued != said:
                 print(
@@ -115,14 +123,14 @@ def _await_start(home: SupervisorHome, run_dir: Path, where: str) -> None:
                     flush=True,
                 )
             said, deadline = queued, time.monotonic() + START_WAIT
-        elif home.alive(str(run_dir)) is False and not (run_dir / files.STARTED).exists():
+        elif home.alive(run_dir) is False and source.read(files.STARTED) is None:
             raise LaunchError(
-                f"the detached run's supervisor ({where}) ended while starting: see {run_dir / files.LOG}"
+                f"the detached run's supervisor ({where}) ended while starting: see {files.LOG} in {source.place}"
             )
         if time.monotonic() > deadline:
             raise LaunchError(
                 f"the detached run's supervisor ({where}) did not start its ranks within {START_WAIT:g} s: see "
-                f"{run_dir / files.LOG}"
+                f"{files.LOG} in {source.place}"
             )
         time.sleep(0.05)
 
@@ -133,12 +141,34 @@ def main(run_dir: str, facing: str = "") -> None:
     this machine's address on the route to `facing` (the launching kernel's host), else on its full name."""
     path = Path(run_dir)
     _log_to(path / files.LOG)
-    plan: DetachedPlan = pickle.loads((path / files.PLAN).read_bytes())
 
     def said(what: str, value: Any) -> None:
         files.private_write(path / (files.STARTED if what == "started" else files.FAILED), str(value).encode())
 
+    try:
+        plan = _rooted(pickle.loads((path / files.PLAN).read_bytes()), path)
+    except LaunchError as exc:
+        said("failed", exc)
+        raise
+
     _supervise(plan, said, door_host=_address_facing(facing) if facing else socket.getfqdn())
+
+
+def _rooted(plan: DetachedPlan, run_dir: Path) -> DetachedPlan:
+    """The plan with its run in `run_dir`: a served run's supervisor keeps it in a run directory of its own node's,
+    not the kernel's (its checkpoints too, unless --checkpoint-dir named where)."""
+    spec = plan.spec
+    if Path(spec.run_dir) == run_dir:
+        return plan
+    checkpoints = spec.checkpoint_dir
+    if Path(checkpoints).parent == Path(spec.run_dir):
+        checkpoints = str(run_dir / Path(checkpoints).name)
+    if spec.resume_dir and not Path(spec.resume_dir).is_dir():
+        raise LaunchError(
+            f"the run to resume from, {spec.resume_dir}, is not on the node of the detached run's supervisor: a "
+            "run served through Ray Client resumes from a run directory on that node, or leave out resume."
+        )
+    return dataclasses.replace(plan, spec=dataclasses.replace(spec, run_dir=str(run_dir), checkpoint_dir=checkpoints))
 
 
 def _address_facing(host: str) -> str:

@@ -14,6 +14,7 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ def _header(data: bytes, path: Path) -> tuple[dict[str, Any], int]:
     payloads: list[bytes] = []
     stop, why = parse(data[: len(MAGIC) + FRAME.size + _header_size(data)], len(MAGIC), payloads)
     if not payloads:
-        if why == "cut short":
+        if why in ("cut short", ""):  # "": the data ends right after the magic (a journal read in pieces)
             raise _NotYet(f"{path}'s header is cut short: the journal cannot be read")
         raise JournalError(f"{path}'s header is corrupt: the journal cannot be read")
     try:
@@ -184,9 +185,16 @@ class Follower:
     is called corrupt (`torn`), and nothing after it is read."""
 
     RETRIES = 5
+    SOURCE_MOST = 1 << 20  # bytes asked of a read function at once
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read: Callable[[int, int], bytes | None] | None = None) -> None:
         self.path = Path(path)
+        # the file's bytes from an offset, at most so many (None while it does not exist): where the journal is not
+        # a file here
+        self._source = read
+        # the last poll of a read function took all there was (less than it asked for): a live journal's follower
+        # may be handed a little more at every poll, and never find one empty
+        self.drained = False
         self.header: dict[str, Any] | None = None
         self.torn: Torn | None = None
         self._fd: int | None = None
@@ -203,15 +211,23 @@ class Follower:
         """The records written since the last poll (none while the file does not exist yet)."""
         if self.torn is not None:
             return []
-        if self._fd is None:
+        if self._source is None and self._fd is None:
             try:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 return []
         chunks = [self._tail]
-        while chunk := os.pread(self._fd, 1 << 20, self._read):
+        if self._source is not None:  # one call a poll: the source may wait a while for more (a long poll)
+            chunk = self._source(self._read, self.SOURCE_MOST)
+            if chunk is None:
+                return []
+            self.drained = len(chunk) < self.SOURCE_MOST
             chunks.append(chunk)
             self._read += len(chunk)
+        else:
+            while chunk := os.pread(self._fd, 1 << 20, self._read):  # type: ignore[arg-type]
+                chunks.append(chunk)
+                self._read += len(chunk)
         data = b"".join(chunks)
         start = 0
         if self.header is None:

@@ -120,10 +120,16 @@ class Replay:
         replay.torn = reader.torn
         return replay
 
-    def follow(self, path: Path | str, stop: threading.Event | None = None) -> None:
+    def follow(
+        self,
+        path: Path | str,
+        stop: threading.Event | None = None,
+        read: Callable[[int, int], bytes | None] | None = None,
+    ) -> None:
         """Play the journal at `path` from its first record, then as it grows, until the run's end is played, the
-        journal is found torn, or `stop` is set. Views wait in `watch` meanwhile."""
-        follower = Follower(journal_path(path))
+        journal is found torn, or `stop` is set. Views wait in `watch` meanwhile. `read`: the journal's bytes from
+        an offset (at most so many), where it is not a file here (a run served by its supervisor's engine)."""
+        follower = Follower(journal_path(path), read)
         stop = stop or threading.Event()
         checked = False
         try:
@@ -137,9 +143,9 @@ class Replay:
                 if follower.torn is not None:
                     self.torn = follower.torn
                     return
+                if self.record is not None and (not records or follower.drained):
+                    self.caught_up.set()
                 if not records:
-                    if self.record is not None:
-                        self.caught_up.set()
                     stop.wait(FOLLOW_EVERY)
         finally:
             follower.close()

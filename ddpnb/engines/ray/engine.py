@@ -21,7 +21,7 @@ from ddpnb.engines.ray import RAY_REQUIREMENT
 from ddpnb.engines.ray.data import ObjectStoreShipment
 
 if TYPE_CHECKING:
-    from ddpnb.engines.ray.detach import RayHome
+    from ddpnb.engines.ray.detach import RayHome, ServedRun
 
 INSTALL_HINT = (
     f"--engine ray needs Ray Train: pip install -e '.[ray]' (that is, {RAY_REQUIREMENT!r}) here and on "
@@ -107,6 +107,13 @@ class RayType:
         from ddpnb.engines.ray.detach import RayHome
 
         return RayHome(options.address)
+
+    def served_runs(self) -> list[ServedRun]:
+        """The detached runs whose supervisor actors live in the cluster this kernel is connected to (none where
+        it has no connection: listing makes none)."""
+        from ddpnb.engines.ray.detach import served_runs
+
+        return served_runs()
 
 
 class RayEngine:

@@ -1,0 +1,196 @@
+"""Detached runs on Ray through Ray Client (`ray://`, issue 42): the kernel does not see the supervisor's run
+directory, so the supervisor actor keeps it on its node and serves it (docs/detached.md, "On Ray"). Real parts: a
+Ray cluster started with `ray start --head --ray-client-server-port`, whose nodes keep their run directories apart
+from the kernels' (another DDPNB_RUNS_DIR), real Jupyter kernels connected with `ray://`, a 2-rank training.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ddpnb.core.journal.replay import Replay
+from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
+from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT, free_port, start_node, stop_nodes
+from tests.test_ray_detached import KERNEL_ENV, LEFT_OF_RUN, SLEEPS, _json, _kill_kernel
+
+STEPS = 60
+TRAIN = training_cell(STEPS, pause=0.1)
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.timeout(RAY_TEST_TIMEOUT),
+    pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install -e '.[ray]')"),
+]
+
+
+@dataclass
+class ClientCluster:
+    address: str  # ray://127.0.0.1:PORT
+    runs: Path  # the kernels' runs directory
+    node_runs: Path  # the cluster node's: where served runs live
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def client_cluster(tmp_path_factory) -> Iterator[ClientCluster]:
+    node_runs = tmp_path_factory.mktemp("node-runs")
+    node_runs.chmod(0o700)
+    temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
+    client = free_port()
+    flags = [
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={free_port()}",
+        f"--ray-client-server-port={client}",
+        "--num-cpus=4",
+        "--num-gpus=0",
+        f"--object-store-memory={100 * 2**20}",
+        "--disable-usage-stats",
+        "--include-log-monitor=false",
+        "--include-dashboard=false",
+        f"--temp-dir={temp_dir}",
+    ]
+    # the node keeps its run directories apart from the kernels': what a served run's kernel never reads
+    env = {**os.environ, **KERNEL_ENV, "RAY_ADDRESS": "", "DDPNB_RUNS_DIR": str(node_runs)}
+    nodes: list[subprocess.Popen] = []
+    try:
+        start_node(nodes, flags, tmp_path_factory.mktemp("ray-logs") / "head", env=env)
+        deadline = time.monotonic() + CELL_TIMEOUT
+        while not _listening(client):  # Ray Client's server comes up after the node says it runs
+            assert time.monotonic() < deadline, "the head never listened for Ray Client"
+            time.sleep(0.2)
+        with private_runs_dir(tmp_path_factory) as runs:
+            yield ClientCluster(f"ray://127.0.0.1:{client}", runs, node_runs)
+    finally:
+        stop_nodes(nodes)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kernel(address: str, connect: bool) -> Kernel:
+    kernel = Kernel(env=KERNEL_ENV)
+    kernel.execute("%load_ext ddpnb")
+    connected = kernel.execute(
+        ("import ray\n" + (f"ray.init(address={address!r})\n" if connect else "")) + LEFT_OF_RUN, timeout=CELL_TIMEOUT
+    )
+    assert connected.error is None, connected.error
+    return kernel
+
+
+def _steps_in(kernel: Kernel) -> int:
+    done = kernel.execute("print(len(handle.record.metrics('loss', 0)))", timeout=CELL_TIMEOUT)
+    assert done.error is None, done.error
+    return int(done.stdout.split()[-1])
+
+
+def test_a_detached_training_launched_through_ray_client_outlives_its_kernel_and_a_fresh_client_attaches(
+    client_cluster,
+):
+    address, runs, node_runs = client_cluster.address, client_cluster.runs, client_cluster.node_runs
+    first = _kernel(address, connect=False)
+    launched = first.execute(
+        f"%%ddp --engine ray -n 2 --detach --address {address} -o handle\n"
+        + TRAIN.split("import ddpnb\n", 1)[1].strip()
+        + "\n",
+        timeout=CELL_TIMEOUT,
+    )
+    assert launched.error is None, "\n".join(launched.error["traceback"]) + launched.stdout + launched.stderr
+    name = first.execute("print(handle.name)").stdout.strip()
+    # the kernel keeps nothing: the run lives on the actor's node, in a runs directory the kernel does not look in
+    assert list(runs.iterdir()) == [] and (node_runs / name / "journal").is_file()
+    deadline = time.monotonic() + CELL_TIMEOUT
+    while _steps_in(first) < 10:  # the launching kernel follows it live, from the journal the actor serves
+        assert time.monotonic() < deadline, "the launching kernel never saw step 10"
+        time.sleep(0.2)
+    _kill_kernel(first)
+    assert len(Replay.read(node_runs / name).record.metrics("loss", 0)) < STEPS  # cut from its kernel mid-way
+
+    second = _kernel(address, connect=True)
+    try:
+        seen = _json(
+            second,
+            TRAIN
+            + f"""
+import time, torch
+listed = [(run.name, run.state) for run in ddpnb.runs()]
+handle = ddpnb.attach({name!r})
+value = handle.result()
+record = handle.record
+lines, lost, _ = handle.lines_since(0)
+deadline = time.monotonic() + 30
+while left_of_run({name!r})["alive"] and time.monotonic() < deadline:  # collected: the actor leaves
+    time.sleep(0.1)
+plain = ddpnb.run(train, nprocs=2)  # the same training without --detach (on this kernel's machine)
+print(json.dumps({{
+    "listed": listed, "outcome": record.outcome.value,
+    "steps": [[p.step for p in record.metrics("loss", rank)] for rank in range(2)],
+    "lines": [[line.text for line in lines if line.rank == rank] for rank in range(2)], "lost": lost,
+    "ranks": [rank.pid for rank in record.ranks], "left": left_of_run({name!r}),
+    "same": value["total"] == plain["total"] == 2 * {STEPS} and value["rank"] == plain["rank"]
+    and torch.equal(value["weights"], plain["weights"]),
+}}))""",
+        )
+        assert [entry for entry in seen["listed"] if entry[0] == name] in ([[name, "running"]], [[name, "succeeded"]])
+        assert seen["outcome"] == "succeeded"
+        assert seen["steps"] == [list(range(STEPS))] * 2  # every step exactly once, replayed from step 0, then live
+        for rank, lines in enumerate(seen["lines"]):
+            assert lines[0].startswith("[ddpnb] on Ray node ")
+            assert lines[1:] == [f"rank {rank} step {step}" for step in range(STEPS)]
+        assert seen["lost"] == 0 and seen["same"] is True
+        assert wait_gone(seen["ranks"], within=10) == []
+        assert seen["left"] == {"actors": [], "groups": [], "alive": False}  # the actor left once collected
+        assert (node_runs / name / "result.pickle").is_file()  # the run directory stays on its node
+    finally:
+        second.shutdown()
+
+
+def test_a_run_served_through_ray_client_is_listed_answers_stacks_and_stops_then_its_actor_leaves(client_cluster):
+    address = client_cluster.address
+    kernel = _kernel(address, connect=False)
+    try:
+        seen = _json(
+            kernel,
+            SLEEPS
+            + f"""
+import json, time
+launched = ddpnb.launch(sleeps, nprocs=2, engine="ray", address={address!r}, detach=True)
+while not all(rank.pid for rank in launched.record.ranks):
+    time.sleep(0.02)
+handle = ddpnb.attach(launched.name)  # another handle, as a later kernel's: commands go through the actor
+states = [run.state for run in ddpnb.runs() if run.name == handle.name]
+deadline = time.monotonic() + 30
+while True:  # a rank forked may not have reached the function yet (a loaded box): until both are in it
+    stacks = handle.stacks()
+    if all("sleeps" in stack for stack in stacks.values()) and len(stacks) == 2 or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+handle.stop()
+record = handle.wait(60)
+deadline = time.monotonic() + 30
+while left_of_run(handle.name)["alive"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({{"states": states, "stacks": {{rank: "sleeps" in stack for rank, stack in stacks.items()}},
+                  "outcome": record.outcome.value, "ranks": [rank.pid for rank in record.ranks],
+                  "left": left_of_run(handle.name)}}))""",
+        )
+        assert seen["states"] == ["running"]
+        assert seen["stacks"] == {"0": True, "1": True}
+        assert seen["outcome"] == "stopped"
+        assert wait_gone(seen["ranks"], within=10) == []
+        assert seen["left"] == {"actors": [], "groups": [], "alive": False}
+    finally:
+        kernel.shutdown()
