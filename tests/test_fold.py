@@ -169,10 +169,10 @@ def test_from_eight_ranks_the_plot_is_rank_zero_the_median_and_the_band(world_si
 
 @pytest.mark.fast
 def test_the_rank_table_is_compact_from_eight_ranks():
-    record = _record(32)
+    record = _record(16)  # below `groups.GROUP_FROM`: a row a rank, compact
     table = render.ranks_html(record)
     assert 'class="ddpnb-ranks ddpnb-compact"' in table and 'class="ddpnb-ranks-scroll"' in table
-    assert len(re.findall(r'<tr data-rank="\d+"', table)) == 32
+    assert len(re.findall(r'<tr data-rank="\d+"', table)) == 16
     assert "ddpnb-compact" not in render.ranks_html(_record(7))
 
 
