@@ -66,13 +66,19 @@ class Supervisor:
         self._own(run_dir)
         self._exit()
 
-    def serve(self, name: str, plan: bytes) -> None:
-        """Own the run planned in `plan` (the kernel's pickled plan) in a run directory of this node's, serving it
-        to viewers meanwhile; once it ended, keep serving its end until a viewer collected it (or KEEP_SERVED)."""
+    def place(self, name: str, plan: bytes) -> tuple[str, str]:
+        """Make the run directory of this node's for the run planned in `plan` (the kernel's pickled plan); where
+        it is (`where`). A call of its own, answered before `serve`: this actor's calls run concurrently."""
         path = rundir.runs_root() / name
         path.mkdir(mode=0o700)
         importlib.import_module(FILES).private_write(path / importlib.import_module(FILES).PLAN, plan)
         self.run_dir = str(path)
+        return self.where()
+
+    def serve(self) -> None:
+        """Own the run `place` planned, serving it to viewers meanwhile; once it ended, keep serving its end until
+        a viewer collected it (or KEEP_SERVED)."""
+        path = Path(self.run_dir)
         self._own(self.run_dir)
         if (path / importlib.import_module(FILES).ENDED).exists():  # else it never ran, or its end is lost: leave
             self._collected.wait(KEEP_SERVED)
@@ -174,8 +180,8 @@ class RayHome:
             # the run lives in the actor's node's run directory of the same name: where that is this machine's runs
             # directory too, the kernel's must not be in the way (the kernel keeps nothing of a served run)
             shutil.rmtree(run_dir, ignore_errors=True)
-            actor.serve.remote(Path(run_dir).name, plan)
-            node = ray.get(actor.where.remote(), timeout=CALL_WAIT)[0]
+            node = ray.get(actor.place.remote(Path(run_dir).name, plan), timeout=CALL_WAIT)[0]
+            actor.serve.remote()
             how = "served to this kernel through Ray (it keeps the run directory on its node)"
         else:
             actor.supervise.remote(run_dir)
