@@ -4,7 +4,7 @@ JSON line.
 
     python bench/_browser_scale.py RANKS SECONDS [--raw FILE]
 
-From `groups.GROUP_FROM` (64) ranks up, where the dashboard redraws once a second (below, at each of the reader's
+From `groups.GROUP_FROM` (32) ranks up, where the dashboard redraws once a second (below, at each of the reader's
 announcements, too close together to tell apart here). The kernel (a real ipykernel under JupyterLab) runs the simulated ranks' run with its dashboard; once they train,
 the page listens to the kernel's iopub messages for SECONDS. Each widget update (a `comm_msg`) carries the time the
 kernel made it (its header's `date`); the page notes when it came, and, with a MutationObserver on the cell's
