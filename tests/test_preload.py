@@ -15,6 +15,7 @@ import pytest
 import ddpnb
 from ddpnb.core import hints
 from ddpnb.node import forkserver as _forkserver
+from tests.conftest import private_runs_dir
 
 MODULES = {
     # a module a rank can tell apart: where it was imported, and a global one run changes
@@ -193,3 +194,29 @@ def test_preload_is_refused_while_a_run_or_another_forkserver_child_is_going(mod
         mine.kill()
         mine.join()
     assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]
+
+
+def test_preload_after_a_detached_launch_ends_the_standby_supervisor_and_goes_through(modules, tmp_path_factory):
+    """A detached launch forks the next one's supervisor ahead (a standby, with a forkserver of its own); `preload`
+    lets it go first, and must not take its forkserver, orphaned to the kernel's for a moment, for a user's pool."""
+    import multiprocessing
+    import time
+
+    from ddpnb.detached import supervisor
+
+    with private_runs_dir(tmp_path_factory):
+        assert ddpnb.launch(lambda: 7, nprocs=1, view="none", detach=True).result(timeout=60) == 7
+        deadline = time.monotonic() + 30
+        while len(supervisor.standby()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(supervisor.standby()) == 2  # the standby and its forkserver, forked in the background
+        mine = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(30,))
+        mine.start()
+        try:  # refused for `mine` alone, having let the standby go
+            with pytest.raises(ddpnb.PreloadError, match=f"still running \\(PIDs {mine.pid}:"):
+                ddpnb.preload("ddpnb_test_preloaded")
+        finally:
+            mine.kill()
+            mine.join()
+        assert supervisor.standby() == []
+        assert ddpnb.preload("ddpnb_test_preloaded") == ["ddpnb_test_preloaded"]

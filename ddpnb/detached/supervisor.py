@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ddpnb.core.engine import SupervisorHome
 
 START_WAIT = 120.0  # seconds the kernel waits for the supervisor to have started every rank
+LET_GO_WAIT = 10.0  # seconds a standby let go of may take to end, with its forkserver
 
 
 @dataclass(frozen=True)
@@ -235,11 +236,21 @@ class _Standby:
         with forkserver.lock:  # the orphan sweep must know it as a supervisor before it leaves the session
             process = context.Process(target=stand_by, args=(theirs,), name=f"{PROCESS_PREFIX}supervisor", daemon=False)
             process.start()
-            forkserver.spare(process.pid, self.conn.close)
+            forkserver.spare(process.pid, self.let_go)
         theirs.close()
         # the kernel never joins it: at the kernel's exit multiprocessing would wait for the run to end
         multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
         self.pid = process.pid
+
+    def let_go(self) -> None:
+        """End it before `preload` replaces the forkserver it was forked from: close its connection (it returns)
+        and wait until it and its own forkserver have ended. That forkserver, orphaned, goes to the kernel's
+        forkserver (a subreaper) for a moment, where `preload` would take it for a pool of the user's."""
+        below = orphans.children(self.pid)
+        self.conn.close()
+        deadline = time.monotonic() + LET_GO_WAIT
+        while any(map(_running, [self.pid, *below])) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     @classmethod
     def take(cls) -> _Standby:
@@ -259,6 +270,15 @@ class _Standby:
             standby, cls._next = cls._next, standby
         if standby is not None:  # two launches at once each forked one: one is enough
             standby.conn.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie has ended: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:  # gone
+        return False
 
 
 def standby() -> list[int]:
