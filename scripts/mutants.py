@@ -579,6 +579,12 @@ MUTANTS = [
         (DETACHED_STANDBY,),
     ),
     Mutant(
+        "standby-let-go-without-waiting",
+        "ddpnb/detached/supervisor.py",
+        (("forkserver.spare(process.pid, self.let_go)", "forkserver.spare(process.pid, self.conn.close)"),),
+        ("tests/test_preload.py::test_preload_after_a_detached_launch_ends_the_standby_supervisor_and_goes_through",),
+    ),
+    Mutant(
         "ray-served-supervisor-stays-once-collected",
         "ddpnb/engines/ray/detach.py",
         (("        self._collected.set()\n", "        pass\n"),),
