@@ -41,23 +41,13 @@ class Ask:
 
 def private_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` whole or not at all (a reader never sees half), readable by this user only."""
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-    finally:
-        os.close(fd)
+    partial = _written(path.with_name(path.name + ".partial"), data)
     os.replace(partial, path)
 
 
 def write_unless_there(path: Path, data: bytes) -> None:
     """`private_write`, but a file already at `path` stays: written meanwhile by the one who knows better."""
-    partial = path.with_name(path.name + ".first")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-    finally:
-        os.close(fd)
+    partial = _written(path.with_name(path.name + ".first"), data)
     try:
         os.link(partial, path)  # atomic, and never over an existing file (os.replace would be)
     except FileExistsError:
@@ -66,10 +56,16 @@ def write_unless_there(path: Path, data: bytes) -> None:
         partial.unlink()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _written(path: Path, data: bytes) -> Path:
+    """`path`, made (or emptied) readable by this user only, holding `data`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    return path
 
 
 def hold_alive(run_dir: Path) -> int:

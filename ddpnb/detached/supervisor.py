@@ -249,7 +249,7 @@ class _Standby:
         below = orphans.children(self.pid)
         self.conn.close()
         deadline = time.monotonic() + LET_GO_WAIT
-        while any(map(_running, [self.pid, *below])) and time.monotonic() < deadline:
+        while any(map(orphans.running, [self.pid, *below])) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     @classmethod
@@ -270,15 +270,6 @@ class _Standby:
             standby, cls._next = cls._next, standby
         if standby is not None:  # two launches at once each forked one: one is enough
             standby.conn.close()
-
-
-def _running(pid: int) -> bool:
-    """Whether the process runs (a zombie has ended: only its parent's wait is left)."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:  # gone
-        return False
 
 
 def standby() -> list[int]:

@@ -92,6 +92,11 @@ def per_task(pid: int, name: str) -> list[str]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Whether the process runs (a zombie has ended: only its parent's wait is left)."""
+    return _session(pid) is not None
+
+
 def _session(pid: int) -> int | None:
     """The session of a live process; None once it has exited (a zombie waits only to be reaped)."""
     try:
