@@ -21,7 +21,14 @@ import pytest
 from ddpnb.core.journal.replay import Replay
 from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
 from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT, free_port, start_node, stop_nodes
-from tests.test_ray_detached import KERNEL_ENV, LEFT_OF_RUN, SLEEPS, _json, _kill_kernel
+from tests.test_ray_detached import (
+    KERNEL_ENV,
+    LEFT_OF_RUN,
+    _json,
+    _kill_kernel,
+    assert_stopped_and_left,
+    stopped_through_a_handle,
+)
 
 STEPS = 60
 TRAIN = training_cell(STEPS, pause=0.1)
@@ -164,33 +171,8 @@ def test_a_run_served_through_ray_client_is_listed_answers_stacks_and_stops_then
     try:
         seen = _json(
             kernel,
-            SLEEPS
-            + f"""
-import json, time
-launched = ddpnb.launch(sleeps, nprocs=2, engine="ray", address={address!r}, detach=True)
-while not all(rank.pid for rank in launched.record.ranks):
-    time.sleep(0.02)
-handle = ddpnb.attach(launched.name)  # another handle, as a later kernel's: commands go through the actor
-states = [run.state for run in ddpnb.runs() if run.name == handle.name]
-deadline = time.monotonic() + 30
-while True:  # a rank forked may not have reached the function yet (a loaded box): until both are in it
-    stacks = handle.stacks()
-    if all("sleeps" in stack for stack in stacks.values()) and len(stacks) == 2 or time.monotonic() > deadline:
-        break
-    time.sleep(0.2)
-handle.stop()
-record = handle.wait(60)
-deadline = time.monotonic() + 30
-while left_of_run(handle.name)["alive"] and time.monotonic() < deadline:
-    time.sleep(0.1)
-print(json.dumps({{"states": states, "stacks": {{rank: "sleeps" in stack for rank, stack in stacks.items()}},
-                  "outcome": record.outcome.value, "ranks": [rank.pid for rank in record.ranks],
-                  "left": left_of_run(handle.name)}}))""",
+            stopped_through_a_handle(address),
         )
-        assert seen["states"] == ["running"]
-        assert seen["stacks"] == {"0": True, "1": True}
-        assert seen["outcome"] == "stopped"
-        assert wait_gone(seen["ranks"], within=10) == []
-        assert seen["left"] == {"actors": [], "groups": [], "alive": False}
+        assert_stopped_and_left(seen)
     finally:
         kernel.shutdown()

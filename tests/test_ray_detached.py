@@ -132,6 +132,45 @@ def _json(kernel: Kernel, code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def stopped_through_a_handle(address: str) -> str:
+    """A cell: a detached 2-rank run on Ray, listed, its stacks taken and then stopped through a second handle (as
+    a later kernel's: commands go through the supervisor); what it saw, as JSON."""
+    return (
+        SLEEPS
+        + f"""
+import json, time
+launched = ddpnb.launch(sleeps, nprocs=2, engine="ray", address={address!r}, detach=True)
+while not all(rank.pid for rank in launched.record.ranks):
+    time.sleep(0.02)
+handle = ddpnb.attach(launched.name)  # another handle, as a later kernel's
+states = [run.state for run in ddpnb.runs() if getattr(run, "name", None) == handle.name]
+deadline = time.monotonic() + 30
+while True:  # a rank forked may not have reached the function yet (a loaded box): until both are in it
+    stacks = handle.stacks()
+    if all("sleeps" in stack for stack in stacks.values()) and len(stacks) == 2 or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+handle.stop()
+record = handle.wait(60)
+deadline = time.monotonic() + 30
+while left_of_run(handle.name)["alive"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({{"states": states, "stacks": {{rank: "sleeps" in stack for rank, stack in stacks.items()}},
+                  "outcome": record.outcome.value, "ranks": [rank.pid for rank in record.ranks],
+                  "left": left_of_run(handle.name)}}))"""
+    )
+
+
+def assert_stopped_and_left(seen: dict) -> None:
+    """What `stopped_through_a_handle` saw: listed as running, both ranks' stacks in the function, stopped, and
+    nothing of the run left in the cluster."""
+    assert seen["states"] == ["running"]
+    assert seen["stacks"] == {"0": True, "1": True}
+    assert seen["outcome"] == "stopped"
+    assert wait_gone(seen["ranks"], within=10) == []
+    assert seen["left"] == {"actors": [], "groups": [], "alive": False}
+
+
 def test_a_detached_ray_training_outlives_its_kernels_sigkill_and_a_fresh_kernel_attaches_by_name(ray_cluster):
     address, runs, ray_root = ray_cluster.address, ray_cluster.runs, ray_cluster.holder.pid
     first = _kernel(address)
@@ -232,34 +271,9 @@ def test_a_running_ray_run_is_listed_answers_stacks_and_stops_through_its_door_t
     try:
         seen = _json(
             kernel,
-            SLEEPS
-            + f"""
-import json, time
-launched = ddpnb.launch(sleeps, nprocs=2, engine="ray", address={address!r}, detach=True)
-while not all(rank.pid for rank in launched.record.ranks):
-    time.sleep(0.02)
-handle = ddpnb.attach(launched.name)  # another handle, as a later kernel's: commands go through the door
-states = [run.state for run in ddpnb.runs() if getattr(run, "name", None) == handle.name]
-deadline = time.monotonic() + 30
-while True:  # a rank forked may not have reached the function yet (a loaded box): until both are in it
-    stacks = handle.stacks()
-    if all("sleeps" in stack for stack in stacks.values()) and len(stacks) == 2 or time.monotonic() > deadline:
-        break
-    time.sleep(0.2)
-handle.stop()
-record = handle.wait(60)
-deadline = time.monotonic() + 30
-while left_of_run(handle.name)["alive"] and time.monotonic() < deadline:
-    time.sleep(0.1)
-print(json.dumps({{"states": states, "stacks": {{rank: "sleeps" in stack for rank, stack in stacks.items()}},
-                  "outcome": record.outcome.value, "ranks": [rank.pid for rank in record.ranks],
-                  "left": left_of_run(handle.name)}}))""",
+            stopped_through_a_handle(address),
         )
-        assert seen["states"] == ["running"]
-        assert seen["stacks"] == {"0": True, "1": True}
-        assert seen["outcome"] == "stopped"
-        assert wait_gone(seen["ranks"], within=10) == []
-        assert seen["left"] == {"actors": [], "groups": [], "alive": False}
+        assert_stopped_and_left(seen)
         assert _ray_processes_of_run(ray_root, ("ray::Supervisor", "ray::Host"), within=10) == []
     finally:
         kernel.shutdown()
