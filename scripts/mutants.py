@@ -819,6 +819,18 @@ MUTANTS = [
         (("(ns - _median_without(values, index))", "(ns - _median_without(sorted(values + [ns]), index))"),),
         ("tests/test_radar.py::test_lateness_is_against_the_median_of_the_others_at_the_worst_collective_of_the_step",),
     ),
+    # --- a thousand ranks at a glance (issue 44) ---------------------------------------------------------------------
+    Mutant(
+        "dashboard-sets-a-widget-before-the-redraw-is-built",
+        "ddpnb/views/dashboard.py",
+        (
+            (
+                "            values: list[tuple[Any, str]] = [\n                (self.header, header_html(record)),\n",
+                "            self.header.value = header_html(record)\n            values: list[tuple[Any, str]] = [\n",
+            ),
+        ),
+        ("tests/test_scale.py::test_a_redraw_builds_every_part_before_it_sets_any_widget",),
+    ),
     # --- a bug of ddpnb's own in the reader ----------------------------------------------------------------------------
     Mutant(
         "a-views-data-bug-ends-the-run",

@@ -227,3 +227,35 @@ def test_ranks_whose_node_answers_nothing_are_said_as_not_reported_and_one_ranks
         assert panel.count("<pre") == 2 and "ranks 8-15: no stack" in panel and "run.stacks(ranks=[17])" in panel
     finally:
         run.stop()
+
+
+def test_a_redraw_builds_every_part_before_it_sets_any_widget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page takes a redraw as one change: every part's HTML is built (the plots the costliest) before the first
+    widget is set, so its updates leave the kernel together, not a build's time apart."""
+    pytest.importorskip("ipywidgets")
+    from ddpnb.views import dashboard
+
+    events: list[str] = []
+    plots_html = dashboard.plots_html
+
+    def built_plots(record: RunRecord) -> str:
+        value = plots_html(record)
+        events.append("built plots")
+        return value
+
+    monkeypatch.setattr(dashboard, "plots_html", built_plots)
+    run = ddpnb.launch(train, nprocs=GROUP_FROM, view="none", ranks_per_node=8, steps=30, steps_per_second=10, **SIM)
+    shown = dashboard.Dashboard(run, foreground=False)
+    for name in ("header", "ranks", "plots", "log"):
+        getattr(shown, name).observe(lambda change, name=name: events.append(f"set {name}"), names="value")
+    render = shown._render
+    monkeypatch.setattr(shown, "_render", lambda *args: (events.append("redraw"), render(*args))[1])
+    assert run.result() == 30
+    shown.finish()
+    watched = events[events.index("redraw") :]  # the first redraw, in __init__, came before the observers
+    redraws = [list(group) for is_mark, group in itertools.groupby(watched, lambda e: e == "redraw") if not is_mark]
+    plotted = [redraw for redraw in redraws if "built plots" in redraw]
+    assert plotted, events
+    for redraw in plotted:
+        assert redraw[0] == "built plots" and redraw.count("built plots") == 1, redraw
+        assert {"set header", "set plots"} <= set(redraw), redraw

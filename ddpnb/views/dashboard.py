@@ -234,32 +234,40 @@ class Dashboard:
                     run.unsubscribe(self._on_wait)
 
     def _render(self, run: Run | None = None) -> None:
-        """Draw the record; `run`: the one `finish` let go of, whose last lines are still to take."""
+        """Draw the record; `run`: the one `finish` let go of, whose last lines are still to take.
+
+        Every part is built before any widget is set: the page then takes a redraw as one change (its updates a few
+        milliseconds apart), not as the parts built one after another (a thousand ranks' plots take tens of ms)."""
         with self._lock:
             record = self.record
             self._take_lines(run or self.run)
-            self.header.value = header_html(record)
-            self.ranks.value = ranks_html(record)
-            self.stall.value = stall_html(record, self.foreground)
-            if self.console is not None:
-                self.console.update()
+            values: list[tuple[Any, str]] = [
+                (self.header, header_html(record)),
+                (self.ranks, ranks_html(record)),
+                (self.stall, stall_html(record, self.foreground)),
+            ]
             shown = record.stall.diagnosis if record.stall is not None and record.stalled else None
             if shown is not self._stall_seen:
                 self._stall_seen = shown
-                self.stall_stacks.value = stall_stacks_html(record)
+                values.append((self.stall_stacks, stall_stacks_html(record)))
             signature = metrics_signature(record)
             if signature != self._metrics_seen and (
                 time.monotonic() - self._plotted >= PLOT_INTERVAL or self._finished
             ):  # the final state is drawn whole
                 self._metrics_seen, self._plotted = signature, time.monotonic()
-                self.plots.value = plots_html(record)
+                values.append((self.plots, plots_html(record)))
             if self._lines_changed:
                 self._lines_changed = False
-                self.log.value = self._log_value()
-            if (record.failures or record.attempts) and self.error.layout.display == "none":
+                values.append((self.log, self._log_value()))
+            failed = bool(record.failures or record.attempts)
+            if failed:
+                values.append((self.error, error_html(record, full_traceback=not self.foreground)))
+            for widget, value in values:  # a widget sends only a value that changed
+                widget.value = value
+            if failed and self.error.layout.display == "none":
                 self.error.layout.display = None
-            if record.failures or record.attempts:
-                self.error.value = error_html(record, full_traceback=not self.foreground)
+            if self.console is not None:
+                self.console.update()
 
     def _take_lines(self, run: Run | None) -> None:
         if run is None:
