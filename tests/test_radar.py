@@ -266,7 +266,7 @@ def test_a_rank_is_flagged_only_over_the_floor_and_a_tenth_of_the_step():
     def ranks(step: float, late_of_3: float) -> list[RankRecord]:
         records = [RankRecord(rank=number) for number in range(4)]
         for record in records:
-            record.step_times.append(msg.StepTimes(rank=record.rank, steps=10, wall=10 * step, compute=1.0))
+            record.add_step_times(msg.StepTimes(rank=record.rank, steps=10, wall=10 * step, compute=1.0))
             record.late.extend([late_of_3 if record.rank == 3 else 0.0] * 5)
         return records
 

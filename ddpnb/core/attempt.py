@@ -298,7 +298,7 @@ class Attempt:
 
     def _step_times(self, rank: int, message: msg.StepTimes) -> None:
         with self._aside(rank, "step times"):
-            self.record.ranks[rank].step_times.append(message)
+            self.record.ranks[rank].add_step_times(message)
             self.watchdog.step_reported(self.record.ranks, message)
 
     def _hardware(self, rank: int, message: msg.Hardware) -> None:

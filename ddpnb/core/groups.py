@@ -11,6 +11,7 @@ data and its words, for every view (`core.report` words the rest).
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,12 @@ def state_groups(
     return sorted(groups.values(), key=key)
 
 
+def most_common(lines: Iterable[str]) -> str:
+    """The line most ranks share ('' if none): one count per line, where a thousand ranks' lines all differ."""
+    counted = Counter(line for line in lines if line).most_common(1)
+    return counted[0][0] if counted else ""
+
+
 def _median(values: Iterable[float | None]) -> float | None:
     known = [value for value in values if value is not None]
     return statistics.median(known) if known else None
@@ -123,8 +130,7 @@ def grouped_table(
         duration = _median(r.duration for r in members)
         compute = _median(r.compute_per_step for r in members)
         rss = _median(r.hardware[-1].rss if r.hardware else None for r in members)
-        lines = [r.last_line for r in members if r.last_line]
-        last = max(set(lines), key=lines.count) if lines else ""
+        last = most_common(r.last_line for r in members)
         shown = words if len(words) <= said_width else words[: said_width - 1] + "…"
         rows.append(
             f"{group.state:<{width}}  {shown:<{said_width}}  {group.exit:<{exit_width}} "

@@ -86,7 +86,8 @@ class RankRecord:
     metrics: dict[str, Series] = field(default_factory=dict)  # every point, in bounded memory (`core.series`)
     progress: dict[int, Progress] = field(default_factory=dict)  # the rank's tqdm bars, oldest first
     gpu_memory: tuple[int, int] | None = None  # GPU runs: (reserved now, peak) in bytes
-    step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))
+    step_times: deque[StepTimes] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))  # `add_step_times`
+    _per_step: tuple[float, float] | None = field(default=None, init=False, repr=False)  # compute, wall a step
     late: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_REPORTS))  # per reported step: seconds
     # it came to that step's collectives after the other ranks (`core.stragglers`)
     holds_others: float | None = None  # a straggler: seconds a step the others typically wait for it
@@ -105,19 +106,26 @@ class RankRecord:
         last = f"<div>last line: <code>{escape(self.last_line[:200])}</code></div>" if self.last_line else ""
         return f"<div class='ddpnb-record'><code>{escape(repr(self))}</code>{last}</div>"
 
+    def add_step_times(self, report: StepTimes) -> None:
+        """Keep `report` among the recent ones and their per-step figures with them: a thousand ranks' table reads
+        them every redraw, a rank's report comes about every half second."""
+        self.step_times.append(report)
+        steps = sum(t.steps for t in self.step_times)
+        self._per_step = (
+            (sum(t.compute for t in self.step_times) / steps, sum(t.wall for t in self.step_times) / steps)
+            if steps >= MIN_STEPS
+            else None
+        )
+
     @property
     def compute_per_step(self) -> float | None:
         """Seconds of the rank's own compute per step over its recent reports (None before MIN_STEPS)."""
-        times = list(self.step_times)
-        steps = sum(t.steps for t in times)
-        return sum(t.compute for t in times) / steps if steps >= MIN_STEPS else None
+        return self._per_step[0] if self._per_step is not None else None
 
     @property
     def step_time(self) -> float | None:
         """Seconds a step took over the rank's recent reports (None before MIN_STEPS)."""
-        times = list(self.step_times)
-        steps = sum(t.steps for t in times)
-        return sum(t.wall for t in times) / steps if steps >= MIN_STEPS else None
+        return self._per_step[1] if self._per_step is not None else None
 
     @property
     def duration(self) -> float:

@@ -18,6 +18,7 @@ from the n-th logged on, with their index, for a reader that follows it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -238,22 +239,29 @@ class Series(Sequence[Point]):
     @overload
     def __getitem__(self, index: slice) -> list[Point]: ...
     def __getitem__(self, index: int | slice) -> Point | list[Point]:
+        if not isinstance(index, slice):
+            return self._at(index)
         chunks, _, (steps, times, values) = self._state()
         written = chunks * CHUNK
-        count = written + len(values)
-        if isinstance(index, slice):
-            start, stop, stride = index.indices(count)
-            if min(start, stop) >= written:  # the latest points only: no read
-                window = slice(start - written, stop - written, stride)
-                return [_point(*row) for row in zip(steps[window], times[window], values[window])]
-            return list(self)[index]
-        if index < 0:
-            index += count
-        if not 0 <= index < count:
-            raise IndexError("series index out of range")
-        if index >= written:
-            index -= written
-            return _point(steps[index], times[index], values[index])
+        start, stop, stride = index.indices(written + len(values))
+        if min(start, stop) >= written:  # the latest points only: no read
+            window = slice(start - written, stop - written, stride)
+            return [_point(*row) for row in zip(steps[window], times[window], values[window])]
+        return list(self)[index]
+
+    def _at(self, index: int) -> Point:
+        """One point; one in memory (the latest, which every plot of a thousand ranks reads) without a copy."""
+        with self._spill.swap if self._spill is not None else contextlib.nullcontext():
+            steps, times, values = self._tail
+            written = len(self._chunks) // 3 * CHUNK if self._spill is not None else 0
+            count = written + len(values)  # the reader thread appends the values last: steps and times are there
+            if index < 0:
+                index += count
+            if not 0 <= index < count:
+                raise IndexError("series index out of range")
+            if index >= written:
+                index -= written
+                return _point(steps[index], times[index], values[index])
         _, read, _ = self._state(slice(index // CHUNK, index // CHUNK + 1))
         steps, times, values = read[0]  # a merge meanwhile moves later points to this index: as if read after it
         index %= CHUNK

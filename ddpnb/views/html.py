@@ -337,8 +337,7 @@ def grouped_ranks_html(record: RunRecord) -> str:
         colour = _ROLE_COLOURS[role] if role else _ORANGE if group.state == "stalled" else state_colours[group.state]
         durations = [r.duration for r in members if r.duration is not None]
         computes = [r.compute_per_step for r in members if r.compute_per_step is not None]
-        lines = [r.last_text for r in members if r.last_text]
-        last = max(set(lines), key=lines.count)[:MAX_LINE_CHARS] if lines else ""
+        last = groups.most_common(r.last_text for r in members)[:MAX_LINE_CHARS]
         state = group.state + (f" ({group.exit})" if group.exit and group.state != "running" else "")
         latest = f'<div class="ddpnb-mono" style="{_MONO};opacity:0.75">{html.escape(last)}</div>'
         rows.append(
