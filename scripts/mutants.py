@@ -973,6 +973,12 @@ MUTANTS = [
         ),
         ("tests/test_bad_input.py::test_unknown_flag_hints_name_only_flags_of_the_engine_in_use",),
     ),
+    Mutant(
+        "exported-script-ends-through-python-teardown",
+        "ddpnb/script/writer.py",
+        (('        "    os._exit(0)",\n', ""),),
+        ("tests/test_export.py::test_exported_script_ends_when_the_function_returns_whatever_threads_it_left",),
+    ),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h: what a mutant's tests leave behind is reparented to this script

@@ -5,7 +5,9 @@ DIR first on sys.path and the working directory), so one launch pays torch's imp
 A script's output goes to `<script>.rank<R>.log` beside it, and `<script>.rank<R>.done` marks its end; the first
 script that raises ends this rank (torchrun then ends the others), so whoever launched this knows which failed.
 Each script's process group meets on a port of its own, which rank 0 chooses and tells the others through
-torchrun's store: a group made again on the store the last one used would find that one's keys."""
+torchrun's store: a group made again on the store the last one used would find that one's keys.
+A script ends its process with `os._exit` (no interpreter teardown, which torch's gloo threads can abort); here
+that call ends only the script, and this process ends the same way once every script has run."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def main(scripts: list[Path]) -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
     )
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # each script's rank 0 holds its group's own store
+    failed = False
     for number, script in enumerate(scripts):
         if rank == 0:
             with socket.socket() as probe:
@@ -35,8 +38,22 @@ def main(scripts: list[Path]) -> None:
         with open(script.with_suffix(f".rank{rank}.log"), "w") as log:
             failed = _run(script, log)
         if failed:
-            sys.exit(1)
+            break
         script.with_suffix(f".rank{rank}.done").touch()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(1 if failed else 0)  # as each script ends: the groups' gloo threads outlive them
+
+
+class _Exited(Exception):
+    """A script's `os._exit(code)`: the end of that script, not of this process and the scripts after it."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _exited(code: int) -> None:
+    raise _Exited(code)
 
 
 def _run(script: Path, log) -> bool:
@@ -46,13 +63,17 @@ def _run(script: Path, log) -> bool:
     os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
     sys.argv, sys.path[0] = [str(script), "--run-dir", str(script.parent / "run")], str(script.parent)
     os.chdir(script.parent)
+    real_exit, os._exit = os._exit, _exited
     try:
         runpy.run_path(str(script), run_name="__main__")
         return False
+    except _Exited as exited:
+        return exited.code != 0
     except BaseException:  # noqa: BLE001 - its traceback is the script's outcome, for the test to show
         traceback.print_exc()
         return True
     finally:
+        os._exit = real_exit
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved[0], 1), os.dup2(saved[1], 2)
 

@@ -189,6 +189,27 @@ def test_cell_exported_with_export_flag_trains_the_same_under_torchrun(kernel, t
     assert last["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
+LEAVES_A_THREAD = """\
+def leaves_a_thread(rank, world_size):
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="never-ends").start()  # not a daemon: it keeps Python
+    return rank + 1
+"""
+
+
+def test_exported_script_ends_when_the_function_returns_whatever_threads_it_left(kernel, tmp_path):
+    """As a %%ddp rank does (it leaves by os._exit): without Python's teardown, which would wait for that thread
+    forever, and which torch's gloo threads, outliving destroy_process_group, can abort (SIGABRT)."""
+    run_cell(kernel, LEAVES_A_THREAD)
+    assert run_cell(kernel, "print(ddpnb.run(leaves_a_thread, nprocs=2, view='none'))").strip() == "1"
+    script = tmp_path / "leaves_a_thread.py"
+    run_cell(kernel, f"ddpnb.export(leaves_a_thread, {str(script)!r}, nprocs=2)")
+    said, code = torchrun_ended([str(script), "--run-dir", str(tmp_path / "run")], timeout=120)
+    assert code == 0, f"--- the script:\n{script.read_text()}\n--- torchrun:\n{said}"
+    assert torch.load(tmp_path / "run" / "result.pt") == 1
+
+
 # acceptance 5: each defined in the kernel, run there by ddpnb, exported with the same options and run by torchrun
 VARIED = {
     "nested_helper": (
@@ -325,8 +346,13 @@ def reads_file(rank, world_size):
 
 def torchrun_all(scripts: list[Path], timeout: float = 300) -> tuple[str, int]:
     """tests/run_scripts.py's one torchrun of `scripts`, 2 ranks: what it said, and its exit status."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(Path(__file__).with_name("run_scripts.py")), *map(str, scripts)]
+    return torchrun_ended([str(Path(__file__).with_name("run_scripts.py")), *map(str, scripts)], timeout)
+
+
+def torchrun_ended(args: list[str], timeout: float) -> tuple[str, int]:
+    """`torchrun --standalone --nproc_per_node 2 ARGS...`, killed with its ranks after `timeout` seconds: what it
+    said, and its exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     ) as launch:

@@ -413,7 +413,14 @@ def _main_text(
         "",
         "",
         'if __name__ == "__main__":',
+        "    import os",
+        "    import sys",
+        "",
         "    main()",
+        "    # end without Python's teardown: torch's gloo threads outlive destroy_process_group and can abort it",
+        "    sys.stdout.flush()",
+        "    sys.stderr.flush()",
+        "    os._exit(0)",
         "",
     ]
     return "\n".join(lines)
