@@ -979,6 +979,18 @@ MUTANTS = [
         (('        "    os._exit(0)",\n', ""),),
         ("tests/test_export.py::test_exported_script_ends_when_the_function_returns_whatever_threads_it_left",),
     ),
+    Mutant(
+        "exported-script-skips-the-functions-atexit-handlers",
+        "ddpnb/script/writer.py",
+        (('        "    atexit._run_exitfuncs()",\n', ""),),
+        ("tests/test_export.py::test_exported_script_ends_when_the_function_returns_whatever_threads_it_left",),
+    ),
+    Mutant(
+        "export-takes-ipythons-open-for-the-notebooks",
+        "ddpnb/script/sources.py",
+        ((" or _shells(looked_up, scope):", ":"),),
+        ("tests/test_export.py::test_varied_function_exported_runs_to_the_cells_result[opens_file]",),
+    ),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h: what a mutant's tests leave behind is reparented to this script

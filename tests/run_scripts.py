@@ -6,11 +6,12 @@ A script's output goes to `<script>.rank<R>.log` beside it, and `<script>.rank<R
 script that raises ends this rank (torchrun then ends the others), so whoever launched this knows which failed.
 Each script's process group meets on a port of its own, which rank 0 chooses and tells the others through
 torchrun's store: a group made again on the store the last one used would find that one's keys.
-A script ends its process with `os._exit` (no interpreter teardown, which torch's gloo threads can abort); here
-that call ends only the script, and this process ends the same way once every script has run."""
+A script ends its process with atexit's handlers and `os._exit` (no interpreter teardown, which torch's gloo threads
+can abort); here those calls end only the script, and this process ends the same way once every script has run."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import socket
@@ -20,6 +21,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+
+run_exitfuncs = atexit._run_exitfuncs
 
 
 def main(scripts: list[Path]) -> None:
@@ -40,6 +43,7 @@ def main(scripts: list[Path]) -> None:
         if failed:
             break
         script.with_suffix(f".rank{rank}.done").touch()
+    run_exitfuncs()  # the scripts' atexit handlers, once: each script's own call would run torch's too
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(1 if failed else 0)  # as each script ends: the groups' gloo threads outlive them
 
@@ -64,6 +68,7 @@ def _run(script: Path, log) -> bool:
     sys.argv, sys.path[0] = [str(script), "--run-dir", str(script.parent / "run")], str(script.parent)
     os.chdir(script.parent)
     real_exit, os._exit = os._exit, _exited
+    atexit._run_exitfuncs = lambda: None
     try:
         runpy.run_path(str(script), run_name="__main__")
         return False
@@ -73,7 +78,7 @@ def _run(script: Path, log) -> bool:
         traceback.print_exc()
         return True
     finally:
-        os._exit = real_exit
+        os._exit, atexit._run_exitfuncs = real_exit, run_exitfuncs
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(saved[0], 1), os.dup2(saved[1], 2)
 

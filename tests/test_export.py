@@ -191,23 +191,27 @@ def test_cell_exported_with_export_flag_trains_the_same_under_torchrun(kernel, t
 
 LEAVES_A_THREAD = """\
 def leaves_a_thread(rank, world_size):
+    import atexit
     import threading
 
     threading.Thread(target=threading.Event().wait, name="never-ends").start()  # not a daemon: it keeps Python
+    atexit.register(open, f"{AT_EXIT}.{rank}", "w")  # as a tracker registers its finish
     return rank + 1
 """
 
 
 def test_exported_script_ends_when_the_function_returns_whatever_threads_it_left(kernel, tmp_path):
     """As a %%ddp rank does (it leaves by os._exit): without Python's teardown, which would wait for that thread
-    forever, and which torch's gloo threads, outliving destroy_process_group, can abort (SIGABRT)."""
-    run_cell(kernel, LEAVES_A_THREAD)
+    forever, and which torch's gloo threads, outliving destroy_process_group, can abort (SIGABRT); the handlers the
+    function registered with atexit run first, as at any script's end."""
+    run_cell(kernel, f"AT_EXIT = {str(tmp_path / 'at-exit')!r}\n" + LEAVES_A_THREAD)
     assert run_cell(kernel, "print(ddpnb.run(leaves_a_thread, nprocs=2, view='none'))").strip() == "1"
     script = tmp_path / "leaves_a_thread.py"
     run_cell(kernel, f"ddpnb.export(leaves_a_thread, {str(script)!r}, nprocs=2)")
     said, code = torchrun_ended([str(script), "--run-dir", str(tmp_path / "run")], timeout=120)
     assert code == 0, f"--- the script:\n{script.read_text()}\n--- torchrun:\n{said}"
     assert torch.load(tmp_path / "run" / "result.pt") == 1
+    assert (tmp_path / "at-exit.0").exists() and (tmp_path / "at-exit.1").exists()
 
 
 # acceptance 5: each defined in the kernel, run there by ddpnb, exported with the same options and run by torchrun
@@ -338,6 +342,17 @@ NUMBERS = pathlib.Path({numbers!r})
 
 def reads_file(rank, world_size):
     return sum(int(word) for word in NUMBERS.read_text().split()) + rank
+""",
+        {},
+    ),
+    "opens_file": (
+        """\
+NUMBERS_FILE = str({numbers!r})
+
+
+def opens_file(rank, world_size):
+    with open(NUMBERS_FILE) as numbers:  # the notebook's `open` is IPython's own; the script's, the builtin
+        return sum(int(word) for word in numbers.read().split()) * 2 + rank
 """,
         {},
     ),

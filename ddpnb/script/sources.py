@@ -13,6 +13,7 @@ it), so a local variable that happens to share a notebook global's name never dr
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import dis
 import enum
@@ -118,6 +119,14 @@ class Cells:
 def _shell() -> Any:
     ipython = sys.modules.get("IPython")
     return ipython.get_ipython() if ipython is not None else None
+
+
+def _shells(name: str, scope: Mapping[str, Any]) -> bool:
+    """Whether `name` in `scope` is a builtin that IPython put there in its own version (`open`, which warns about
+    the kernel's standard streams): the script's builtin is that name there."""
+    shell = _shell()
+    hidden = getattr(shell, "user_ns_hidden", {})
+    return hasattr(builtins, name) and name in hidden and hidden[name] is scope.get(name)
 
 
 def _bound_by(node: ast.stmt) -> set[str]:
@@ -312,7 +321,7 @@ class _Collector:
         code = compile("\n" * (first - 1) + text, filename, "exec")
         bound = _bound_by(node)
         for looked_up, line in _global_names(code):
-            if looked_up in bound or looked_up not in scope or looked_up.startswith("__"):
+            if looked_up in bound or looked_up not in scope or looked_up.startswith("__") or _shells(looked_up, scope):
                 continue  # a builtin, a name the statement itself binds, a module's own (`__name__`)
             where = self.cells.name(filename)
             source = lines[line - 1].strip() if 0 < line <= len(lines) else ""
