@@ -30,6 +30,10 @@ sys.path.insert(0, TEST_ENGINES)
 # ddpnb's own source files: a traceback or stack shown to users must not name any of them
 PACKAGE_DIR = os.path.dirname(os.path.abspath(ddpnb.__file__))
 
+# Ray Train's controller looks at its workers every 2 s (its default): a rank's failure, or the end of a fit, waits
+# for the next look. The restart tests' Ray looks every 0.5 s (a Ray instance ddpnb starts takes the kernel's env)
+RAY_TRAIN_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
 
 @dataclass
 class Execution:

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import PACKAGE_DIR, STARTS_CHILDREN, Execution, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, RAY_TRAIN_POLL, STARTS_CHILDREN, Execution, Kernel, wait_gone
 from tests.ray_cluster import free_port, start_node, stop_nodes
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
@@ -34,7 +34,7 @@ needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed
 RAY_TEST_TIMEOUT = 900  # seconds; a Ray run takes ~30 s on an idle 2-core machine, minutes on a busy one
 CELL_TIMEOUT = 600
 # every kernel here: text view, Ray quiet; RAY_ADDRESS=local keeps a `ray start` elsewhere on the machine out
-KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0", **RAY_TRAIN_POLL}
 pytestmark = pytest.mark.ray
 
 TRAIN_CELL = """%%ddp --engine ray -n 2 {flags} -o trained
