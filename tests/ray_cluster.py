@@ -98,8 +98,8 @@ def two_node_cluster(log_dir: Path, env: dict[str, str], within: float = 600) ->
     """The cluster, its nodes started in `env` (authentication, DDPNB_RUNS_DIR...), their logs in `log_dir`; stops
     both nodes and everything they started.
 
-    Both run with --block, so each is a child of this process: stopping them is signalling the processes they
-    started, never `ray stop` (which would stop every Ray on the machine).
+    Both run with --block: stopping them is signalling the processes they started, by PID, never `ray stop` (which
+    would stop every Ray on the machine).
     """
     temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
     address = f"127.0.0.1:{free_port()}"
@@ -121,7 +121,7 @@ def two_node_cluster(log_dir: Path, env: dict[str, str], within: float = 600) ->
         f"--temp-dir={temp_dir}",
     ]
     env = {**os.environ, **env, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    nodes: list[subprocess.Popen] = []
+    nodes: list[psutil.Process] = []
     try:
         for name, flags in (("head", head), ("node2", [f"--address={address}"])):
             start_node(nodes, [*common, *flags], log_dir / name, env=env)
@@ -136,7 +136,7 @@ def two_node_cluster(log_dir: Path, env: dict[str, str], within: float = 600) ->
 
 
 def start_node(
-    nodes: list[subprocess.Popen],
+    nodes: list[psutil.Process],
     flags: list[str],
     log_stem: Path,
     env: dict[str, str],
@@ -144,64 +144,66 @@ def start_node(
     within: float = 300,
 ) -> None:
     """`ray start FLAGS`, until it says the node runs. Ray gives a node's processes 30 s to come up, which a
-    busy 2-core machine can overrun (the node then exits): such a start is tried again."""
+    busy 2-core machine can overrun (the node then exits): such a start is tried again.
+
+    Started by a shell that exits at once, so the node is no child of this process: a cluster kept for the whole
+    test session is not among the processes a test counts as its own (test_faults' stray processes)."""
     for attempt in range(attempts):
         log_path = log_stem.with_suffix(f".{attempt}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ray.scripts.scripts",
-                    "start",
-                    *flags,
-                    f"--dashboard-agent-listen-port={free_port()}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
+        command = [
+            *(sys.executable, "-m", "ray.scripts.scripts", "start", *flags),
+            f"--dashboard-agent-listen-port={free_port()}",
+        ]
+        started = subprocess.run(
+            ["sh", "-c", '"$@" </dev/null >"$0" 2>&1 & echo $!', str(log_path), *command],
+            capture_output=True,
+            text=True,
+            env=env,
+            start_new_session=True,
+            timeout=30,
+            check=True,
+        )
+        node = psutil.Process(int(started.stdout))
         deadline = time.monotonic() + within
-        while proc.poll() is None and time.monotonic() < deadline:
+        while running(node) and time.monotonic() < deadline:
             if b"Ray runtime started." in log_path.read_bytes():
-                nodes.append(proc)
+                nodes.append(node)
                 return
             time.sleep(0.5)
-        stop_nodes([proc])
+        stop_nodes([node])
     raise RuntimeError(f"`ray start` failed {attempts} times:\n{log_path.read_text(errors='replace')}")
 
 
-def stop_nodes(nodes: list[subprocess.Popen]) -> None:
+def stop_nodes(nodes: list[psutil.Process]) -> None:
     """SIGTERM each node's processes (what `ray stop` sends), SIGKILL what is left after 20 s; check none remain."""
     started = []
-    for proc in nodes:
+    for node in nodes:
         try:
-            started += psutil.Process(proc.pid).children(recursive=True)
+            started += node.children(recursive=True)
         except psutil.NoSuchProcess:
             continue
-    for process in [*started, *(psutil.Process(p.pid) for p in nodes if p.poll() is None)]:
+    for process in [*started, *nodes]:
         try:
             process.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             continue
-    _, alive = psutil.wait_procs(started, timeout=20)
-    for process in alive:
-        process.kill()
-    for proc in nodes:
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    deadline = time.monotonic() + 10
-    while (left := [process.pid for process in started if _alive(process)]) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 20
+    while (left := [process for process in [*started, *nodes] if running(process)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not left, f"still running 10 s after the Ray nodes stopped: {left}"
+    for process in left:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + 10
+    while (left := [process.pid for process in [*started, *nodes] if running(process)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"still running 10 s after the Ray nodes were killed: {left}"
 
 
-def _alive(process: psutil.Process) -> bool:
+def running(process: psutil.Process) -> bool:
+    """Whether `process` still runs (a zombie, or another process under its PID since, does not)."""
     try:
-        return process.status() != psutil.STATUS_ZOMBIE
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from tests.conftest import PACKAGE_DIR, RAY_TRAIN_POLL, STARTS_CHILDREN, Execution, Kernel, wait_gone
-from tests.ray_cluster import free_port, start_node, stop_nodes
+from tests.ray_cluster import free_port, running, start_node, stop_nodes
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install -e '.[ray]')")
@@ -195,12 +195,12 @@ NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
 @contextmanager
-def head_node(log_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def head_node(log_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
     """`ray start --head` on loopback, in Ray's default temp directory, so that it writes the address file
-    `ray.init()` (and ddpnb) discover it by. A child of this test (--block): stopped by signalling what it started,
-    not `ray stop`, which would stop every Ray on the machine; the address file goes with it."""
+    `ray.init()` (and ddpnb) discover it by. It runs until stopped (--block): by signalling what it started, not
+    `ray stop`, which would stop every Ray on the machine; the address file goes with it."""
     address = f"127.0.0.1:{free_port()}"
-    nodes: list[subprocess.Popen] = []
+    nodes: list[psutil.Process] = []
     try:
         start_node(
             nodes,
@@ -253,13 +253,13 @@ def test_runs_find_the_cluster_through_ray_address_and_ray_start_and_never_stop_
         run, connected = run_where(through_env)
         assert "[ddpnb] connected to Ray: 1 node(s)" in run.stdout, run.stdout
         assert same_cluster(connected, address) and run.results == [repr(connected)]  # the rank ran there too
-        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+        assert running(head), "the kernel that connected to the cluster stopped it"
 
         through_ray_start = {key: value for key, value in {**KERNEL_ENV, **NO_AUTH}.items() if key != "RAY_ADDRESS"}
         assert same_cluster(RAY_ADDRESS_FILE.read_text().strip(), address)  # all the kernel has to find it by
         run, connected = run_where(through_ray_start)
         assert same_cluster(connected, address) and run.results == [repr(connected)]  # the first kernel left it up
-        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+        assert running(head), "the kernel that connected to the cluster stopped it"
 
 
 # --- a local Ray instance, started by ddpnb in the kernel and shared by the tests below --------------------------
