@@ -1442,17 +1442,16 @@ def _two_node_round(settings: Settings, env: dict[str, str]) -> Samples:
     spread = Samples()
     sys.path.insert(0, str(BENCH.parent))
     try:
-        from tests.test_ray import two_node_cluster
+        from tests.ray_cluster import two_node_cluster
     except ImportError as exc:  # the test extras are missing
         spread.note = f"not measured: {exc}"
         return spread
     directory = Path(tempfile.mkdtemp(prefix="ddpnb-bench-ray-"))
-    token = directory / "token"
-    token.write_text(os.urandom(32).hex())
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    auth = {"RAY_AUTH_MODE": "disabled"}  # as the suite's: Ray takes ~/.ray/auth_token's token where that exists
     say("ray: starting a two-node cluster (ray start, twice)")
     try:
-        with two_node_cluster(directory, auth) as (address, _):
+        with two_node_cluster(directory, auth) as cluster:
+            address = cluster.address
             data = attempt(
                 spread,
                 lambda: probe(

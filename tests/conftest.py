@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import shutil
@@ -19,7 +20,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 import ddpnb
-from tests import slurm_cluster
+from tests import ray_cluster, slurm_cluster
 
 # the fake engine (tests/fake_engine.py) is registered for the tests only, as another package's engine is: through
 # the `ddpnb.engines` entry point group, from a distribution's metadata in tests/engines/
@@ -28,6 +29,10 @@ sys.path.insert(0, TEST_ENGINES)
 
 # ddpnb's own source files: a traceback or stack shown to users must not name any of them
 PACKAGE_DIR = os.path.dirname(os.path.abspath(ddpnb.__file__))
+
+# Ray Train's controller looks at its workers every 2 s (its default): a rank's failure, or the end of a fit, waits
+# for the next look. The restart tests' Ray looks every 0.5 s (a Ray instance ddpnb starts takes the kernel's env)
+RAY_TRAIN_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 @dataclass
@@ -211,6 +216,34 @@ def cluster(local_slurm: slurm_cluster.Cluster) -> slurm_cluster.Cluster:
     a step, a node down) is cleared first, so no module's failure becomes another's."""
     local_slurm.tidy()
     return local_slurm
+
+
+@pytest.fixture(scope="session")
+def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ray_cluster.Cluster]:
+    """The two-node `ray start` cluster of tests/ray_cluster.py, with Ray Client's server, started once for the
+    session by the first module that asks (pytest-randomly shuffles them) and stopped at its end. Its nodes keep
+    their run directories apart from every kernel's (DDPNB_RUNS_DIR of their own: what a Ray Client kernel never
+    sees) and take no token (RAY_AUTH_MODE=disabled, as the kernels that join it)."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+        pytest.skip("ray[train] is not installed (pip install -e '.[ray]')")
+    node_runs = tmp_path_factory.mktemp("node-runs")
+    node_runs.chmod(0o700)
+    env = {
+        "DDPNB_RUNS_DIR": str(node_runs),
+        "DDPNB_VIEW": "none",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    with ray_cluster.two_node_cluster(tmp_path_factory.mktemp("ray-logs"), env) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def ray_start_cluster(local_ray: ray_cluster.Cluster) -> ray_cluster.Cluster:
+    """The session's `ray start` cluster as each module finds it at its start: what an earlier module's runs left
+    (a detached run's supervisor, a placement group) is cleared first, so no module's leftovers become another's."""
+    local_ray.tidy()
+    return local_ray
 
 
 def wait_gone(pids: list[int], within: float = 5.0) -> list[int]:

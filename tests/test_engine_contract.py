@@ -31,7 +31,7 @@ import ddpnb
 from ddpnb import engines
 from ddpnb.core.record import Outcome, RankState
 from tests import fake_engine, slurm_cluster
-from tests.conftest import left_in_groups, wait_gone
+from tests.conftest import RAY_TRAIN_POLL, left_in_groups, wait_gone
 from tests.fake_engine import Exit, Gate, Print, Script, raises, returned, started
 
 STARTED_WAIT = 240.0  # seconds for every rank to say it is up (a cap: Ray's first launch on a busy 2-core machine)
@@ -169,7 +169,7 @@ def _ray() -> Iterator[Contract]:
         free = ray.available_resources().get("CPU", 0)
         return [] if free >= 2 else [f"Ray's CPUs still held: {free} of 2 free"]
 
-    with _environ({"RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}):
+    with _environ({"RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0", **RAY_TRAIN_POLL}):
         try:
             yield Contract("ray", nothing_left=cpus_held)
         finally:

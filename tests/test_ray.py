@@ -13,10 +13,7 @@ import ast
 import importlib.util
 import os
 import re
-import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +26,15 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import PACKAGE_DIR, STARTS_CHILDREN, Execution, Kernel, wait_gone
+from tests.conftest import PACKAGE_DIR, RAY_TRAIN_POLL, STARTS_CHILDREN, Execution, Kernel, wait_gone
+from tests.ray_cluster import free_port, running, start_node, stop_nodes
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.train") is not None
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[train] is not installed (pip install -e '.[ray]')")
 RAY_TEST_TIMEOUT = 900  # seconds; a Ray run takes ~30 s on an idle 2-core machine, minutes on a busy one
 CELL_TIMEOUT = 600
 # every kernel here: text view, Ray quiet; RAY_ADDRESS=local keeps a `ray start` elsewhere on the machine out
-KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+KERNEL_ENV = {"DDPNB_VIEW": "text", "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0", **RAY_TRAIN_POLL}
 pytestmark = pytest.mark.ray
 
 TRAIN_CELL = """%%ddp --engine ray -n 2 {flags} -o trained
@@ -152,145 +150,37 @@ def test_address_and_placement_need_the_ray_engine():
         ddpnb.launch(print, nprocs=2, engine="nosuch")
 
 
-# --- a two-node cluster, started with `ray start` on this machine ----------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def two_node_cluster(log_dir: Path, auth: dict[str, str]) -> Iterator[tuple[str, list[int]]]:
-    """A head (`ray start --head`) and a second node joined to it (`ray start --address`), each with 2 CPUs and
-    its own processes, on loopback. Yields the head's address and the nodes' PIDs; stops both nodes and everything
-    they started.
-
-    Both run with --block, so each is a child of this test: stopping them is signalling the processes they
-    started, never `ray stop` (which would stop every Ray on the machine). `auth` is the cluster's token
-    authentication, which every process that joins it (the kernel too) needs.
-    """
-    temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
-    address = f"127.0.0.1:{free_port()}"
-    common = [
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--num-cpus=2",
-        f"--object-store-memory={100 * 2**20}",
-        "--disable-usage-stats",
-        "--include-log-monitor=false",
-    ]
-    head = [f"--port={address.split(':')[1]}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-    nodes: list[subprocess.Popen] = []
-    try:
-        for name, flags in (("head", ["--head", *head]), ("node2", [f"--address={address}"])):
-            start_node(
-                nodes,
-                [*common, *flags],
-                log_dir / name,
-                env={**os.environ, "RAY_ADDRESS": "", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **auth},
-            )
-        yield address, [node.pid for node in nodes]
-    finally:
-        stop_nodes(nodes)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def start_node(
-    nodes: list[subprocess.Popen],
-    flags: list[str],
-    log_stem: Path,
-    env: dict[str, str],
-    attempts: int = 3,
-    within: float = 300,
-) -> None:
-    """`ray start FLAGS`, until it says the node runs. Ray gives a node's processes 30 s to come up, which a
-    busy 2-core machine can overrun (the node then exits): such a start is tried again."""
-    for attempt in range(attempts):
-        log_path = log_stem.with_suffix(f".{attempt}.log")
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "ray.scripts.scripts",
-                    "start",
-                    *flags,
-                    f"--dashboard-agent-listen-port={free_port()}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-        deadline = time.monotonic() + within
-        while proc.poll() is None and time.monotonic() < deadline:
-            if b"Ray runtime started." in log_path.read_bytes():
-                nodes.append(proc)
-                return
-            time.sleep(0.5)
-        stop_nodes([proc])
-    raise RuntimeError(f"`ray start` failed {attempts} times:\n{log_path.read_text(errors='replace')}")
-
-
-def stop_nodes(nodes: list[subprocess.Popen]) -> None:
-    """SIGTERM each node's processes (what `ray stop` sends), SIGKILL what is left after 20 s; check none remain."""
-    started = []
-    for proc in nodes:
-        try:
-            started += psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-    for process in [*started, *(psutil.Process(p.pid) for p in nodes if p.poll() is None)]:
-        try:
-            process.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(started, timeout=20)
-    for process in alive:
-        process.kill()
-    for proc in nodes:
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    assert wait_gone([process.pid for process in started], within=10) == []
-
-
+# --- a two-node cluster, started with `ray start` on this machine (the session's: conftest.py `local_ray`) -----
 @needs_ray
 @pytest.mark.slow
 @pytest.mark.timeout(RAY_TEST_TIMEOUT)
-def test_spread_run_lands_ranks_on_two_nodes_of_a_cluster(tmp_path):
-    token = tmp_path / "ray-token"
-    token.touch(mode=0o600)
-    token.write_text(secrets.token_hex(32))
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    with two_node_cluster(tmp_path, auth) as (address, node_pids):
-        kernel = Kernel(env={**KERNEL_ENV, **auth})
-        try:
-            kernel.execute("%load_ext ddpnb")
-            joined = kernel.execute(  # the second node may still be joining: wait for it, as a user would
-                "import time, ray\n"
-                f"ray.init(address={address!r}, log_to_driver=False)\n"
-                "deadline = time.monotonic() + 300\n"
-                "while len([n for n in ray.nodes() if n['Alive']]) < 2 and time.monotonic() < deadline:\n"
-                "    time.sleep(0.5)\n"
-                "print(*sorted(n['NodeID'] for n in ray.nodes() if n['Alive']))",
-                timeout=CELL_TIMEOUT,
-            )
-            alive = joined.stdout.split()
-            assert len(alive) == 2, joined.stdout + joined.stderr
-            kernel.execute("import os\nimport torch\nimport ddpnb")
-            nodes = check_training_run(kernel, flags=f"--address {address} --placement spread")
-            assert sorted(nodes) == [0, 1]
-            assert nodes[0] != nodes[1], f"both ranks on one node: {nodes}"
-            assert all(any(node_id.startswith(prefix) for node_id in alive) for prefix in nodes.values())
-            pids = [int(p) for p in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
-            assert wait_gone(pids, within=30) == []
-            assert run_actors_left(node_pids) == []
-            kernel.execute("ray.shutdown()")
-        finally:
-            kernel.shutdown()
+def test_spread_run_lands_ranks_on_two_nodes_of_a_cluster(ray_start_cluster):
+    address, node_pids = ray_start_cluster.address, ray_start_cluster.node_pids
+    kernel = Kernel(env={**KERNEL_ENV, **NO_AUTH})
+    try:
+        kernel.execute("%load_ext ddpnb")
+        joined = kernel.execute(  # the second node may still be joining: wait for it, as a user would
+            "import time, ray\n"
+            f"ray.init(address={address!r}, log_to_driver=False)\n"
+            "deadline = time.monotonic() + 300\n"
+            "while len([n for n in ray.nodes() if n['Alive']]) < 2 and time.monotonic() < deadline:\n"
+            "    time.sleep(0.5)\n"
+            "print(*sorted(n['NodeID'] for n in ray.nodes() if n['Alive']))",
+            timeout=CELL_TIMEOUT,
+        )
+        alive = joined.stdout.split()
+        assert len(alive) == 2, joined.stdout + joined.stderr
+        kernel.execute("import os\nimport torch\nimport ddpnb")
+        nodes = check_training_run(kernel, flags=f"--address {address} --placement spread")
+        assert sorted(nodes) == [0, 1]
+        assert nodes[0] != nodes[1], f"both ranks on one node: {nodes}"
+        assert all(any(node_id.startswith(prefix) for node_id in alive) for prefix in nodes.values())
+        pids = [int(p) for p in kernel.execute("print(*[r.pid for r in ddpnb.last_run().ranks])").stdout.split()]
+        assert wait_gone(pids, within=30) == []
+        assert run_actors_left(node_pids) == []
+        kernel.execute("ray.shutdown()")
+    finally:
+        kernel.shutdown()
 
 
 # --- a cluster found without an address: $RAY_ADDRESS, or a `ray start --head` on this machine ---------------------
@@ -300,17 +190,17 @@ def where():
     return ray.get_runtime_context().gcs_address
 """
 RAY_ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # where `ray start` says it runs
-# Ray turns token authentication on by itself where ~/.ray/auth_token exists; this cluster is about discovery
+# Ray turns token authentication on by itself where ~/.ray/auth_token exists; these clusters take none
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
 @contextmanager
-def head_node(log_dir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def head_node(log_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
     """`ray start --head` on loopback, in Ray's default temp directory, so that it writes the address file
-    `ray.init()` (and ddpnb) discover it by. A child of this test (--block): stopped by signalling what it started,
-    not `ray stop`, which would stop every Ray on the machine; the address file goes with it."""
+    `ray.init()` (and ddpnb) discover it by. It runs until stopped (--block): by signalling what it started, not
+    `ray stop`, which would stop every Ray on the machine; the address file goes with it."""
     address = f"127.0.0.1:{free_port()}"
-    nodes: list[subprocess.Popen] = []
+    nodes: list[psutil.Process] = []
     try:
         start_node(
             nodes,
@@ -363,13 +253,13 @@ def test_runs_find_the_cluster_through_ray_address_and_ray_start_and_never_stop_
         run, connected = run_where(through_env)
         assert "[ddpnb] connected to Ray: 1 node(s)" in run.stdout, run.stdout
         assert same_cluster(connected, address) and run.results == [repr(connected)]  # the rank ran there too
-        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+        assert running(head), "the kernel that connected to the cluster stopped it"
 
         through_ray_start = {key: value for key, value in {**KERNEL_ENV, **NO_AUTH}.items() if key != "RAY_ADDRESS"}
         assert same_cluster(RAY_ADDRESS_FILE.read_text().strip(), address)  # all the kernel has to find it by
         run, connected = run_where(through_ray_start)
         assert same_cluster(connected, address) and run.results == [repr(connected)]  # the first kernel left it up
-        assert head.poll() is None, "the kernel that connected to the cluster stopped it"
+        assert running(head), "the kernel that connected to the cluster stopped it"
 
 
 # --- a local Ray instance, started by ddpnb in the kernel and shared by the tests below --------------------------

@@ -1,16 +1,12 @@
 """Detached runs on Ray through Ray Client (`ray://`, issue 42): the kernel does not see the supervisor's run
 directory, so the supervisor actor keeps it on its node and serves it (docs/detached.md, "On Ray"). Real parts: a
-Ray cluster started with `ray start --head --ray-client-server-port`, whose nodes keep their run directories apart
-from the kernels' (another DDPNB_RUNS_DIR), real Jupyter kernels connected with `ray://`, a 2-rank training.
+Ray cluster started with `ray start --head --ray-client-server-port` (the session's: tests/conftest.py `local_ray`),
+whose nodes keep their run directories apart from the kernels' (another DDPNB_RUNS_DIR), real Jupyter kernels
+connected with `ray://`, a 2-rank training.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +16,7 @@ import pytest
 
 from ddpnb.core.journal.replay import Replay
 from tests.conftest import Kernel, private_runs_dir, training_cell, wait_gone
-from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT, free_port, start_node, stop_nodes
+from tests.test_ray import CELL_TIMEOUT, HAVE_RAY, RAY_TEST_TIMEOUT
 from tests.test_ray_detached import (
     KERNEL_ENV,
     LEFT_OF_RUN,
@@ -47,45 +43,10 @@ class ClientCluster:
     node_runs: Path  # the cluster node's: where served runs live
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.fixture(scope="module")
-def client_cluster(tmp_path_factory) -> Iterator[ClientCluster]:
-    node_runs = tmp_path_factory.mktemp("node-runs")
-    node_runs.chmod(0o700)
-    temp_dir = tempfile.mkdtemp(prefix="ddpnb-ray-", dir="/tmp")  # short: Ray's unix sockets live under it
-    client = free_port()
-    flags = [
-        "--head",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        f"--port={free_port()}",
-        f"--ray-client-server-port={client}",
-        "--num-cpus=4",
-        "--num-gpus=0",
-        f"--object-store-memory={100 * 2**20}",
-        "--disable-usage-stats",
-        "--include-log-monitor=false",
-        "--include-dashboard=false",
-        f"--temp-dir={temp_dir}",
-    ]
-    # the node keeps its run directories apart from the kernels': what a served run's kernel never reads
-    env = {**os.environ, **KERNEL_ENV, "RAY_ADDRESS": "", "DDPNB_RUNS_DIR": str(node_runs)}
-    nodes: list[subprocess.Popen] = []
-    try:
-        start_node(nodes, flags, tmp_path_factory.mktemp("ray-logs") / "head", env=env)
-        deadline = time.monotonic() + CELL_TIMEOUT
-        while not _listening(client):  # Ray Client's server comes up after the node says it runs
-            assert time.monotonic() < deadline, "the head never listened for Ray Client"
-            time.sleep(0.2)
-        with private_runs_dir(tmp_path_factory) as runs:
-            yield ClientCluster(f"ray://127.0.0.1:{client}", runs, node_runs)
-    finally:
-        stop_nodes(nodes)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+def client_cluster(ray_start_cluster, tmp_path_factory) -> Iterator[ClientCluster]:
+    with private_runs_dir(tmp_path_factory) as runs:
+        yield ClientCluster(ray_start_cluster.client_address, runs, ray_start_cluster.node_runs)
 
 
 def _kernel(address: str, connect: bool) -> Kernel:

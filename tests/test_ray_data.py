@@ -74,7 +74,9 @@ def _plasma(kernel) -> tuple[float, int]:
     line = last_lines(
         kernel,
         "from ray._private.internal_api import memory_summary\n"
-        "print([l for l in memory_summary(stats_only=True).splitlines() if 'Plasma memory' in l])",
+        # by address: without one Ray looks for every instance on the machine (the session's `ray start` too)
+        "summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)\n"
+        "print([l for l in summary.splitlines() if 'Plasma memory' in l])",
     )[0]
     found = re.search(r"usage (\d+) MiB, (\d+) objects", line)
     assert found, line
