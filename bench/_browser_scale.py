@@ -9,8 +9,8 @@ announcements, too close together to tell apart here). The kernel (a real ipyker
 the page listens to the kernel's iopub messages for SECONDS. Each widget update (a `comm_msg`) carries the time the
 kernel made it (its header's `date`); the page notes when it came, and, with a MutationObserver on the cell's
 output, when the DOM next changed and the frame after that change was painted (requestAnimationFrame, then a
-message: the task after the paint). The kernel's redraw sends its widgets' updates within its render (~0.1 s at
-1,024 ranks) and redraws once a second, so the updates group into redraws by the gaps between them. Measured per
+message: the task after the paint). The kernel's redraw builds every part, then sends its widgets' updates
+together, once a second, so the updates group into redraws by the gaps between them. Measured per
 redraw: from its first update's send to the paint after its last update's DOM change ("update", the goal's figure),
 the kernel's part (first to last send), and its bytes; over the window, Chromium's own script, layout and style
 time (CDP `Performance.getMetrics`) per redraw.
