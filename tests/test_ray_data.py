@@ -88,6 +88,7 @@ def test_twenty_pushes_of_fresh_data_keep_the_refs_held_and_the_object_store_bou
     latest KEEP_LAUNCHES only, and Ray's object store frees the rest; once the notebook lets the tensors go, so
     does the kernel. (Pushes into a running session rather than 20 launches: the same store, the same `commit`,
     without 20 Ray Train start-ups.)"""
+    before = _plasma(ray_session)  # what the module's earlier tests left there (their notebook values, held)
     held = last_lines(
         ray_session,
         """
@@ -101,15 +102,15 @@ print(s.pull("fresh")[0][0].item(), len(ray_data.store.entries), ray_data.store.
     )[0]
     assert held.split() == ["19.0", str(KEEP_LAUNCHES), str(KEEP_LAUNCHES * 16 * MB)]
     deadline = time.monotonic() + 60  # Ray frees an object once no reference to it is left, asynchronously
-    bounded = (KEEP_LAUNCHES + 1, (KEEP_LAUNCHES + 1) * 16 + 1)
+    # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
+    bounded = (before[1] + KEEP_LAUNCHES + 1, before[0] + (KEEP_LAUNCHES + 1) * 16 + 1)
     while (
         (used := _plasma(ray_session))
         and (used[1] > bounded[0] or used[0] > bounded[1])
         and time.monotonic() < deadline
     ):
         time.sleep(1)
-    # those the kernel keeps, and at most the latest command's, which its ranks hold until the next one
-    assert used[1] <= KEEP_LAUNCHES + 1 and used[0] <= (KEEP_LAUNCHES + 1) * 16 + 1, used
+    assert used[1] <= bounded[0] and used[0] <= bounded[1], (used, before)
     released = last_lines(ray_session, "del kept\ngc.collect()\nprint(len(ray_data.store.entries))")[0]
     assert released == "0"
 
