@@ -1181,6 +1181,8 @@ def bench_checkpoint(settings: Settings, env: dict[str, str], goals: list[Goal])
 def _slurm_cluster() -> Any:
     """tests/slurm_cluster.py of this checkout (the module the slurm tests start their Slurm with)."""
     path = BENCH.parent / "tests" / "slurm_cluster.py"
+    if str(BENCH.parent) not in sys.path:  # it imports `tests.apart`
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("ddpnb_bench_slurm_cluster", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.apart import start_apart
+
 CPUS_PER_NODE = 2
 
 # run in a process of its own, so that the test process never joins the cluster: ddpnb's detached supervisors
@@ -146,24 +148,14 @@ def start_node(
     """`ray start FLAGS`, until it says the node runs. Ray gives a node's processes 30 s to come up, which a
     busy 2-core machine can overrun (the node then exits): such a start is tried again.
 
-    Started by a shell that exits at once, so the node is no child of this process: a cluster kept for the whole
-    test session is not among the processes a test counts as its own (test_faults' stray processes)."""
+    Started apart from the test session (`tests.apart`)."""
     for attempt in range(attempts):
         log_path = log_stem.with_suffix(f".{attempt}.log")
         command = [
             *(sys.executable, "-m", "ray.scripts.scripts", "start", *flags),
             f"--dashboard-agent-listen-port={free_port()}",
         ]
-        started = subprocess.run(
-            ["sh", "-c", '"$@" </dev/null >"$0" 2>&1 & echo $!', str(log_path), *command],
-            capture_output=True,
-            text=True,
-            env=env,
-            start_new_session=True,
-            timeout=30,
-            check=True,
-        )
-        node = psutil.Process(int(started.stdout))
+        node = psutil.Process(start_apart(command, log_path, env, timeout=30))
         deadline = time.monotonic() + within
         while running(node) and time.monotonic() < deadline:
             if b"Ray runtime started." in log_path.read_bytes():

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.apart import start_apart
+
 PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CPUS_PER_NODE = 2
@@ -213,18 +215,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     env = {**os.environ, **cluster.env}
 
     def daemon(name: str, *command: str) -> None:
-        # started by a shell that exits at once, so the daemon is no child of this process: a cluster kept for the
-        # whole test session is not among the processes a test counts as its own (test_faults' stray processes)
-        started = subprocess.run(
-            ["sh", "-c", '"$@" </dev/null >"$0" 2>&1 & echo $!', str(directory / f"{name}.out"), *command],
-            capture_output=True,
-            text=True,
-            env=env,
-            start_new_session=True,
-            timeout=10,
-            check=True,
-        )
-        cluster.pids[name] = int(started.stdout)
+        cluster.pids[name] = start_apart(command, directory / f"{name}.out", env, timeout=10)
 
     try:
         daemon(
