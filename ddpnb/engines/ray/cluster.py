@@ -13,6 +13,9 @@ from ddpnb.core.spec import LaunchError, local_gpu_count, no_gpus_message
 
 LOCAL = "local"  # `_connection` when this kernel runs the local Ray instance ddpnb started
 LOCAL_START_ATTEMPTS = 2  # Ray gives a raylet 30 s to start, which a busy machine can overrun
+CLIENT_TRIES = (
+    3  # Ray Client: its proxier forks each client's own server under gRPC threads, which now and then dies at once
+)
 
 _connection: str | None = None  # how ddpnb connected this kernel to Ray: LOCAL, an address, or None (not ddpnb)
 _local_resources: dict[str, int] = {}
@@ -75,7 +78,14 @@ def connect(address: str | None, cpus: int, gpus: int) -> str:
         _start_local(cpus, gpus)
         return _describe("started a local Ray instance for this kernel")
     try:
-        ray.init(address=found, log_to_driver=False, logging_level=logging.WARNING)
+        for attempt in range(CLIENT_TRIES):
+            try:
+                ray.init(address=found, log_to_driver=False, logging_level=logging.WARNING)
+                break
+            except ConnectionAbortedError as exc:  # Ray Client's own server for this client died as it started
+                if "Initialization failure from server" not in str(exc) or attempt == CLIENT_TRIES - 1:
+                    raise
+                ray.shutdown()
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError, ...
         where = "" if address else " (from $RAY_ADDRESS or a `ray start` on this machine; pass --address to choose)"
         raise LaunchError(f"cannot connect to the Ray cluster at {found}{where}: {type(exc).__name__}: {exc}") from None
