@@ -13,9 +13,7 @@ from ddpnb.core.spec import LaunchError, local_gpu_count, no_gpus_message
 
 LOCAL = "local"  # `_connection` when this kernel runs the local Ray instance ddpnb started
 LOCAL_START_ATTEMPTS = 2  # Ray gives a raylet 30 s to start, which a busy machine can overrun
-CLIENT_TRIES = (
-    3  # Ray Client: its proxier forks each client's own server under gRPC threads, which now and then dies at once
-)
+CLIENT_TRIES = 3  # Ray Client's per-client server, forked under gRPC threads, now and then dies at once
 
 _connection: str | None = None  # how ddpnb connected this kernel to Ray: LOCAL, an address, or None (not ddpnb)
 _local_resources: dict[str, int] = {}
